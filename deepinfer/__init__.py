@@ -1,0 +1,1 @@
+"""deepinfer: LLM serving as asyncio microservices over NATS."""

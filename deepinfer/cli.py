@@ -1,0 +1,44 @@
+"""The ``deepinfer`` command: ``serve`` (the whole stack) or one service for compose and scaling.
+
+Only the light config modules are imported to build the parser; a service's main module (torch,
+uvicorn, ...) is imported once its command is chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from deepinfer import serve
+from deepinfer.settings import add_config_args
+from services.gateway.config import Config as GatewayConfig
+from services.scheduler.config import Config as SchedulerConfig
+from services.worker.config import Config as WorkerConfig
+
+SERVICES: dict[str, tuple[str, type]] = {
+    "gateway": ("the OpenAI-compatible HTTP front", GatewayConfig),
+    "scheduler": ("admission, batching and routing", SchedulerConfig),
+    "worker": ("the model on one device", WorkerConfig),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="LLM serving over NATS")
+    commands = parser.add_subparsers(dest="command", required=True)
+    help_text = "the whole stack on this machine, each service its own process"
+    serve.add_args(commands.add_parser("serve", help=help_text, description=help_text))
+    for name, (help_text, config_cls) in SERVICES.items():
+        add_config_args(commands.add_parser(name, help=help_text, description=help_text), config_cls)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    run = serve.main if args.command == "serve" else importlib.import_module(f"services.{args.command}.main").main
+    try:
+        run(args)
+    except ValueError as exc:  # a bad configuration value: say which, no traceback
+        print(f"deepinfer {args.command}: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,1 @@
+"""Wire contract between deepinfer processes: message schemas, subject names, typed errors."""

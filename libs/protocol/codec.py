@@ -1,0 +1,113 @@
+"""MessagePack encoding of the frozen message dataclasses.
+
+A message travels as a msgpack array of its field values in declaration order (nested messages
+likewise), so field names never ride on the wire. Each subject carries one message type, so the
+receiver names the type: ``decode(StepOutputs, data)``. Converters are derived once per class from
+its type hints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import sys
+import types
+import typing
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgpack
+
+T = TypeVar("T")
+Converter = Callable[[Any], Any]
+
+
+class DecodeError(ValueError):
+    """A payload that does not match the message type it was received as."""
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as uint32 little-endian bytes (4 bytes per token, never a list of ints)."""
+    packed = array("I", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    packed = array("I")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def encode(msg: object) -> bytes:
+    return msgpack.packb(_to_wire(msg), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode(cls: type[T], data: bytes) -> T:
+    try:
+        obj = msgpack.unpackb(data, raw=False)
+        return _converter(cls)(obj)  # type: ignore[no-any-return]
+    except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+        raise DecodeError(f"cannot decode {cls.__name__}: {exc}") from exc
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [_to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list | tuple):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+@functools.cache
+def _converter(tp: Any) -> Converter:
+    """Build the function that turns a decoded msgpack object back into ``tp``."""
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _dataclass_converter(tp)
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"unsupported union {tp}")
+        conv = _converter(inner[0])
+        return lambda v: None if v is None else conv(v)
+    if origin is tuple:
+        item = _converter(args[0])
+        return lambda v: tuple(item(x) for x in v)
+    if origin is list:
+        item = _converter(args[0])
+        return lambda v: [item(x) for x in v]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp
+    if tp is float:
+        return float
+    if tp in (int, str, bytes, bool):
+        return lambda v: _expect(tp, v)
+    raise TypeError(f"unsupported field type {tp}")
+
+
+def _expect(tp: type, value: Any) -> Any:
+    if not isinstance(value, tp):
+        raise TypeError(f"expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _dataclass_converter(cls: type) -> Converter:
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    convs = [_converter(hints[f.name]) for f in fields]
+
+    def convert(values: Any) -> Any:
+        if not isinstance(values, list) or len(values) != len(convs):
+            raise TypeError(f"expected {len(convs)} fields")
+        return cls(*(conv(v) for conv, v in zip(convs, values, strict=True)))
+
+    return convert

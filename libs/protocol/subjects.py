@@ -1,0 +1,59 @@
+"""Subject, stream and bucket names: the one place they are spelled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """All names for one deployment; ``prefix`` lets several deployments share one NATS."""
+
+    prefix: str = "deepinfer"
+
+    @property
+    def submit(self) -> str:
+        return f"{self.prefix}.submit"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.prefix}.cancel"
+
+    def out(self, gateway_id: str) -> str:
+        return f"{self.prefix}.out.{gateway_id}"
+
+    @property
+    def out_all(self) -> str:
+        return f"{self.prefix}.out.>"
+
+    def worker_step(self, worker_id: str) -> str:
+        return f"{self.prefix}.worker.{worker_id}.step"
+
+    def load(self, worker_id: str) -> str:
+        return f"{self.prefix}.load.{worker_id}"
+
+    @property
+    def load_all(self) -> str:
+        return f"{self.prefix}.load.*"
+
+    @property
+    def kv_events(self) -> str:
+        return f"{self.prefix}.kv.events"
+
+    @property
+    def kv_lookup(self) -> str:
+        return f"{self.prefix}.kv.lookup"
+
+    @property
+    def out_stream(self) -> str:
+        """JetStream stream holding every gateway's step outputs (stream names allow no dots)."""
+        return f"{self.prefix.replace('.', '_').upper()}_OUT"
+
+    @property
+    def members_bucket(self) -> str:
+        """JetStream KV bucket for membership and liveness."""
+        return f"{self.prefix.replace('.', '-')}-members"
+
+
+# Queue group of the schedulers: each submit goes to exactly one of them.
+QUEUE_SCHEDULERS = "schedulers"

@@ -1,0 +1,1 @@
+"""Gateway service: the OpenAI-compatible HTTP front, SSE out, cancellation in."""

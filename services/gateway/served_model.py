@@ -1,0 +1,70 @@
+"""The model as the gateway sees it: names, tokenizer, chat template, context window."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from libs.models.gguf_loader import read_gguf_config
+from libs.models.registry import resolve_model_path
+from libs.recipe.chat_template import ChatTemplate
+from libs.recipe.tokenizer import Tokenizer
+from services.gateway.openai_api import ApiError
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str
+    aliases: frozenset[str]  # other ids clients may send (e.g. the --model spec)
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    max_model_len: int
+    eos_token_id: int
+
+    @classmethod
+    def load(cls, spec: str, cache_dir: str, served_name: str, max_model_len: int) -> ServedModel:
+        path = resolve_model_path(spec)
+        tokenizer = Tokenizer.from_gguf(path, Path(cache_dir))
+        if not max_model_len:
+            max_model_len = read_gguf_config(path).max_position_embeddings
+        if tokenizer.chat_template is None or tokenizer.eos_token_id is None:
+            raise ValueError(f"model {spec!r}: the GGUF has no chat template or no EOS token")
+        template = ChatTemplate(
+            tokenizer.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token
+        )
+        name = served_name or path.name.split(".")[0]
+        aliases = frozenset({spec, path.name})
+        return cls(name, aliases, tokenizer, template, max_model_len, tokenizer.eos_token_id)
+
+    def card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": int(time.time()), "owned_by": "deepinfer",
+                "max_model_len": self.max_model_len}
+
+    def check_model(self, model: str) -> None:
+        if model != self.name and model not in self.aliases:
+            raise ApiError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+
+    def render(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from exc
+        return self.tokenizer.encode(text)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The request's max_tokens, defaulting to what the context window leaves; 400 if it does not fit."""
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens < 1 or num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens

@@ -1,0 +1,1 @@
+"""Scheduler service: request lifecycle, admission, routing to workers, step plans."""

@@ -1,0 +1,25 @@
+"""Scheduler configuration: one frozen Config, built once in main()."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+    subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
+    scheduler_id: str = field(
+        default_factory=lambda: "sched-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
+    )
+    max_num_waiting: int = field(default=256, metadata={"help": "queued requests per worker before 429"})
+    step_timeout_s: float = field(default=120.0, metadata={"help": "longest a worker step may take"})
+    worker_timeout_s: float = field(default=5.0, metadata={"help": "silence after which a worker is dead"})
+    out_max_age_s: float = field(default=600.0, metadata={"help": "how long step outputs stay replayable"})
+    log_level: str = field(default="info", metadata={"help": "logging level"})
+
+    def __post_init__(self) -> None:
+        for key in ("max_num_waiting", "step_timeout_s", "worker_timeout_s", "out_max_age_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")

@@ -1,0 +1,28 @@
+"""Scheduler process: ``deepinfer scheduler --nats-url URL``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from deepinfer.runtime import run_service, setup_logging
+from deepinfer.settings import build_config
+from libs.bus.nats_bus import NatsBus
+from services.scheduler.config import Config
+from services.scheduler.service import SchedulerService
+
+
+
+async def serve(config: Config, stop: asyncio.Event) -> None:
+    bus = await NatsBus.connect(config.nats_url, name=config.scheduler_id)
+    try:
+        await SchedulerService(config, bus).run(stop)
+    finally:
+        await bus.close()
+
+
+def main(args: argparse.Namespace) -> None:
+    config = build_config(Config, args, os.environ)
+    setup_logging(config.log_level, "scheduler")
+    run_service(lambda stop: serve(config, stop))

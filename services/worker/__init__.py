@@ -1,0 +1,1 @@
+"""Worker service: the model on one device, its KV pages, forward steps and sampling."""

@@ -1,0 +1,35 @@
+"""Worker configuration: one frozen Config, built once in main()."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+    subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
+    worker_id: str = field(default_factory=lambda: "worker-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"})
+    model: str = field(default="smollm2", metadata={"help": "'smollm2' (embedded) or a llama-family .gguf path"})
+    cache_dir: str = field(default="", metadata={"help": "converted-weights cache (default: user cache dir)"})
+    device: str = field(default="cpu", metadata={"help": "cpu (cuda/npu: later)"})
+    dtype: str = field(default="auto", metadata={"help": "auto | bfloat16 | float32"})
+    max_num_seqs: int = field(default=32, metadata={"help": "sequences decoded together"})
+    max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for KV pages, GiB"})
+    num_threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
+    load_interval_s: float = field(default=0.5, metadata={"help": "period of load reports while idle"})
+    log_level: str = field(default="info", metadata={"help": "logging level"})
+
+    def __post_init__(self) -> None:
+        if self.device != "cpu":
+            raise ValueError(f"device={self.device!r}: only 'cpu' is supported so far")
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"dtype={self.dtype!r}: expected auto, bfloat16 or float32")
+        for key in ("max_num_seqs", "block_size", "kv_cache_gb", "load_interval_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.max_model_len < 0 or self.num_threads < 0:
+            raise ValueError("max_model_len and num_threads must be >= 0")

@@ -1,0 +1,64 @@
+"""Worker process: ``deepinfer worker --nats-url URL [--model M] [--dtype D]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from deepinfer.runtime import run_service, setup_logging
+from deepinfer.settings import build_config, resolve_cache_dir
+from libs.bus.nats_bus import NatsBus
+from libs.models.gguf_loader import load_llama
+from libs.models.registry import resolve_model_path
+from services.worker.attention import KVPool
+from services.worker.config import Config
+from services.worker.model_runner import KVLayout, ModelRunner
+from services.worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """auto: bf16 where the CPU has native bf16 math (AVX-512 BF16 / AMX), else fp32."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]:
+    """Load the model and size the KV pool; returns (runner, max_model_len, model name)."""
+    path = resolve_model_path(config.model)
+    dtype = resolve_dtype(config.dtype)
+    model = load_llama(path, Path(cache_dir), dtype=dtype)
+    mc = model.config
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+    slot_bytes = KVPool.bytes_per_slot(layout.num_layers, layout.num_kv_heads, layout.head_dim, dtype)
+    num_blocks = int(config.kv_cache_gb * 2**30) // (slot_bytes * config.block_size)
+    log.info("model %s dtype=%s, %d KV blocks of %d tokens", path.name, dtype, num_blocks, config.block_size)
+    runner = ModelRunner(model, layout, num_blocks, config.block_size, dtype)
+    return runner, max_model_len, path.name.split(".")[0]
+
+
+async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
+    runner, max_model_len, model_name = await asyncio.to_thread(build_runner, config, cache_dir)
+    bus = await NatsBus.connect(config.nats_url, name=config.worker_id)
+    try:
+        await WorkerService(config, bus, runner, max_model_len, model_name).run(stop)
+    finally:
+        await bus.close()
+
+
+def main(args: argparse.Namespace) -> None:
+    config = build_config(Config, args, os.environ)
+    cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
+    setup_logging(config.log_level, "worker")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    run_service(lambda stop: serve(config, cache_dir, stop))

@@ -1,0 +1,23 @@
+"""Session fixtures for the embedded default model (SmolLM2 GGUF) and its conversion cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libs.models.registry import resolve_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    try:
+        return resolve_model_path("smollm2")
+    except ValueError as exc:
+        pytest.skip(f"embedded model not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache dir per test session, so the GGUF is converted (seconds) at most once."""
+    return tmp_path_factory.mktemp("model-cache")

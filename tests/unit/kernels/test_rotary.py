@@ -1,0 +1,80 @@
+"""Interleaved rotary vs complex-number rotation of adjacent pairs, and the cos/sin table."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from libs.kernels.rotary import apply_rotary_interleaved, rope_cos_sin_cache
+
+
+def complex_rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Pair (x[2i], x[2i+1]) is the complex number x[2i] + j*x[2i+1], multiplied by e^(j*pos*f_i)."""
+    head_dim = x.shape[-1]
+    freqs = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions.double()[:, None] * freqs[None, :]  # [num_tokens, head_dim / 2]
+    rotation = torch.polar(torch.ones_like(angles), angles)[:, None, :]  # [num_tokens, 1, head_dim / 2]
+    pairs = torch.view_as_complex(x.double().reshape(*x.shape[:-1], head_dim // 2, 2).contiguous())
+    return torch.view_as_real(pairs * rotation).flatten(-2)
+
+
+def test_cache_layout_is_cos_then_sin() -> None:
+    cache = rope_cos_sin_cache(head_dim=8, max_positions=5, base=10000.0, dtype=torch.float32)
+    assert cache.shape == (5, 8)
+    p, i = 3, 1
+    angle = p * 10000.0 ** (-2 * i / 8)
+    assert cache[p, i].item() == pytest.approx(math.cos(angle), abs=1e-6)
+    assert cache[p, 4 + i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+    assert torch.equal(cache[0, :4], torch.ones(4)) and torch.equal(cache[0, 4:], torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "head_dim", "base"), [(1, 2, 10000.0), (3, 64, 100000.0), (9, 16, 500.0)]
+)
+def test_matches_complex_rotation(num_heads: int, head_dim: int, base: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, num_heads, head_dim, generator=g)
+    positions = torch.tensor([0, 1, 2, 7, 100, 4095, 3, 3, 8191, 42, 5])
+    cache = rope_cos_sin_cache(head_dim, 8192, base, torch.float32)
+    out = apply_rotary_interleaved(x, positions, cache)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), complex_rotary(x, positions, base), atol=1e-5, rtol=1e-5)
+
+
+def test_position_zero_is_identity_and_norm_is_preserved() -> None:
+    x = torch.randn(4, 2, 8)
+    cache = rope_cos_sin_cache(8, 16, 10000.0, torch.float32)
+    assert torch.equal(apply_rotary_interleaved(x, torch.zeros(4, dtype=torch.long), cache), x)
+    rotated = apply_rotary_interleaved(x, torch.tensor([1, 5, 9, 15]), cache)
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_relative_position_property() -> None:
+    # <rope(q, m), rope(k, n)> depends only on m - n: the reason rope exists.
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 1, 32, generator=g), torch.randn(1, 1, 32, generator=g)
+    cache = rope_cos_sin_cache(32, 64, 10000.0, torch.float32)
+
+    def score(m: int, n: int) -> float:
+        rq = apply_rotary_interleaved(q, torch.tensor([m]), cache)
+        rk = apply_rotary_interleaved(k, torch.tensor([n]), cache)
+        return float((rq * rk).sum())
+
+    assert score(10, 3) == pytest.approx(score(40, 33), abs=1e-4)
+
+
+def test_bf16_input_keeps_dtype() -> None:
+    x = torch.randn(3, 2, 16).bfloat16()
+    cache = rope_cos_sin_cache(16, 8, 10000.0, torch.float32)
+    out = apply_rotary_interleaved(x, torch.tensor([1, 2, 3]), cache)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        out.double(), complex_rotary(x.float(), torch.tensor([1, 2, 3]), 10000.0), atol=3e-2, rtol=1e-2
+    )
+
+
+def test_odd_head_dim_rejected() -> None:
+    with pytest.raises(ValueError, match="even"):
+        rope_cos_sin_cache(7, 4, 10000.0, torch.float32)
