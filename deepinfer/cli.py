@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    run = serve.main if args.command == "serve" else importlib.import_module(f"services.{args.command}.main").main
+    run = (
+        serve.main
+        if args.command == "serve"
+        else importlib.import_module(f"services.{args.command}.main").main
+    )
     try:
         run(args)
     except ValueError as exc:  # a bad configuration value: say which, no traceback

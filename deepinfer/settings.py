@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from libs.bus.base import Bus
@@ -27,10 +28,8 @@ async def announce(bus: Bus, bucket: str, info: MemberInfo, stop: asyncio.Event)
             await bus.kv_put(bucket, member_key(info), encode(info))
         except Exception as exc:  # a NATS outage must not kill the process; the TTL covers it
             log.warning("membership refresh failed: %s", exc)
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), REFRESH_S)
-        except TimeoutError:
-            pass
     try:
         await bus.kv_delete(bucket, member_key(info))
     except Exception as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -27,10 +28,9 @@ class _NatsSubscription:
         self._sub = sub
 
     async def unsubscribe(self) -> None:
-        try:
+        # already gone with the connection
+        with contextlib.suppress(nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
             await self._sub.unsubscribe()
-        except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
-            pass  # already gone with the connection
 
 
 class NatsBus:

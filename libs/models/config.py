@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LlamaConfig:
@@ -95,10 +97,15 @@ class LlamaConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(metadata.get("llama.attention.head_count_kv", heads)),
             head_dim=int(head_dim) if head_dim is not None else hidden // heads,
-            rope_theta=float(metadata.get("llama.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(need("llama.attention.layer_norm_rms_epsilon")),
+            rope_theta=_float32(metadata.get("llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=_float32(need("llama.attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(need("llama.context_length")),
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_id=int(eos) if eos is not None else None,
         )
+
+
+def _float32(value: Any) -> float:
+    """A GGUF float32 as the shortest decimal that rounds to it (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))

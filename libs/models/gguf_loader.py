@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import gguf
 import numpy as np
@@ -23,20 +23,16 @@ import torch
 from torch import Tensor
 
 from libs.models.config import LlamaConfig
+from libs.models.gguf_metadata import read_gguf_config
 from libs.models.llama import LlamaForCausalLM
 from libs.models.registry import model_fingerprint
+
+__all__ = ["cached_weights_path", "convert_gguf", "load_llama", "load_state_dict_cached", "read_gguf_config"]
 
 logger = logging.getLogger(__name__)
 
 # Bump when the stored layout (names, fusion, dtype) changes: old cache files are then ignored.
 _CACHE_FORMAT: Final = "deepinfer-llama-fp32-v1"
-# Arrays of these lengths are only counted: the tokenizer arrays are large and not needed here.
-_COUNTED_ARRAYS: Final = (
-    "tokenizer.ggml.tokens",
-    "tokenizer.ggml.merges",
-    "tokenizer.ggml.token_type",
-    "tokenizer.ggml.scores",
-)
 _PER_LAYER: Final = {
     "attn_norm": "input_layernorm",
     "attn_output": "self_attn.o_proj",
@@ -44,13 +40,6 @@ _PER_LAYER: Final = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL: Final = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-
-
-def read_gguf_config(path: Path) -> LlamaConfig:
-    """The LlamaConfig a GGUF file describes (opens the file; a few seconds for a big vocabulary)."""
-    reader = gguf.GGUFReader(path)
-    names = {tensor.name for tensor in reader.tensors}
-    return LlamaConfig.from_gguf_metadata(_metadata(reader), tie_word_embeddings="output.weight" not in names)
 
 
 def load_llama(
@@ -86,11 +75,8 @@ def load_state_dict_cached(path: Path, cache_dir: Path) -> tuple[LlamaConfig, di
 def convert_gguf(path: Path) -> tuple[LlamaConfig, dict[str, Tensor]]:
     """Dequantize every tensor of a llama GGUF to fp32 and map it onto LlamaForCausalLM's names."""
     started = time.monotonic()
+    config = read_gguf_config(path)
     reader = gguf.GGUFReader(path)
-    names = {tensor.name for tensor in reader.tensors}
-    config = LlamaConfig.from_gguf_metadata(
-        _metadata(reader), tie_word_embeddings="output.weight" not in names
-    )
     total = len(reader.tensors)
     logger.info("converting %s: %d tensors (one-time; cached afterwards)", Path(path).name, total)
     raw: dict[str, Tensor] = {}
@@ -103,14 +89,6 @@ def convert_gguf(path: Path) -> tuple[LlamaConfig, dict[str, Tensor]]:
     state_dict = _rename(raw, config)
     logger.info("converted %s in %.1f s", Path(path).name, time.monotonic() - started)
     return config, state_dict
-
-
-def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """Key/value metadata as Python values; large tokenizer arrays are replaced by their length."""
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        metadata[key] = len(field.data) if key in _COUNTED_ARRAYS else field.contents()
-    return metadata
 
 
 def _rename(raw: dict[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:

@@ -51,7 +51,7 @@ def encode(msg: object) -> bytes:
 def decode(cls: type[T], data: bytes) -> T:
     try:
         obj = msgpack.unpackb(data, raw=False)
-        return _converter(cls)(obj)  # type: ignore[no-any-return]
+        return _converter(cls)(obj)  # type: ignore[arg-type,no-any-return]
     except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
         raise DecodeError(f"cannot decode {cls.__name__}: {exc}") from exc
 

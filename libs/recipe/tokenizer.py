@@ -16,10 +16,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
-import gguf
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from libs.models.gguf_metadata import read_gguf_header
 from libs.models.registry import model_fingerprint
 
 # Bump when the cached layout or the build rules change: old cache files are then rebuilt.
@@ -164,8 +164,9 @@ class IncrementalDetokenizer:
 
 
 def _read_fields(path: Path) -> dict[str, Any]:
-    reader = gguf.GGUFReader(path)
-    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+    metadata = read_gguf_header(path, full_arrays=arrays).metadata
+    return {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
 
 
 def _build_record(path: Path) -> dict[str, Any]:

@@ -56,7 +56,9 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
         writer = ChunkWriter(admitted.stream.request_id, served.name)
         if admitted.chat.stream:
             return StreamingResponse(
-                stream_chunks(admitted, writer), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                stream_chunks(admitted, writer),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
             )
         return await complete(request, admitted, writer)
 
@@ -88,7 +90,9 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
                 if piece:
                     yield sse(writer.chunk({"content": piece}))
             if text.error:
-                yield sse({"error": {"message": text.error, "type": "server_error", "param": None, "code": None}})
+                yield sse(
+                    {"error": {"message": text.error, "type": "server_error", "param": None, "code": None}}
+                )
             else:
                 yield sse(writer.chunk({}, text.finish_reason))
                 if admitted.chat.include_usage:
@@ -112,7 +116,9 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
         if text.error:
             return error_response(ApiError(500, text.error, type_="server_error"))
         return JSONResponse(
-            writer.completion(content, text.finish_reason, usage(admitted.num_prompt_tokens, text.num_output_tokens))
+            writer.completion(
+                content, text.finish_reason, usage(admitted.num_prompt_tokens, text.num_output_tokens)
+            )
         )
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -150,4 +156,3 @@ async def until_disconnect(request: Request, work: Any) -> Any:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
-

@@ -10,14 +10,20 @@ from dataclasses import dataclass, field
 class Config:
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
     subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
-    gateway_id: str = field(default_factory=lambda: "gw-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"})
+    gateway_id: str = field(
+        default_factory=lambda: "gw-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP listen address"})
     port: int = field(default=8000, metadata={"help": "HTTP listen port"})
-    model: str = field(default="smollm2", metadata={"help": "'smollm2' (embedded) or a llama-family .gguf path"})
+    model: str = field(
+        default="smollm2", metadata={"help": "'smollm2' (embedded) or a llama-family .gguf path"}
+    )
     served_model_name: str = field(default="", metadata={"help": "model id clients use (default: file name)"})
     cache_dir: str = field(default="", metadata={"help": "tokenizer cache (default: user cache dir)"})
     max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})
-    submit_timeout_s: float = field(default=5.0, metadata={"help": "how long a submit may wait for a scheduler"})
+    submit_timeout_s: float = field(
+        default=5.0, metadata={"help": "how long a submit may wait for a scheduler"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:

@@ -33,7 +33,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-
 async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
     served = await asyncio.to_thread(
         ServedModel.load, config.model, cache_dir, config.served_model_name, config.max_model_len

@@ -18,7 +18,11 @@ UNSUPPORTED = ("tools", "functions", "response_format", "logit_bias", "audio", "
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
         type_: str = "invalid_request_error",
     ) -> None:
         super().__init__(message)
@@ -73,7 +77,11 @@ def _message_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise ApiError(400, f"{where}: only text content parts are supported", param=where)
             parts.append(part["text"])
         return "".join(parts)
@@ -94,7 +102,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
         role = msg.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {sorted(ROLES)}", param=f"messages[{i}].role")
+            raise ApiError(
+                400, f"messages[{i}].role must be one of {sorted(ROLES)}", param=f"messages[{i}].role"
+            )
         out.append({"role": role, "content": _message_text(msg.get("content"), f"messages[{i}].content")})
     return out
 
@@ -128,7 +138,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise ApiError(400, "'stream' must be a boolean", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options' must be an object with a boolean include_usage", param="stream_options")
+        raise ApiError(
+            400, "'stream_options' must be an object with a boolean include_usage", param="stream_options"
+        )
     max_tokens = _optional_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", 1)

@@ -39,8 +39,13 @@ class ServedModel:
         return cls(name, aliases, tokenizer, template, max_model_len, tokenizer.eos_token_id)
 
     def card(self) -> dict[str, Any]:
-        return {"id": self.name, "object": "model", "created": int(time.time()), "owned_by": "deepinfer",
-                "max_model_len": self.max_model_len}
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "deepinfer",
+            "max_model_len": self.max_model_len,
+        }
 
     def check_model(self, model: str) -> None:
         if model != self.name and model not in self.aliases:

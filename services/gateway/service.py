@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
+from libs.bus.base import Bus, Message, NoResponders
 from libs.bus.membership import live_members
 from libs.protocol.codec import DecodeError, decode, encode, pack_tokens, unpack_tokens
 from libs.protocol.messages import (
@@ -168,7 +168,9 @@ class GatewayService:
             error = f"lost tokens: have {pending.num_received}, scheduler sent {out.num_output_tokens}"
             finish = FinishReason.ERROR
         pending.queue.put_nowait(
-            Delta(token_ids, out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, finish, error)
+            Delta(
+                token_ids, out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, finish, error
+            )
         )
 
     def _fail_scheduler(self, scheduler_id: str, why: str) -> None:

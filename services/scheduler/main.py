@@ -13,7 +13,6 @@ from services.scheduler.config import Config
 from services.scheduler.service import SchedulerService
 
 
-
 async def serve(config: Config, stop: asyncio.Event) -> None:
     bus = await NatsBus.connect(config.nats_url, name=config.scheduler_id)
     try:

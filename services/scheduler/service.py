@@ -92,9 +92,7 @@ class SchedulerService:
         await self.bus.respond(msg, encode(reply))
 
     def admit(self, req: SubmitRequest) -> SubmitReply:
-        states = [
-            WorkerState(wid, len(h.core.seqs), h.load.max_num_seqs) for wid, h in self.workers.items()
-        ]
+        states = [WorkerState(wid, len(h.core.seqs), h.load.max_num_seqs) for wid, h in self.workers.items()]
         worker_id = pick_worker(states)
         if worker_id is None:
             return SubmitReply(SubmitStatus.NO_WORKERS, "no worker is available")
@@ -102,8 +100,14 @@ class SchedulerService:
         prompt = unpack_tokens(req.prompt_token_ids)
         if len(prompt) + 1 > handle.core.max_model_len:
             return SubmitReply(SubmitStatus.INVALID, f"prompt of {len(prompt)} tokens exceeds the context")
-        seq = Sequence(req.request_id, req.gateway_id, prompt, req.sampling_params, req.eos_token_id,
-                       priority=req.priority)
+        seq = Sequence(
+            req.request_id,
+            req.gateway_id,
+            prompt,
+            req.sampling_params,
+            req.eos_token_id,
+            priority=req.priority,
+        )
         try:
             handle.core.add(seq)
         except QueueFull as exc:

@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 class Config:
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
     subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
-    worker_id: str = field(default_factory=lambda: "worker-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"})
-    model: str = field(default="smollm2", metadata={"help": "'smollm2' (embedded) or a llama-family .gguf path"})
+    worker_id: str = field(
+        default_factory=lambda: "worker-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
+    )
+    model: str = field(
+        default="smollm2", metadata={"help": "'smollm2' (embedded) or a llama-family .gguf path"}
+    )
     cache_dir: str = field(default="", metadata={"help": "converted-weights cache (default: user cache dir)"})
     device: str = field(default="cpu", metadata={"help": "cpu (cuda/npu: later)"})
     dtype: str = field(default="auto", metadata={"help": "auto | bfloat16 | float32"})

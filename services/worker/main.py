@@ -23,7 +23,6 @@ from services.worker.service import WorkerService
 log = logging.getLogger(__name__)
 
 
-
 def resolve_dtype(name: str) -> torch.dtype:
     """auto: bf16 where the CPU has native bf16 math (AVX-512 BF16 / AMX), else fp32."""
     if name == "auto":

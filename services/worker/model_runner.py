@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class CausalLM(Protocol):
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor: ...
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -57,7 +59,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.pool = KVPool(layout.num_layers, num_blocks * block_size, layout.num_kv_heads, layout.head_dim, dtype)
+        self.pool = KVPool(
+            layout.num_layers, num_blocks * block_size, layout.num_kv_heads, layout.head_dim, dtype
+        )
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
 
@@ -73,7 +77,9 @@ class ModelRunner:
             gen = None
             if new.sampling_params.seed is not None:
                 gen = torch.Generator().manual_seed(new.sampling_params.seed)
-            self.seqs[new.seq_id] = SequenceState(unpack_tokens(new.prompt_token_ids), new.sampling_params, gen)
+            self.seqs[new.seq_id] = SequenceState(
+                unpack_tokens(new.prompt_token_ids), new.sampling_params, gen
+            )
         batch, failed = self._build_batch([s.seq_id for s in plan.new_seqs], list(plan.decode_seq_ids))
         if failed:
             log.warning("KV cache full: failing %d sequences", len(failed))

@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class WorkerService:
-    def __init__(self, config: Config, bus: Bus, runner: ModelRunner, max_model_len: int, model_name: str) -> None:
+    def __init__(
+        self, config: Config, bus: Bus, runner: ModelRunner, max_model_len: int, model_name: str
+    ) -> None:
         self.config = config
         self.bus = bus
         self.runner = runner

@@ -88,7 +88,7 @@ async def submit(bus: InMemoryBus, request_id: str, max_tokens: int = 3) -> Subm
 
 
 async def test_tokens_flow_in_order_one_message_per_step(stack) -> None:  # type: ignore[no-untyped-def]
-    bus, worker, outputs = stack
+    bus, _worker, outputs = stack
     reply = await submit(bus, "r1", max_tokens=3)
     assert reply.status is SubmitStatus.ACCEPTED and reply.scheduler_id == "s1"
     got: list[int] = []

@@ -27,7 +27,9 @@ def test_tokens_pack_as_uint32_little_endian() -> None:
 @pytest.mark.parametrize(
     "msg",
     [
-        SubmitRequest("r1", "gw", pack_tokens([5, 6]), SamplingParams(0.0, 0.9, 7, (3,), True, 42), 2, 1, "t"),
+        SubmitRequest(
+            "r1", "gw", pack_tokens([5, 6]), SamplingParams(0.0, 0.9, 7, (3,), True, 42), 2, 1, "t"
+        ),
         SchedulerOutput(3, (NewSequence("a", pack_tokens([1]), SamplingParams()),), ("b", "c"), ("d",)),
         ModelRunnerOutput(3, ("a", "b"), pack_tokens([9, 8]), 2, ("x",), ""),
         StepOutputs("s", 9, (RequestOutput("r", pack_tokens([1]), 1, 4, FinishReason.LENGTH),)),
@@ -48,7 +50,9 @@ def test_enum_and_optional_fields_decode_to_their_types() -> None:
     assert decode(RequestOutput, encode(RequestOutput("r", b"", 0, 1))).finish_reason is None
 
 
-@pytest.mark.parametrize("data", [b"\xc1", msgpack.packb([1, 2]), msgpack.packb(["r", b"", "x", 1, None, 0, ""])])
+@pytest.mark.parametrize(
+    "data", [b"\xc1", msgpack.packb([1, 2]), msgpack.packb(["r", b"", "x", 1, None, 0, ""])]
+)
 def test_bad_payload_raises_decode_error(data: bytes) -> None:
     with pytest.raises(DecodeError):
         decode(RequestOutput, data)

@@ -12,7 +12,9 @@ from services.scheduler.sequence import Sequence, SequenceStatus
 EOS = 2
 
 
-def make_seq(seq_id: str, prompt_len: int = 3, max_tokens: int = 4, priority: int = 0, **kw: object) -> Sequence:
+def make_seq(
+    seq_id: str, prompt_len: int = 3, max_tokens: int = 4, priority: int = 0, **kw: object
+) -> Sequence:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
     return Sequence(seq_id, "gw", list(range(10, 10 + prompt_len)), params, EOS, priority=priority)
 
@@ -54,8 +56,13 @@ def test_max_num_seqs_caps_running_and_priority_orders_waiting() -> None:
 
 def test_finish_reasons() -> None:
     sched = make_scheduler(max_num_seqs=4, max_model_len=5)
-    for seq in (make_seq("eos"), make_seq("stop_id", stop_token_ids=(99,)), make_seq("len", max_tokens=1),
-                make_seq("ctx", max_tokens=100), make_seq("ign", ignore_eos=True)):
+    for seq in (
+        make_seq("eos"),
+        make_seq("stop_id", stop_token_ids=(99,)),
+        make_seq("len", max_tokens=1),
+        make_seq("ctx", max_tokens=100),
+        make_seq("ign", ignore_eos=True),
+    ):
         sched.add(seq)
     plan = sched.schedule()
     ids = tuple(s.seq_id for s in plan.new_seqs)

@@ -1,0 +1,105 @@
+"""Start the real stack for system tests: nats-server, worker, scheduler and gateway processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libs.bus.nats_server import EmbeddedNatsServer, free_port
+
+READY_TIMEOUT_S = 180.0
+
+
+def spawn(command: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "deepinfer", command, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s:\n{log.read_text()[-4000:]}")
+
+
+@dataclass
+class Stack:
+    """One running stack; ``base_url`` ends in /v1."""
+
+    nats: EmbeddedNatsServer
+    port: int
+    worker_id: str
+    log: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def root_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, cache_dir: Path, log: Path, dtype: str = "float32") -> Stack:
+        nats = EmbeddedNatsServer()
+        nats.start()
+        stack = cls(nats, free_port(), "worker-test", log)
+        common = ("--nats-url", nats.url, "--log-level", "info")
+        try:
+            stack.procs = [
+                spawn(
+                    "worker",
+                    *common,
+                    "--worker-id",
+                    stack.worker_id,
+                    "--dtype",
+                    dtype,
+                    "--cache-dir",
+                    str(cache_dir),
+                    "--kv-cache-gb",
+                    "0.5",
+                    "--max-num-seqs",
+                    "16",
+                    log=log,
+                ),
+                spawn("scheduler", *common, log=log),
+                spawn("gateway", *common, "--port", str(stack.port), "--cache-dir", str(cache_dir), log=log),
+            ]
+            wait_healthy(f"{stack.root_url}/health", stack.procs, log, READY_TIMEOUT_S)
+        except BaseException:
+            stack.stop()
+            raise
+        return stack
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.nats.stop()

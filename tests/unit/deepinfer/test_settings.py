@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from deepinfer.settings import add_config_args, build_config, resolve_cache_dir, to_argv
+from services.worker.config import Config
+
+
+def parse(argv: list[str], env: dict[str, str]) -> Config:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, Config)
+    return build_config(Config, parser.parse_args(argv), env)
+
+
+def test_flag_beats_env_beats_default() -> None:
+    assert parse([], {}).max_num_seqs == 32
+    assert parse([], {"DEEPINFER_MAX_NUM_SEQS": "8"}).max_num_seqs == 8
+    assert parse(["--max-num-seqs", "4"], {"DEEPINFER_MAX_NUM_SEQS": "8"}).max_num_seqs == 4
+
+
+def test_bad_values_name_the_key() -> None:
+    with pytest.raises(ValueError, match="DEEPINFER_MAX_NUM_SEQS"):
+        parse([], {"DEEPINFER_MAX_NUM_SEQS": "many"})
+    with pytest.raises(ValueError, match="dtype"):
+        parse(["--dtype", "int3"], {})
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        parse(["--max-num-seqs", "0"], {})
+
+
+def test_to_argv_round_trips() -> None:
+    config = parse(["--dtype", "float32", "--kv-cache-gb", "0.5"], {})
+    assert parse(to_argv(config), {}) == config
+
+
+def test_cache_dir() -> None:
+    assert resolve_cache_dir("/x", {}) == "/x"
+    assert resolve_cache_dir("", {"XDG_CACHE_HOME": "/c"}) == "/c/deepinfer"
+    assert resolve_cache_dir("", {"HOME": "/h"}) == "/h/.cache/deepinfer"
