@@ -24,7 +24,12 @@ from services.gateway.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
-_REJECTED_STATUS = {SubmitStatus.QUEUE_FULL: 429, SubmitStatus.NO_WORKERS: 503, SubmitStatus.INVALID: 400}
+# submit status -> (HTTP status, OpenAI error type, code)
+_REJECTED: dict[SubmitStatus, tuple[int, str, str | None]] = {
+    SubmitStatus.QUEUE_FULL: (429, "rate_limit_error", "queue_full"),
+    SubmitStatus.NO_WORKERS: (503, "server_error", "no_workers"),
+    SubmitStatus.INVALID: (400, "invalid_request_error", None),
+}
 
 
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -78,8 +83,8 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
         try:
             stream = await service.submit(request_id, prompt, params, served.eos_token_id)
         except SubmitRejected as exc:
-            code = "queue_full" if exc.status is SubmitStatus.QUEUE_FULL else None
-            raise ApiError(_REJECTED_STATUS[exc.status], str(exc), code=code, type_="server_error") from exc
+            status, type_, code = _REJECTED[exc.status]
+            raise ApiError(status, str(exc), code=code, type_=type_) from exc
         return Admitted(chat, stream, len(prompt))
 
     async def stream_chunks(admitted: Admitted, writer: ChunkWriter) -> AsyncIterator[str]:
