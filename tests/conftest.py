@@ -11,10 +11,8 @@ from libs.models.registry import resolve_model_path
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    try:
-        return resolve_model_path("smollm2")
-    except ValueError as exc:
-        pytest.skip(f"embedded model not installed: {exc}")
+    # No skip: a missing model is a broken install, and the tests must say so.
+    return resolve_model_path("smollm2")
 
 
 @pytest.fixture(scope="session")

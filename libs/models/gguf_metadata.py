@@ -68,8 +68,11 @@ class _Cursor:
         item_type, count = self.unpack("I"), self.unpack("Q")
         if item_type in _SCALARS:
             fmt = f"<{count}{_SCALARS[item_type]}"
+            end = self.offset + struct.calcsize(fmt)
+            if end > len(self.buffer):
+                raise ValueError(f"{self.name}: truncated GGUF header")
             values = struct.unpack_from(fmt, self.buffer, self.offset) if keep else ()
-            self.offset += struct.calcsize(fmt)
+            self.offset = end
             return list(values) if keep else count
         if keep:
             return [self.value(item_type, keep=True) for _ in range(count)]

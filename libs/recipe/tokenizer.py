@@ -129,8 +129,12 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes of one token (special tokens: their text as UTF-8)."""
-        return self._bytes[token_id]
+        """The raw bytes of one token (special tokens: their text as UTF-8; unknown ids: b"").
+
+        Unknown ids are tolerated like `decode` does: a model's embedding table may be padded past
+        the tokenizer's vocabulary.
+        """
+        return self._bytes[token_id] if 0 <= token_id < self.vocab_size else b""
 
 
 class IncrementalDetokenizer:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from libs.models.gguf_loader import read_gguf_config
+from libs.models.gguf_metadata import read_gguf_config
 from libs.models.registry import resolve_model_path
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.tokenizer import Tokenizer

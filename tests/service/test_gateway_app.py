@@ -56,7 +56,12 @@ def client_with(served: ServedModel) -> Iterator[object]:
 
 @pytest.mark.parametrize(
     ("status", "http_status"),
-    [(SubmitStatus.QUEUE_FULL, 429), (None, 503), (SubmitStatus.NO_WORKERS, 503), (SubmitStatus.INVALID, 400)],
+    [
+        (SubmitStatus.QUEUE_FULL, 429),
+        (None, 503),
+        (SubmitStatus.NO_WORKERS, 503),
+        (SubmitStatus.INVALID, 400),
+    ],
 )
 def test_admission_errors_map_to_http(client_with, status: SubmitStatus | None, http_status: int) -> None:  # type: ignore[no-untyped-def]
     client = client_with(status)

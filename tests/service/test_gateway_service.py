@@ -81,7 +81,9 @@ async def test_outputs_of_two_requests_are_demuxed(gateway) -> None:  # type: ig
     deltas_a, deltas_b = await asyncio.wait_for(asyncio.gather(drain(a), drain(b)), 2)
     assert [t for d in deltas_a for t in d.token_ids] == [10, 11, 12]
     assert [t for d in deltas_b for t in d.token_ids] == [20, 21]
-    assert deltas_a[-1].finish_reason is FinishReason.LENGTH and deltas_b[-1].finish_reason is FinishReason.STOP
+    assert (
+        deltas_a[-1].finish_reason is FinishReason.LENGTH and deltas_b[-1].finish_reason is FinishReason.STOP
+    )
     assert service.num_in_flight == 2  # until each stream is closed
     a.close()
     b.close()

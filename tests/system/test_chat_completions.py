@@ -171,3 +171,17 @@ def test_bad_input_gets_openai_error_and_service_continues(
         assert error["code"] == "model_not_found"
     text, _, _ = chat(stack, "What is the capital of France?", max_tokens=8)
     assert "Paris" in text
+
+
+def test_stop_string_cuts_the_answer_in_both_modes(stack: Stack) -> None:
+    sdk = client(stack)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    resp = sdk.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=30, stop=["Paris"]
+    )
+    chunks = sdk.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=30, stop=["Paris"], stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert resp.choices[0].message.content == streamed == "The capital of France is "
+    assert resp.choices[0].finish_reason == "stop"

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
-from libs.models.attention import SingleSequenceCausalAttention
+from libs.models.attention import SingleSequenceCausalAttention, causal_attention
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.recipe.chat_template import render_chat
@@ -27,6 +28,20 @@ TOKENIZER_SAMPLES = [
     "<|im_start|>user\nhi<|im_end|>\n",
     "def f(x):\n    return x**2  # comment",
 ]
+
+
+class GrowingCache:
+    """AttentionFn for one sequence that keeps each layer's k/v, so decoding feeds one token a step."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if layer_idx in self.kv:
+            k_old, v_old = self.kv[layer_idx]
+            k, v = torch.cat([k_old, k]), torch.cat([v_old, v])
+        self.kv[layer_idx] = (k, v)
+        return causal_attention(q, k, v)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +70,9 @@ def offline() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_path: Path, offline: None) -> Any:
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401  (transformers needs it to load a GGUF)
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
     )
@@ -82,7 +98,8 @@ def test_logits_match_transformers(
 
 
 def test_token_ids_match_transformers(tokenizer: Tokenizer, smollm2_path: Path, offline: None) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     reference = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
     for text in TOKENIZER_SAMPLES:
         assert tokenizer.encode(text) == reference(text)["input_ids"], text
@@ -93,12 +110,17 @@ def test_greedy_answer_names_paris(
     smollm2_path: Path, model_cache_dir: Path, tokenizer: Tokenizer, prompt_ids: list[int], dtype: torch.dtype
 ) -> None:
     model = load_llama(smollm2_path, model_cache_dir, dtype=dtype)
-    ids, detok, text = list(prompt_ids), IncrementalDetokenizer(tokenizer), ""
-    for _ in range(12):
-        next_id = int(logits_of(model, ids)[-1].argmax())
-        if next_id == tokenizer.eos_token_id:
-            break
-        ids.append(next_id)
-        text += detok.add([next_id])
+    cache, detok, text = GrowingCache(), IncrementalDetokenizer(tokenizer), ""
+    step_ids, start = list(prompt_ids), 0
+    with torch.inference_mode():
+        for _ in range(12):
+            positions = torch.arange(start, start + len(step_ids))
+            hidden = model(torch.tensor(step_ids), positions, cache)
+            next_id = int(model.compute_logits(hidden[-1:])[0].argmax())
+            if next_id == tokenizer.eos_token_id:
+                break
+            text += detok.add([next_id])
+            start += len(step_ids)
+            step_ids = [next_id]
     text += detok.flush()
     assert "Paris" in text, text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -15,22 +16,9 @@ from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.config import LlamaConfig
 from libs.models.gguf_loader import cached_weights_path, load_llama, read_gguf_config
 from libs.models.llama import LlamaForCausalLM
+from tests.tiny_models import TINY_LLAMA
 
-TINY = LlamaConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rope_theta=50000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+TINY = TINY_LLAMA
 
 
 def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
@@ -163,3 +151,14 @@ def test_other_architecture_is_an_error(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "q.gguf", make_model(), arch="qwen2")
     with pytest.raises(ValueError, match="qwen2"):
         read_gguf_config(path)
+
+
+def test_concurrent_loaders_share_one_cache_file(tmp_path: Path) -> None:
+    model = make_model()
+    path = write_gguf(tmp_path / "tiny.gguf", model)
+    cache_dir = tmp_path / "cache"
+    with ThreadPoolExecutor(4) as pool:
+        loaded = list(pool.map(lambda _: load_llama(path, cache_dir), range(4)))
+    expected = logits(model)
+    assert all(torch.equal(logits(m), expected) for m in loaded)
+    assert [p.name for p in cache_dir.iterdir()] == [cached_weights_path(path, cache_dir).name]

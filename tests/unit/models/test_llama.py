@@ -11,20 +11,9 @@ from torch import Tensor
 from libs.models.attention import SingleSequenceCausalAttention, causal_attention
 from libs.models.config import LlamaConfig
 from libs.models.llama import LlamaForCausalLM
+from tests.tiny_models import TINY_LLAMA
 
-TINY = LlamaConfig(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
+TINY = TINY_LLAMA
 
 
 def tiny_model(

@@ -113,3 +113,8 @@ def test_cached_tokenizer_skips_the_gguf(
     again = Tokenizer.from_gguf(smollm2_path, model_cache_dir)
     assert again.encode(MULTILINGUAL) == tokenizer.encode(MULTILINGUAL)
     assert again.chat_template == tokenizer.chat_template
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(tokenizer: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add([tokenizer.vocab_size + 10, *tokenizer.encode("ok")]) + detok.flush() == "ok"

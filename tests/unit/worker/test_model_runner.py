@@ -5,25 +5,13 @@ from __future__ import annotations
 import torch
 
 from libs.models.attention import SingleSequenceCausalAttention
-from libs.models.config import LlamaConfig
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens, unpack_tokens
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
 from services.worker.model_runner import KVLayout, ModelRunner
+from tests.tiny_models import TINY_LLAMA
 
-CONFIG = LlamaConfig(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-)
+CONFIG = TINY_LLAMA
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100)
 
 
