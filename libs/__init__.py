@@ -1,0 +1,1 @@
+"""Libraries shared by the services: protocol, bus, models, recipe, kernels."""

@@ -1,0 +1,1 @@
+"""The deepinfer processes: gateway, scheduler, worker, kvcache."""

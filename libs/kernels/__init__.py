@@ -1,0 +1,1 @@
+"""Fused ops of a model step: a plain-torch reference per op (fast CPU/CUDA variants come beside them)."""

@@ -1,0 +1,1 @@
+"""Requests <-> prompt tokens: tokenizers, chat templates, streaming detokenization."""

@@ -163,9 +163,9 @@ class SchedulerService:
             self._owner.pop(seq.seq_id, None)
         if failed:
             log.warning("worker %s lost (%s): failing %d requests", handle.load.worker_id, why, len(failed))
-            self._tasks_publish(failed, error=f"worker lost: {why}")
+            self._publish_soon(failed, error=f"worker lost: {why}")
 
-    def _tasks_publish(self, seqs: list[Sequence], error: str) -> None:
+    def _publish_soon(self, seqs: list[Sequence], error: str) -> None:
         if self._tasks is not None:
             self._tasks.create_task(self._publish(seqs, error))
 

@@ -92,6 +92,11 @@ class ModelRunner:
             failed_seq_ids=tuple(failed),
         )
 
+    def reset(self) -> None:
+        """Drop every sequence (after a failed step the scheduler fails them all)."""
+        for seq_id in list(self.seqs):
+            self.free(seq_id)
+
     def free(self, seq_id: str) -> None:
         self.seqs.pop(seq_id, None)
         self.block_manager.free(seq_id)

@@ -52,6 +52,7 @@ class WorkerService:
             result = await asyncio.to_thread(self.runner.execute, plan)
         except Exception as exc:
             log.exception("step %d failed", plan.step_id)
+            self.runner.reset()  # the scheduler fails every request it had here
             result = ModelRunnerOutput(plan.step_id, (), b"", self.runner.num_running_seqs, error=repr(exc))
         self._last_step_ms = (time.perf_counter() - start) * 1e3
         await self.bus.respond(msg, encode(result))

@@ -60,6 +60,10 @@ def test_finished_sequences_free_their_blocks_and_full_cache_fails_loudly() -> N
     out = runner.execute(SchedulerOutput(3, (), (), ("a",)))
     assert out.num_running_seqs == 0 and runner.block_manager.num_free_blocks == 4
     runner.check_integrity()
+    runner.execute(SchedulerOutput(4, (NewSequence("c", pack_tokens([3] * 5), GREEDY),)))
+    runner.reset()
+    assert runner.num_running_seqs == 0 and runner.block_manager.num_free_blocks == 4
+    runner.check_integrity()
 
 
 def test_seeded_sampling_is_reproducible() -> None:
