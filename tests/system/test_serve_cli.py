@@ -48,12 +48,13 @@ def test_serve_answers_then_sigterm_leaves_no_process(model_cache_dir: Path, tmp
             json={
                 "model": "SmolLM2-135M-Instruct",
                 "temperature": 0,
-                "max_tokens": 4,
-                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
             },
             timeout=60,
         )
         assert resp.status_code == 200
+        assert "Paris" in resp.json()["choices"][0]["message"]["content"]  # the default dtype (bf16 here)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         _gone, alive = psutil.wait_procs(descendants, timeout=5)
