@@ -110,6 +110,7 @@ class SchedulerOutput:
     new_seqs: tuple[NewSequence, ...] = ()
     decode_seq_ids: tuple[str, ...] = ()
     finished_seq_ids: tuple[str, ...] = ()  # drop their state before running the step
+    scheduler_id: str = ""  # the sender; a worker frees the sequences of a scheduler gone silent
 
     @property
     def num_scheduled_seqs(self) -> int:

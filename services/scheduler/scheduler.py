@@ -19,7 +19,10 @@ from services.scheduler.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_waiting: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_model_len: int, max_num_waiting: int, scheduler_id: str = ""
+    ) -> None:
+        self.scheduler_id = scheduler_id
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_waiting = max_num_waiting
@@ -70,6 +73,7 @@ class Scheduler:
             new_seqs=tuple(new_seqs),
             decode_seq_ids=tuple(s for s in self._running if s not in new_ids),
             finished_seq_ids=tuple(self._finished_since_plan),
+            scheduler_id=self.scheduler_id,
         )
         self._finished_since_plan = []
         return plan

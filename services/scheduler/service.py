@@ -147,7 +147,9 @@ class SchedulerService:
     def _add_worker(self, load: WorkerLoad) -> None:
         if self._tasks is None:
             return  # not running yet
-        core = Scheduler(load.max_num_seqs, load.max_model_len, self.config.max_num_waiting)
+        core = Scheduler(
+            load.max_num_seqs, load.max_model_len, self.config.max_num_waiting, self.config.scheduler_id
+        )
         handle = WorkerHandle(load, core, time.monotonic())
         self.workers[load.worker_id] = handle
         handle.task = self._tasks.create_task(self._step_loop(handle))

@@ -25,6 +25,9 @@ class Config:
     kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for KV pages, GiB"})
     num_threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
     load_interval_s: float = field(default=0.5, metadata={"help": "period of load reports while idle"})
+    orphan_timeout_s: float = field(
+        default=30.0, metadata={"help": "scheduler silence after which its sequences here are dropped"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -32,7 +35,7 @@ class Config:
             raise ValueError(f"device={self.device!r}: only 'cpu' is supported so far")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype={self.dtype!r}: expected auto, bfloat16 or float32")
-        for key in ("max_num_seqs", "block_size", "kv_cache_gb", "load_interval_s"):
+        for key in ("max_num_seqs", "block_size", "kv_cache_gb", "load_interval_s", "orphan_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.max_model_len < 0 or self.num_threads < 0:

@@ -37,6 +37,7 @@ class KVLayout:
 class SequenceState:
     token_ids: list[int]  # prompt + sampled; the last one's k/v is not in the pool yet
     sampling_params: SamplingParams
+    scheduler_id: str  # who scheduled it; its state goes if that scheduler goes
     generator: torch.Generator | None = None
     num_computed_tokens: int = 0  # tokens whose k/v is in the pool
 
@@ -78,7 +79,7 @@ class ModelRunner:
             if new.sampling_params.seed is not None:
                 gen = torch.Generator().manual_seed(new.sampling_params.seed)
             self.seqs[new.seq_id] = SequenceState(
-                unpack_tokens(new.prompt_token_ids), new.sampling_params, gen
+                unpack_tokens(new.prompt_token_ids), new.sampling_params, plan.scheduler_id, gen
             )
         batch, failed = self._build_batch([s.seq_id for s in plan.new_seqs], list(plan.decode_seq_ids))
         if failed:
@@ -91,6 +92,17 @@ class ModelRunner:
             num_running_seqs=self.num_running_seqs,
             failed_seq_ids=tuple(failed),
         )
+
+    def schedulers(self) -> set[str]:
+        """Schedulers that own at least one sequence here."""
+        return {s.scheduler_id for s in self.seqs.values()}
+
+    def free_owned_by(self, scheduler_id: str) -> int:
+        """Drop every sequence of ``scheduler_id``; returns how many."""
+        owned = [seq_id for seq_id, s in self.seqs.items() if s.scheduler_id == scheduler_id]
+        for seq_id in owned:
+            self.free(seq_id)
+        return len(owned)
 
     def reset(self) -> None:
         """Drop every sequence (after a failed step the scheduler fails them all)."""

@@ -29,6 +29,8 @@ class WorkerService:
         self.model_name = model_name
         self.subjects = Subjects(config.subject_prefix)
         self._last_step_ms = 0.0
+        self._last_plan_at: dict[str, float] = {}  # scheduler id -> when its last step ended
+        self._stepping = asyncio.Lock()  # orphan checks never run while a step holds the runner
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)
@@ -47,13 +49,17 @@ class WorkerService:
             await self.bus.respond(msg, encode(ModelRunnerOutput(0, (), b"", 0, error=str(exc))))
             return
         start = time.perf_counter()
-        try:
-            # The forward runs off the event loop so load reports and other messages keep flowing.
-            result = await asyncio.to_thread(self.runner.execute, plan)
-        except Exception as exc:
-            log.exception("step %d failed", plan.step_id)
-            self.runner.reset()  # the scheduler fails every request it had here
-            result = ModelRunnerOutput(plan.step_id, (), b"", self.runner.num_running_seqs, error=repr(exc))
+        async with self._stepping:
+            try:
+                # The forward runs off the event loop so load reports and other messages keep flowing.
+                result = await asyncio.to_thread(self.runner.execute, plan)
+            except Exception as exc:
+                log.exception("step %d failed", plan.step_id)
+                self.runner.reset()  # the scheduler fails every request it had here
+                result = ModelRunnerOutput(
+                    plan.step_id, (), b"", self.runner.num_running_seqs, error=repr(exc)
+                )
+            self._last_plan_at[plan.scheduler_id] = time.monotonic()
         self._last_step_ms = (time.perf_counter() - start) * 1e3
         await self.bus.respond(msg, encode(result))
         await self._publish_load()
@@ -71,8 +77,24 @@ class WorkerService:
     async def _publish_load(self) -> None:
         await self.bus.publish(self.subjects.load(self.config.worker_id), encode(self.load()))
 
+    async def drop_orphans(self) -> int:
+        """Free the sequences of schedulers silent for ``orphan_timeout_s``.
+
+        A scheduler with sequences here sends steps back to back, so such silence means it died
+        (or lost this worker); its sequences would otherwise hold KV pages forever.
+        """
+        async with self._stepping:
+            now = time.monotonic()
+            num_freed = 0
+            for scheduler_id in self.runner.schedulers():
+                if now - self._last_plan_at.get(scheduler_id, now) > self.config.orphan_timeout_s:
+                    num_freed += self.runner.free_owned_by(scheduler_id)
+                    log.warning("scheduler %r went silent: dropped its sequences", scheduler_id)
+            return num_freed
+
     async def _report_load(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            await self.drop_orphans()
             await self._publish_load()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.load_interval_s)
