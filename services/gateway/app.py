@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from libs.protocol.messages import SamplingParams, SubmitStatus
 from services.gateway.openai_api import ApiError, ChatRequest, ChunkWriter, parse_chat_request, usage
@@ -60,11 +61,7 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
             return error_response(err, headers)
         writer = ChunkWriter(admitted.stream.request_id, served.name)
         if admitted.chat.stream:
-            return StreamingResponse(
-                stream_chunks(admitted, writer),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return EventStreamResponse(stream_chunks(admitted, writer), on_close=admitted.stream.close)
         return await complete(request, admitted, writer)
 
     async def admit(request: Request) -> Admitted:
@@ -74,7 +71,8 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
             raise ApiError(400, f"invalid JSON body: {exc}") from exc
         chat = parse_chat_request(body)
         served.check_model(chat.model)
-        prompt = served.render(chat.messages)
+        # Tokenizing a long prompt is CPU work: keep it off the event loop (tokenizers drops the GIL).
+        prompt = await asyncio.to_thread(served.render, chat.messages)
         max_tokens = served.check_length(len(prompt), chat.max_tokens)
         params = SamplingParams(
             temperature=chat.temperature, top_p=chat.top_p, max_tokens=max_tokens, seed=chat.seed
@@ -89,22 +87,17 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
 
     async def stream_chunks(admitted: Admitted, writer: ChunkWriter) -> AsyncIterator[str]:
         text = TextStream(served.tokenizer, admitted.chat.stop)
-        try:
-            yield sse(writer.chunk({"role": "assistant", "content": ""}))
-            async for piece in text.pieces(admitted.stream):
-                if piece:
-                    yield sse(writer.chunk({"content": piece}))
-            if text.error:
-                yield sse(
-                    {"error": {"message": text.error, "type": "server_error", "param": None, "code": None}}
-                )
-            else:
-                yield sse(writer.chunk({}, text.finish_reason))
-                if admitted.chat.include_usage:
-                    yield sse(writer.usage_chunk(usage(admitted.num_prompt_tokens, text.num_output_tokens)))
-            yield "data: [DONE]\n\n"
-        finally:
-            admitted.stream.close()  # cancels the request if the client left before the end
+        yield sse(writer.chunk({"role": "assistant", "content": ""}))
+        async for piece in text.pieces(admitted.stream):
+            if piece:
+                yield sse(writer.chunk({"content": piece}))
+        if text.error:
+            yield sse({"error": {"message": text.error, "type": "server_error", "param": None, "code": None}})
+        else:
+            yield sse(writer.chunk({}, text.finish_reason))
+            if admitted.chat.include_usage:
+                yield sse(writer.usage_chunk(usage(admitted.num_prompt_tokens, text.num_output_tokens)))
+        yield "data: [DONE]\n\n"
 
     async def complete(request: Request, admitted: Admitted, writer: ChunkWriter) -> Response:
         text = TextStream(served.tokenizer, admitted.chat.stop)
@@ -126,16 +119,30 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
             )
         )
 
-    async def on_api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)
-        return error_response(exc)
-
     routes = [
         Route("/health", health),
         Route("/v1/models", models),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: on_api_error})
+    return Starlette(routes=routes)
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE whose ``on_close`` runs however the response ends: done, client gone, or never started.
+
+    A disconnect can cancel the response before the generator's first step, when a ``finally``
+    inside the generator would never run; this is where the request gets cancelled then.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def sse(payload: dict[str, Any]) -> str:
