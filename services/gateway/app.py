@@ -75,7 +75,12 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
         prompt = await asyncio.to_thread(served.render, chat.messages)
         max_tokens = served.check_length(len(prompt), chat.max_tokens)
         params = SamplingParams(
-            temperature=chat.temperature, top_p=chat.top_p, max_tokens=max_tokens, seed=chat.seed
+            temperature=chat.temperature,
+            top_p=chat.top_p,
+            max_tokens=max_tokens,
+            stop_token_ids=chat.stop_token_ids,
+            ignore_eos=chat.ignore_eos,
+            seed=chat.seed,
         )
         request_id = "chatcmpl-" + uuid.uuid4().hex
         try:

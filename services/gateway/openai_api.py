@@ -47,6 +47,9 @@ class ChatRequest:
     include_usage: bool
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    # vLLM's extensions, sent by its clients as extra body fields
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -60,14 +63,14 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return float(value)
 
 
-def _optional_int(body: dict[str, Any], key: str, lo: int) -> int | None:
+def _optional_int(body: dict[str, Any], key: str, lo: int, hi: int = 2**63 - 1) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"'{key}' must be an integer", param=key)
-    if value < lo:
-        raise ApiError(400, f"'{key}' must be >= {lo}, got {value}", param=key)
+    if not lo <= value <= hi:
+        raise ApiError(400, f"'{key}' must be between {lo} and {hi}, got {value}", param=key)
     return value
 
 
@@ -120,6 +123,16 @@ def _stop(body: dict[str, Any]) -> list[str]:
     raise ApiError(400, f"'stop' must be a string or up to {MAX_STOP_STRINGS} strings", param="stop")
 
 
+def _token_ids(body: dict[str, Any], key: str) -> tuple[int, ...]:
+    ids = body.get(key)
+    if ids is None:
+        return ()
+    valid = isinstance(ids, list) and all(type(i) is int and 0 <= i < 2**32 for i in ids)
+    if not valid:
+        raise ApiError(400, f"'{key}' must be a list of token ids", param=key)
+    return tuple(ids)
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -141,6 +154,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise ApiError(
             400, "'stream_options' must be an object with a boolean include_usage", param="stream_options"
         )
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
     max_tokens = _optional_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", 1)
@@ -154,6 +170,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         include_usage=bool(options.get("include_usage", False)),
         stop=_stop(body),
         seed=_optional_int(body, "seed", -(2**63)),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        ignore_eos=ignore_eos,
     )
 
 

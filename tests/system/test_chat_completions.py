@@ -185,3 +185,24 @@ def test_stop_string_cuts_the_answer_in_both_modes(stack: Stack) -> None:
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert resp.choices[0].message.content == streamed == "The capital of France is "
     assert resp.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids_and_ignore_eos(stack: Stack) -> None:
+    """vLLM's extra body fields: the greedy answer is 'The capital of France is Paris.' + EOS."""
+    sdk = client(stack)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    longer = sdk.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    assert longer.choices[0].finish_reason == "length" and longer.usage is not None
+    assert longer.usage.completion_tokens == 12
+    assert (longer.choices[0].message.content or "").startswith("The capital of France is Paris.")
+    from libs.models.registry import resolve_model_path
+    from libs.recipe.tokenizer import Tokenizer
+
+    (france,) = Tokenizer.from_gguf(resolve_model_path(), None).encode(" France")
+    cut = sdk.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=12, extra_body={"stop_token_ids": [france]}
+    )
+    assert cut.choices[0].finish_reason == "stop" and cut.usage is not None
+    assert cut.usage.completion_tokens == 4  # "The", " capital", " of", " France"

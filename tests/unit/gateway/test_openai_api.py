@@ -41,6 +41,10 @@ def test_max_completion_tokens_wins_and_stop_forms() -> None:
         ({"n": 2}, "n"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"logprobs": True}, "logprobs"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop_token_ids": [1, -2]}, "stop_token_ids"),
+        ({"stop_token_ids": 7}, "stop_token_ids"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
     ],
 )
 def test_invalid_fields_name_their_param(patch: dict[str, object], param: str) -> None:
@@ -48,6 +52,11 @@ def test_invalid_fields_name_their_param(patch: dict[str, object], param: str) -
         parse_chat_request({**OK, **patch})
     assert info.value.status == 400 and info.value.param == param
     assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_vllm_extensions() -> None:
+    req = parse_chat_request({**OK, "stop_token_ids": [7, 9], "ignore_eos": True, "seed": -3})
+    assert (req.stop_token_ids, req.ignore_eos, req.seed) == ((7, 9), True, -3)
 
 
 def test_shapes() -> None:
