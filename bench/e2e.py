@@ -17,12 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
 import torch
 
+from deepinfer.serve import is_healthy
 from deepinfer.settings import resolve_cache_dir
 from libs.bus.nats_server import free_port
 from libs.models.gguf_loader import load_llama
@@ -119,12 +119,9 @@ def start_stack(port: int, dtype: str, cache_dir: str, log: Path) -> subprocess.
         )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-                if resp.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.2)
+        if is_healthy(f"http://127.0.0.1:{port}/health"):
+            return proc
+        time.sleep(0.2)
     proc.kill()
     raise TimeoutError(log.read_text()[-2000:])
 

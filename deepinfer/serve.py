@@ -53,7 +53,7 @@ def _spawn(command: str, argv: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "deepinfer", command, *argv], preexec_fn=preexec)
 
 
-def _healthy(url: str) -> bool:
+def is_healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as resp:
             return resp.status == 200  # type: ignore[no-any-return]
@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> None:
                 log.error("%s exited (code %s): stopping the stack", dead[0], children[dead[0]].returncode)
                 exit_code = 1
                 break
-            if not ready and _healthy(health_url):
+            if not ready and is_healthy(health_url):
                 ready = True
                 log.info("deepinfer ready: http://%s:%d/v1 (nats %s)", gateway.host, gateway.port, nats_url)
             elif not ready and time.monotonic() - started > READY_TIMEOUT_S:

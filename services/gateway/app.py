@@ -44,36 +44,42 @@ class Admitted:
     num_prompt_tokens: int
 
 
-def build_app(service: GatewayService, served: ServedModel) -> Starlette:
-    async def health(request: Request) -> Response:
-        if await service.healthy():
+class ChatRoutes:
+    """Handlers of the OpenAI routes over one GatewayService and one ServedModel."""
+
+    def __init__(self, service: GatewayService, served: ServedModel) -> None:
+        self.service = service
+        self.served = served
+
+    async def health(self, request: Request) -> Response:
+        if await self.service.healthy():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [served.card()]})
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.served.card()]})
 
-    async def chat_completions(request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
         try:
-            admitted = await admit(request)
+            admitted = await self.admit(request)
         except ApiError as err:
             headers = {"Retry-After": "1"} if err.status == 429 else None
             return error_response(err, headers)
-        writer = ChunkWriter(admitted.stream.request_id, served.name)
+        writer = ChunkWriter(admitted.stream.request_id, self.served.name)
         if admitted.chat.stream:
-            return EventStreamResponse(stream_chunks(admitted, writer), on_close=admitted.stream.close)
-        return await complete(request, admitted, writer)
+            return EventStreamResponse(self.stream_chunks(admitted, writer), on_close=admitted.stream.close)
+        return await self.complete(request, admitted, writer)
 
-    async def admit(request: Request) -> Admitted:
+    async def admit(self, request: Request) -> Admitted:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"invalid JSON body: {exc}") from exc
         chat = parse_chat_request(body)
-        served.check_model(chat.model)
+        self.served.check_model(chat.model)
         # Tokenizing a long prompt is CPU work: keep it off the event loop (tokenizers drops the GIL).
-        prompt = await asyncio.to_thread(served.render, chat.messages)
-        max_tokens = served.check_length(len(prompt), chat.max_tokens)
+        prompt = await asyncio.to_thread(self.served.render, chat.messages)
+        max_tokens = self.served.check_length(len(prompt), chat.max_tokens)
         params = SamplingParams(
             temperature=chat.temperature,
             top_p=chat.top_p,
@@ -84,14 +90,14 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
         )
         request_id = "chatcmpl-" + uuid.uuid4().hex
         try:
-            stream = await service.submit(request_id, prompt, params, served.eos_token_id)
+            stream = await self.service.submit(request_id, prompt, params, self.served.eos_token_id)
         except SubmitRejected as exc:
             status, type_, code = _REJECTED[exc.status]
             raise ApiError(status, str(exc), code=code, type_=type_) from exc
         return Admitted(chat, stream, len(prompt))
 
-    async def stream_chunks(admitted: Admitted, writer: ChunkWriter) -> AsyncIterator[str]:
-        text = TextStream(served.tokenizer, admitted.chat.stop)
+    async def stream_chunks(self, admitted: Admitted, writer: ChunkWriter) -> AsyncIterator[str]:
+        text = TextStream(self.served.tokenizer, admitted.chat.stop)
         yield sse(writer.chunk({"role": "assistant", "content": ""}))
         async for piece in text.pieces(admitted.stream):
             if piece:
@@ -104,8 +110,8 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
                 yield sse(writer.usage_chunk(usage(admitted.num_prompt_tokens, text.num_output_tokens)))
         yield "data: [DONE]\n\n"
 
-    async def complete(request: Request, admitted: Admitted, writer: ChunkWriter) -> Response:
-        text = TextStream(served.tokenizer, admitted.chat.stop)
+    async def complete(self, request: Request, admitted: Admitted, writer: ChunkWriter) -> Response:
+        text = TextStream(self.served.tokenizer, admitted.chat.stop)
 
         async def collect() -> str:
             return "".join([p async for p in text.pieces(admitted.stream)])
@@ -118,18 +124,19 @@ def build_app(service: GatewayService, served: ServedModel) -> Starlette:
             return Response(status_code=499)  # nobody is listening any more
         if text.error:
             return error_response(ApiError(500, text.error, type_="server_error"))
-        return JSONResponse(
-            writer.completion(
-                content, text.finish_reason, usage(admitted.num_prompt_tokens, text.num_output_tokens)
-            )
-        )
+        num_tokens = usage(admitted.num_prompt_tokens, text.num_output_tokens)
+        return JSONResponse(writer.completion(content, text.finish_reason, num_tokens))
 
-    routes = [
-        Route("/health", health),
-        Route("/v1/models", models),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ]
-    return Starlette(routes=routes)
+
+def build_app(service: GatewayService, served: ServedModel) -> Starlette:
+    routes = ChatRoutes(service, served)
+    return Starlette(
+        routes=[
+            Route("/health", routes.health),
+            Route("/v1/models", routes.models),
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        ]
+    )
 
 
 class EventStreamResponse(StreamingResponse):

@@ -110,7 +110,7 @@ class Scheduler:
         return failed
 
     def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        if token_id in seq.stop_token_ids():
+        if token_id in seq.stop_token_ids:
             return FinishReason.STOP
         if seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -27,6 +27,13 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # output tokens already published to the gateway
+    stop_token_ids: frozenset[int] = field(init=False)  # EOS unless ignore_eos, plus the request's
+
+    def __post_init__(self) -> None:
+        ids = set(self.sampling_params.stop_token_ids)
+        if not self.sampling_params.ignore_eos:
+            ids.add(self.eos_token_id)
+        self.stop_token_ids = frozenset(ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -43,9 +50,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def stop_token_ids(self) -> frozenset[int]:
-        ids = set(self.sampling_params.stop_token_ids)
-        if not self.sampling_params.ignore_eos:
-            ids.add(self.eos_token_id)
-        return frozenset(ids)

@@ -22,6 +22,8 @@ class KVPool:
         self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> None:
         shape = (num_slots, num_kv_heads, head_dim)
+        # Zeroed, not empty: decode pads its gather with real slots that may never have been
+        # written, and masked-out garbage can still be NaN, which survives softmax weight 0.
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
 

@@ -6,11 +6,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepinfer.serve import is_healthy
 from libs.bus.nats_server import EmbeddedNatsServer, free_port
 
 READY_TIMEOUT_S = 180.0
@@ -32,12 +31,8 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], log: Path, time
         for proc in procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+        if is_healthy(url):
+            return
         time.sleep(0.1)
     raise TimeoutError(f"{url} not healthy after {timeout_s}s:\n{log.read_text()[-4000:]}")
 
