@@ -44,6 +44,22 @@ def unpack_tokens(data: bytes) -> list[int]:
     return packed.tolist()
 
 
+def pack_floats(values: Sequence[float]) -> bytes:
+    """Floats as float32 little-endian bytes (logprobs)."""
+    packed = array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    packed = array("f")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
 def encode(msg: object) -> bytes:
     return msgpack.packb(_to_wire(msg), use_bin_type=True)  # type: ignore[no-any-return]
 

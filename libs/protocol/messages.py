@@ -24,16 +24,47 @@ class FinishReason(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """OpenAI/vLLM sampling semantics. Processing order in the sampler: penalties -> temperature ->
+    top_k -> top_p -> min_p. Logprobs are those of the raw model distribution (before any of it)."""
+
     temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off; tokens below min_p * p(most likely) are dropped
+    repetition_penalty: float = 1.0  # 1 = off; over prompt and output tokens (logit / or * penalty)
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     max_tokens: int = 256
+    min_tokens: int = 0  # stop tokens are masked until this many tokens are out
     stop_token_ids: tuple[int, ...] = ()  # besides EOS, which the scheduler adds unless ignore_eos
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # the k-th sampled token depends only on (seed, k) and the logits
+    logprobs: bool = False  # return each sampled token's logprob
+    top_logprobs: int = 0  # ... and this many most likely alternatives (needs logprobs)
+    n: int = 1  # completions per request; they share the prompt's KV blocks
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """Logprobs of ``num_tokens`` consecutive sampled tokens of one sequence.
+
+    ``top_token_ids`` / ``top_logprobs`` are row-major [num_tokens, num_top], most likely first.
+    """
+
+    token_logprobs: bytes  # float32 little-endian [num_tokens]
+    top_token_ids: bytes = b""  # packed uint32 [num_tokens * num_top]
+    top_logprobs: bytes = b""  # float32 [num_tokens * num_top]
+    num_top: int = 0
 
 
 # --- gateway -> scheduler -------------------------------------------------------------------
@@ -41,7 +72,7 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class SubmitRequest:
-    request_id: str
+    request_id: str  # with n > 1, choice i runs as sequence ``seq_id_of(request_id, i)``
     gateway_id: str  # where the outputs go: subject out.<gateway_id>
     prompt_token_ids: bytes  # packed uint32
     sampling_params: SamplingParams
@@ -83,6 +114,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     error: str = ""
+    index: int = 0  # the choice, when the request asked for n > 1
+    logprobs: Logprobs | None = None  # of new_token_ids, when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,36 +130,52 @@ class StepOutputs:
 
 @dataclass(frozen=True, slots=True)
 class NewSequence:
+    """A sequence the worker does not hold yet: first scheduled, or resumed after preemption."""
+
     seq_id: str
     prompt_token_ids: bytes  # packed uint32
+    output_token_ids: bytes  # packed uint32; non-empty when resuming (they are recomputed)
     sampling_params: SamplingParams
+    stop_token_ids: tuple[int, ...]  # EOS (unless ignore_eos) + the request's; masked before min_tokens
+    block_ids: bytes  # packed uint32: its whole block table so far
+    num_computed_tokens: int  # tokens whose KV already sits in those blocks (a shared prefix)
+    num_scheduled_tokens: int  # tokens to compute in this step, from num_computed_tokens on
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """One step's plan: prefill ``new_seqs``, decode one token for ``decode_seq_ids``."""
+    """One step's plan, as a diff against what the worker already holds.
+
+    A scheduled sequence computes the KV of ``num_scheduled_tokens`` tokens starting at its
+    ``num_computed_tokens`` (a prefill chunk, or 1 for decode) and samples one token when that
+    reaches the end of the tokens the worker knows. With overlap scheduling a decode's input is
+    the token the worker sampled in the previous plan, which the scheduler has not seen yet.
+    """
 
     step_id: int
     new_seqs: tuple[NewSequence, ...] = ()
-    decode_seq_ids: tuple[str, ...] = ()
-    finished_seq_ids: tuple[str, ...] = ()  # drop their state before running the step
+    seq_ids: tuple[str, ...] = ()  # sequences the worker already holds, scheduled in this step
+    num_scheduled_tokens: bytes = b""  # packed uint32, one per seq_ids
+    new_block_ids: tuple[bytes, ...] = ()  # packed uint32 per seq_ids: appended to its block table
+    finished_seq_ids: tuple[str, ...] = ()  # drop their state first (finished, aborted, preempted)
     scheduler_id: str = ""  # the sender; a worker frees the sequences of a scheduler gone silent
 
     @property
     def num_scheduled_seqs(self) -> int:
-        return len(self.new_seqs) + len(self.decode_seq_ids)
+        return len(self.new_seqs) + len(self.seq_ids)
 
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """Sampled tokens in plan order: new_seqs first, then decode_seq_ids."""
+    """Tokens sampled in a step, in plan order (new_seqs, then seq_ids), for the sequences whose
+    scheduled tokens reached their end; a prefill chunk that does not samples nothing."""
 
     step_id: int
     seq_ids: tuple[str, ...]
     sampled_token_ids: bytes  # packed uint32, one per seq_id
     num_running_seqs: int  # sequences whose state the worker holds after this step
-    failed_seq_ids: tuple[str, ...] = ()  # dropped by the worker (KV cache full); not in seq_ids
-    error: str = ""  # the whole step failed
+    logprobs: tuple[Logprobs | None, ...] = ()  # one per seq_id, or empty when none asked
+    error: str = ""  # the whole step failed; the worker dropped every sequence
 
 
 # --- liveness and load ----------------------------------------------------------------------
@@ -156,5 +205,13 @@ class WorkerLoad:
     num_running_seqs: int
     max_num_seqs: int
     max_model_len: int
+    num_kv_blocks: int  # KV pages the scheduler may hand out on this worker
+    block_size: int  # tokens per page
     step_time_ms: float = 0.0
     model: str = ""
+    owner: str = ""  # the scheduler whose sequences it holds; others must not schedule here
+
+
+def seq_id_of(request_id: str, index: int) -> str:
+    """The sequence running choice ``index`` of a request (choice 0 keeps the request id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
