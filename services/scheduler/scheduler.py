@@ -1,35 +1,73 @@
-"""Scheduler core for one worker: queues, admission and step plans. Pure: no nats, asyncio or torch.
+"""Scheduler core for one worker: queues, KV blocks, preemption and step plans. Pure: no nats,
+asyncio or torch.
 
-One step = ``schedule()`` -> the worker runs the plan -> ``postprocess(plan, sampled)``. A plan
-prefills newly admitted sequences whole and decodes one token for every running one (chunked
-prefill and paged KV come with the engine core). Sequences that finished or were aborted since the
-last plan are named in ``finished_seq_ids`` so the worker drops their state; a plan with only
-those is still sent, so a cancel frees the worker even when nothing else runs.
+One step = ``schedule()`` -> the worker runs the plan -> ``postprocess(result)``. Each plan packs
+work under a token budget (``max_num_batched_tokens``) and ``max_num_seqs``, in this order:
+1. one token for every running sequence that is decoding;
+2. the next chunk of every running sequence still in prefill (chunked prefill);
+3. newly admitted (or resumed) sequences from the waiting queue, by priority then arrival.
+When KV blocks run out, the lowest-priority, latest-arrived running sequence that is not yet in
+the plan is preempted by recompute: its blocks are freed, the worker drops it, and it waits to be
+prefilled again over its prompt and the tokens it has already produced. No admission happens in a
+step that preempted.
+
+Overlap scheduling: plans may be made before earlier results arrive. A plan counts the tokens its
+predecessors will sample (``Sequence.num_pending_tokens``) so a decode can be scheduled whose
+input token only the worker knows yet.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+from dataclasses import dataclass
 
 from libs.protocol.codec import pack_tokens
 from libs.protocol.errors import QueueFull
-from libs.protocol.messages import FinishReason, NewSequence, SchedulerOutput
+from libs.protocol.messages import FinishReason, Logprobs, NewSequence, SchedulerOutput
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.sequence import Sequence, SequenceStatus
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    num_blocks: int  # the worker's KV pages
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int = 2048  # tokens computed per step, prefill chunks included
+    max_num_waiting: int = 256  # queued sequences before QueueFull
+    watermark: float = 0.01  # share of blocks admission leaves free, so decodes rarely preempt
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence: the model's window, or the whole KV pool if that is smaller."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+
+@dataclass(slots=True)
+class _Plan:
+    step_id: int
+    budget: int
+    scheduled: dict[str, int]  # seq_id -> tokens to compute, in plan order
+    new_blocks: dict[str, list[int]]
+    new_seq_ids: set[str]
+    num_computed_before: dict[str, int]
+    preempted: bool = False
+
+
 class Scheduler:
-    def __init__(
-        self, max_num_seqs: int, max_model_len: int, max_num_waiting: int, scheduler_id: str = ""
-    ) -> None:
+    def __init__(self, limits: Limits, scheduler_id: str = "") -> None:
+        self.limits = limits
         self.scheduler_id = scheduler_id
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.max_num_waiting = max_num_waiting
+        self.block_manager = BlockManager(limits.num_blocks, limits.block_size)
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, waiting or running
-        self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, arrival, seq_id)
-        self._running: list[str] = []  # in admission order
+        self._waiting: list[tuple[tuple[int, int, int], str]] = []  # heap of (order, seq_id)
+        self._running: list[Sequence] = []  # sorted by order
         self._finished_since_plan: list[str] = []  # the worker must drop these
+        self._request_seqs: dict[str, list[str]] = {}  # request id -> its sequences' ids
+        self._watermark_blocks = int(limits.watermark * limits.num_blocks)
         self._arrivals = itertools.count()
         self._step_ids = itertools.count(1)
 
@@ -44,62 +82,63 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._finished_since_plan)
 
-    def add(self, seq: Sequence) -> None:
-        if len(self._waiting) >= self.max_num_waiting:
-            raise QueueFull(len(self._waiting), self.max_num_waiting)
-        seq.arrival = next(self._arrivals)
-        self.seqs[seq.seq_id] = seq
-        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq.seq_id))
+    def add(self, seq: Sequence) -> list[Sequence]:
+        """Queue a request's choices (``sampling_params.n`` of them); returns them."""
+        n = seq.sampling_params.n
+        if len(self._waiting) + n > self.limits.max_num_waiting:
+            raise QueueFull(len(self._waiting), self.limits.max_num_waiting)
+        choices = [seq] + [seq.choice(i) for i in range(1, n)]
+        arrival = next(self._arrivals)
+        for choice in choices:
+            choice.arrival = arrival
+            self.seqs[choice.seq_id] = choice
+            heapq.heappush(self._waiting, (choice.order, choice.seq_id))
+        self._request_seqs[seq.request_id] = [c.seq_id for c in choices]
+        return choices
 
-    def abort(self, seq_id: str) -> Sequence | None:
-        """Finish ``seq_id`` as aborted; returns it, or None if it is unknown or already done."""
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            return None
-        self._finish(seq, FinishReason.ABORT)
-        return seq
+    def abort(self, request_or_seq_id: str) -> list[Sequence]:
+        """Finish a whole request, or one of its choices, as aborted; returns what was finished."""
+        ids = self._request_seqs.get(request_or_seq_id, [request_or_seq_id])
+        aborted = [self.seqs[s] for s in ids if s in self.seqs]
+        for seq in aborted:
+            self._finish(seq, FinishReason.ABORT)
+        return aborted
 
     def schedule(self) -> SchedulerOutput:
-        new_seqs: list[NewSequence] = []
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            _, _, seq_id = heapq.heappop(self._waiting)
-            seq = self.seqs[seq_id]
-            seq.status = SequenceStatus.RUNNING
-            self._running.append(seq_id)
-            new_seqs.append(NewSequence(seq_id, pack_tokens(seq.prompt_token_ids), seq.sampling_params))
-        new_ids = {s.seq_id for s in new_seqs}
-        plan = SchedulerOutput(
-            step_id=next(self._step_ids),
-            new_seqs=tuple(new_seqs),
-            decode_seq_ids=tuple(s for s in self._running if s not in new_ids),
-            finished_seq_ids=tuple(self._finished_since_plan),
-            scheduler_id=self.scheduler_id,
-        )
-        self._finished_since_plan = []
-        return plan
+        plan = _Plan(next(self._step_ids), self.limits.max_num_batched_tokens, {}, {}, set(), {})
+        for decoding in (True, False):
+            for seq in list(self._running):
+                if plan.budget == 0:
+                    break
+                is_decode = seq.num_uncomputed_tokens == 1
+                if seq.status is SequenceStatus.RUNNING and is_decode == decoding and self._can_grow(seq):
+                    self._schedule_running(plan, seq)
+        if not plan.preempted:
+            self._admit_waiting(plan)
+        return self._build_output(plan)
 
-    def postprocess(self, seq_ids: tuple[str, ...], sampled: list[int]) -> list[Sequence]:
-        """Append each sampled token; returns the sequences that changed (finished ones included)."""
+    def postprocess(
+        self, seq_ids: tuple[str, ...], sampled: list[int], logprobs: tuple[Logprobs | None, ...] = ()
+    ) -> list[Sequence]:
+        """Append each sampled token; returns the sequences that changed (finished ones included).
+
+        Results of sequences that finished meanwhile are dropped; a preempted sequence keeps its
+        token (it was sampled from intact state before the worker dropped it).
+        """
         changed: list[Sequence] = []
-        for seq_id, token_id in zip(seq_ids, sampled, strict=True):
+        for i, (seq_id, token_id) in enumerate(zip(seq_ids, sampled, strict=True)):
             seq = self.seqs.get(seq_id)
             if seq is None:
-                continue  # aborted while the step ran; its token is dropped
+                continue
+            seq.num_pending_tokens -= 1
             seq.output_token_ids.append(token_id)
+            if logprobs and logprobs[i] is not None:
+                seq.unsent_logprobs.append(logprobs[i])  # type: ignore[arg-type]
             reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
             changed.append(seq)
         return changed
-
-    def fail(self, seq_ids: tuple[str, ...]) -> list[Sequence]:
-        """The worker dropped these (it already freed their state)."""
-        failed = [self.seqs[s] for s in seq_ids if s in self.seqs]
-        for seq in failed:
-            self._finish(seq, FinishReason.ERROR)
-        dropped = set(seq_ids)
-        self._finished_since_plan = [s for s in self._finished_since_plan if s not in dropped]
-        return failed
 
     def fail_all(self) -> list[Sequence]:
         """The worker is gone: finish every sequence with an error (nothing to tell the worker)."""
@@ -109,29 +148,181 @@ class Scheduler:
         self._finished_since_plan = []
         return failed
 
+    # --- planning --------------------------------------------------------------------------
+
+    def _can_grow(self, seq: Sequence) -> bool:
+        """Whether another token may be computed: no limit is reached counting tokens in flight."""
+        if seq.num_uncomputed_tokens == 0:
+            return False
+        if seq.num_computed_tokens < seq.num_tokens:
+            return True  # prefill (or recompute) still has known tokens to compute
+        params, num_pending = seq.sampling_params, seq.num_pending_tokens
+        return (
+            seq.num_output_tokens + num_pending < params.max_tokens
+            and seq.num_tokens + num_pending < self.limits.context_len
+        )
+
+    def _schedule_running(self, plan: _Plan, seq: Sequence) -> None:
+        num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
+        target = seq.num_computed_tokens + num_tokens
+        while not self.block_manager.can_allocate(seq.seq_id, target):
+            victim = self._pick_victim(seq, plan)
+            if victim is None:
+                if num_tokens == 1:  # a decode that cannot grow makes room by going itself
+                    self._preempt(seq, plan)
+                return
+            self._preempt(victim, plan)
+        self._add_to_plan(plan, seq, num_tokens)
+
+    def _pick_victim(self, seq: Sequence, plan: _Plan) -> Sequence | None:
+        """The lowest-priority running sequence after ``seq`` that is not in the plan yet."""
+        for victim in reversed(self._running):
+            if victim is seq or victim.order < seq.order:
+                return None
+            if victim.seq_id not in plan.scheduled:
+                return victim
+        return None
+
+    def _preempt(self, seq: Sequence, plan: _Plan) -> None:
+        self.block_manager.free(seq.seq_id)
+        self._running.remove(seq)
+        self._finished_since_plan.append(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.prompt_done_step = 0
+        seq.num_preemptions += 1
+        heapq.heappush(self._waiting, (seq.order, seq.seq_id))
+        plan.preempted = True
+
+    def _admit_waiting(self, plan: _Plan) -> None:
+        skipped: list[tuple[tuple[int, int, int], str]] = []
+        while self._waiting and plan.budget > 0 and len(self._running) < self.limits.max_num_seqs:
+            entry = heapq.heappop(self._waiting)
+            seq = self.seqs[entry[1]]
+            if seq.num_pending_tokens or self._waits_for_parent(seq, plan.step_id):
+                skipped.append(entry)
+                continue
+            self._share_prompt(seq, plan.step_id)
+            num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
+            target = seq.num_computed_tokens + num_tokens
+            if not self.block_manager.can_allocate(seq.seq_id, target, reserve=self._watermark_blocks):
+                self.block_manager.free(seq.seq_id)  # gives back a shared prompt
+                seq.num_computed_tokens = 0
+                skipped.append(entry)
+                break  # first come, first served: nobody overtakes the head of the queue
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self._running, seq, key=lambda s: s.order)
+            plan.new_seq_ids.add(seq.seq_id)
+            self._add_to_plan(plan, seq, num_tokens)
+        for entry in skipped:
+            heapq.heappush(self._waiting, entry)
+
+    def _waits_for_parent(self, seq: Sequence, step_id: int) -> bool:
+        """Choices > 0 wait until choice 0's prompt is computed in an earlier plan, then share it."""
+        parent = self.seqs.get(seq.request_id) if seq.index > 0 else None
+        return parent is not None and not 0 < parent.prompt_done_step < step_id
+
+    def _share_prompt(self, seq: Sequence, step_id: int) -> None:
+        parent = self.seqs.get(seq.request_id) if seq.index > 0 and not seq.output_token_ids else None
+        if parent is None or parent.status is not SequenceStatus.RUNNING:
+            return
+        # Full blocks only, and never the prompt's last token: the choice samples from its logits.
+        num_blocks = (seq.num_prompt_tokens - 1) // self.limits.block_size
+        if num_blocks > 0:
+            self.block_manager.share(parent.seq_id, seq.seq_id, num_blocks)
+            seq.num_computed_tokens = num_blocks * self.limits.block_size
+
+    def _add_to_plan(self, plan: _Plan, seq: Sequence, num_tokens: int) -> None:
+        plan.num_computed_before[seq.seq_id] = seq.num_computed_tokens
+        target = seq.num_computed_tokens + num_tokens
+        plan.new_blocks[seq.seq_id] = self.block_manager.allocate(seq.seq_id, target)
+        plan.scheduled[seq.seq_id] = num_tokens
+        plan.budget -= num_tokens
+        # Samples iff the chunk reaches the end of what the worker knows.
+        samples = target == seq.num_tokens + seq.num_pending_tokens
+        seq.num_computed_tokens = target
+        if target >= seq.num_prompt_tokens and seq.prompt_done_step == 0:
+            seq.prompt_done_step = plan.step_id
+        if samples:
+            seq.num_pending_tokens += 1
+
+    def _build_output(self, plan: _Plan) -> SchedulerOutput:
+        new_seqs: list[NewSequence] = []
+        seq_ids: list[str] = []
+        counts: list[int] = []
+        new_block_ids: list[bytes] = []
+        for seq_id, num_tokens in plan.scheduled.items():
+            if seq_id in plan.new_seq_ids:
+                seq = self.seqs[seq_id]
+                new_seqs.append(
+                    NewSequence(
+                        seq_id=seq_id,
+                        prompt_token_ids=pack_tokens(seq.prompt_token_ids),
+                        output_token_ids=pack_tokens(seq.output_token_ids),
+                        sampling_params=seq.sampling_params,
+                        stop_token_ids=tuple(sorted(seq.stop_token_ids)),
+                        block_ids=pack_tokens(self.block_manager.block_tables[seq_id]),
+                        num_computed_tokens=plan.num_computed_before[seq_id],
+                        num_scheduled_tokens=num_tokens,
+                    )
+                )
+            else:
+                seq_ids.append(seq_id)
+                counts.append(num_tokens)
+                new_block_ids.append(pack_tokens(plan.new_blocks[seq_id]))
+        output = SchedulerOutput(
+            step_id=plan.step_id,
+            new_seqs=tuple(new_seqs),
+            seq_ids=tuple(seq_ids),
+            num_scheduled_tokens=pack_tokens(counts),
+            new_block_ids=tuple(new_block_ids),
+            finished_seq_ids=tuple(self._finished_since_plan),
+            scheduler_id=self.scheduler_id,
+        )
+        self._finished_since_plan = []
+        return output
+
+    # --- finishing -------------------------------------------------------------------------
+
     def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        if token_id in seq.stop_token_ids:
+        if token_id in seq.stop_token_ids and seq.num_output_tokens > seq.sampling_params.min_tokens:
             return FinishReason.STOP
-        if seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if (
+            seq.num_output_tokens >= seq.sampling_params.max_tokens
+            or seq.num_tokens >= self.limits.context_len
+        ):
             return FinishReason.LENGTH
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
-            self._running.remove(seq.seq_id)
+            self._running.remove(seq)
+            self.block_manager.free(seq.seq_id)
             self._finished_since_plan.append(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
-            self._waiting.remove((seq.priority, seq.arrival, seq.seq_id))
+            self._waiting.remove((seq.order, seq.seq_id))
             heapq.heapify(self._waiting)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
+        siblings = self._request_seqs.get(seq.request_id, [])
+        if all(s not in self.seqs for s in siblings):
+            self._request_seqs.pop(seq.request_id, None)
 
     def check_integrity(self) -> None:
-        running = [s for s in self.seqs.values() if s.status is SequenceStatus.RUNNING]
-        assert len(running) == len(self._running) <= self.max_num_seqs
-        assert set(self._running) == {s.seq_id for s in running}
+        self.block_manager.check_integrity()
+        running = {s.seq_id for s in self.seqs.values() if s.status is SequenceStatus.RUNNING}
+        assert running == {s.seq_id for s in self._running}, "running list disagrees with statuses"
+        assert len(running) <= self.limits.max_num_seqs
+        assert [s.order for s in self._running] == sorted(s.order for s in self._running)
+        assert set(self.block_manager.block_tables) <= running, "a waiting sequence holds blocks"
         waiting = {s.seq_id for s in self.seqs.values() if s.status is SequenceStatus.WAITING}
-        assert waiting == {sid for _, _, sid in self._waiting}
-        assert len(waiting) + len(running) == len(self.seqs)
-        assert not set(self._finished_since_plan) & set(self.seqs)
+        assert waiting == {sid for _, sid in self._waiting}, "waiting heap disagrees with statuses"
+        bs = self.limits.block_size
+        for seq in self.seqs.values():
+            assert 0 <= seq.num_pending_tokens <= 2, "more than two plans in flight"
+            table = self.block_manager.block_tables.get(seq.seq_id, [])
+            assert len(table) * bs >= seq.num_computed_tokens, "computed tokens outside the table"
+            if seq.status is SequenceStatus.WAITING:
+                assert seq.num_computed_tokens == 0
+        assert not set(self._finished_since_plan) & running, "a running sequence is to be dropped"

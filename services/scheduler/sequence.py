@@ -1,39 +1,72 @@
-"""A request's state inside the scheduler: its tokens, parameters and where it stands."""
+"""A sequence's state inside the scheduler: its tokens, parameters and how far its KV is computed."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from libs.protocol.messages import FinishReason, SamplingParams
+from libs.protocol.messages import FinishReason, Logprobs, SamplingParams, seq_id_of
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = enum.auto()  # admitted, not yet sent to the worker
-    RUNNING = enum.auto()  # the worker holds its state
+    WAITING = enum.auto()  # admitted (or preempted), the worker holds no state for it
+    RUNNING = enum.auto()  # the worker holds its state and KV blocks
     FINISHED = enum.auto()
 
 
 @dataclass(eq=False)
 class Sequence:
-    seq_id: str  # the request id
+    """One choice of a request. Choice 0's ``seq_id`` is the request id (see ``seq_id_of``).
+
+    KV accounting runs ahead of results: ``num_computed_tokens`` counts the tokens whose KV the
+    worker will hold once every plan sent so far has run, and ``num_pending_tokens`` the tokens
+    those plans will sample but whose values have not arrived yet (overlap scheduling keeps up to
+    two plans in flight). So the worker knows ``num_tokens + num_pending_tokens`` tokens.
+    """
+
+    seq_id: str
     gateway_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int
-    priority: int = 0
+    priority: int = 0  # lower runs first
+    request_id: str = ""  # defaults to seq_id (choice 0)
+    index: int = 0  # the choice
     arrival: int = 0  # admission order, the FCFS tie-break
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # output tokens already published to the gateway
+    num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
+    prompt_done_step: int = 0  # the step whose plan computes the prompt's last chunk (0: none yet)
+    num_preemptions: int = 0
+    unsent_logprobs: list[Logprobs] = field(default_factory=list)
     stop_token_ids: frozenset[int] = field(init=False)  # EOS unless ignore_eos, plus the request's
 
     def __post_init__(self) -> None:
+        self.request_id = self.request_id or self.seq_id
         ids = set(self.sampling_params.stop_token_ids)
         if not self.sampling_params.ignore_eos:
             ids.add(self.eos_token_id)
         self.stop_token_ids = frozenset(ids)
+
+    def choice(self, index: int) -> Sequence:
+        """Choice ``index`` of the same request; a seeded request gets seed + index so choices differ."""
+        params = self.sampling_params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)
+        return Sequence(
+            seq_id_of(self.request_id, index),
+            self.gateway_id,
+            self.prompt_token_ids,
+            params,
+            self.eos_token_id,
+            priority=self.priority,
+            request_id=self.request_id,
+            index=index,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -48,5 +81,15 @@ class Sequence:
         return self.num_prompt_tokens + self.num_output_tokens
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the worker knows (or will) whose KV is not computed yet."""
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        """Scheduling order: priority, then arrival, then choice."""
+        return (self.priority, self.arrival, self.index)
