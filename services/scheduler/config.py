@@ -13,13 +13,25 @@ class Config:
     scheduler_id: str = field(
         default_factory=lambda: "sched-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
     )
-    max_num_waiting: int = field(default=256, metadata={"help": "queued requests per worker before 429"})
+    max_num_waiting: int = field(default=256, metadata={"help": "queued sequences per worker before 429"})
+    max_num_batched_tokens: int = field(
+        default=512, metadata={"help": "tokens computed per step; longer prompts are prefilled in chunks"}
+    )
+    overlap: bool = field(
+        default=True, metadata={"help": "send step N+1 before result N arrives (overlap scheduling)"}
+    )
     step_timeout_s: float = field(default=120.0, metadata={"help": "longest a worker step may take"})
     worker_timeout_s: float = field(default=5.0, metadata={"help": "silence after which a worker is dead"})
     out_max_age_s: float = field(default=600.0, metadata={"help": "how long step outputs stay replayable"})
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
-        for key in ("max_num_waiting", "step_timeout_s", "worker_timeout_s", "out_max_age_s"):
+        for key in (
+            "max_num_waiting",
+            "max_num_batched_tokens",
+            "step_timeout_s",
+            "worker_timeout_s",
+            "out_max_age_s",
+        ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")

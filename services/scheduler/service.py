@@ -1,8 +1,12 @@
-"""Adapts bus messages to scheduler cores: one Scheduler core and one step loop per live worker.
+"""Adapts bus messages to scheduler cores: one Scheduler core and one StepLoop per owned worker.
 
-submit (request/reply, queue group) -> route -> core.add; each worker's loop runs
-plan = core.schedule(); result = worker.step(plan); core.postprocess(result), and publishes one
-StepOutputs per destination gateway per step into the durable OUT stream.
+submit (request/reply, queue group) -> route -> core.add; each worker's StepLoop runs
+plan = core.schedule(); result = worker.step(plan); core.postprocess(result), and this service
+publishes one StepOutputs per destination gateway per step into the durable OUT stream.
+
+A worker serves one scheduler at a time (block tables are the scheduler's, so two schedulers
+would hand out the same KV pages): a scheduler claims a worker with an empty plan when it joins,
+and leaves alone workers whose load report names another owner.
 """
 
 from __future__ import annotations
@@ -12,18 +16,17 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
-from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
+from libs.bus.base import Bus, Message
 from libs.bus.membership import announce
 from libs.protocol.codec import DecodeError, decode, encode, pack_tokens, unpack_tokens
 from libs.protocol.errors import QueueFull
 from libs.protocol.messages import (
     CancelRequest,
     FinishReason,
+    Logprobs,
     MemberInfo,
     MemberKind,
-    ModelRunnerOutput,
     RequestOutput,
     StepOutputs,
     SubmitReply,
@@ -34,19 +37,11 @@ from libs.protocol.messages import (
 from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
 from services.scheduler.config import Config
 from services.scheduler.router import WorkerState, pick_worker
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
+from services.scheduler.step_loop import StepLoop, WorkerHandle, WorkerLost
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class WorkerHandle:
-    load: WorkerLoad
-    core: Scheduler
-    last_seen: float
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
 
 
 class SchedulerService:
@@ -55,7 +50,7 @@ class SchedulerService:
         self.bus = bus
         self.subjects = Subjects(config.subject_prefix)
         self.workers: dict[str, WorkerHandle] = {}
-        self._owner: dict[str, str] = {}  # request id -> worker id
+        self._foreign: set[str] = set()  # workers owned by another scheduler
         self._out_seq: dict[str, int] = defaultdict(int)  # gateway id -> last StepOutputs.seq
         self._tasks: asyncio.TaskGroup | None = None
 
@@ -98,8 +93,11 @@ class SchedulerService:
             return SubmitReply(SubmitStatus.NO_WORKERS, "no worker is available")
         handle = self.workers[worker_id]
         prompt = unpack_tokens(req.prompt_token_ids)
-        if len(prompt) + 1 > handle.core.max_model_len:
-            return SubmitReply(SubmitStatus.INVALID, f"prompt of {len(prompt)} tokens exceeds the context")
+        context_len = handle.core.limits.context_len
+        if len(prompt) + 1 > context_len:
+            return SubmitReply(
+                SubmitStatus.INVALID, f"prompt of {len(prompt)} tokens exceeds the context of {context_len}"
+            )
         seq = Sequence(
             req.request_id,
             req.gateway_id,
@@ -112,22 +110,21 @@ class SchedulerService:
             handle.core.add(seq)
         except QueueFull as exc:
             return SubmitReply(SubmitStatus.QUEUE_FULL, str(exc))
-        self._owner[req.request_id] = worker_id
         handle.wake.set()
         return SubmitReply(SubmitStatus.ACCEPTED, scheduler_id=self.config.scheduler_id)
 
     async def on_cancel(self, msg: Message) -> None:
+        """Ids are request ids (every choice) or sequence ids (one choice)."""
         try:
             cancel = decode(CancelRequest, msg.data)
         except DecodeError as exc:
             log.warning("bad cancel: %s", exc)
             return
         for request_id in cancel.request_ids:
-            worker_id = self._owner.pop(request_id, None)
-            handle = self.workers.get(worker_id) if worker_id else None
-            if handle is not None and handle.core.abort(request_id) is not None:
-                handle.wake.set()  # the next plan tells the worker to drop it
-                log.info("cancelled %s", request_id)
+            for handle in self.workers.values():
+                if handle.core.abort(request_id):
+                    handle.wake.set()  # the next plan tells the worker to drop it
+                    log.info("cancelled %s", request_id)
 
     async def on_load(self, msg: Message) -> None:
         try:
@@ -136,6 +133,14 @@ class SchedulerService:
             log.warning("bad load message: %s", exc)
             return
         handle = self.workers.get(load.worker_id)
+        if load.owner not in ("", self.config.scheduler_id):
+            if handle is not None:
+                self._drop_worker(handle, f"taken by scheduler {load.owner}")
+            if load.worker_id not in self._foreign:
+                log.info("worker %s belongs to scheduler %s", load.worker_id, load.owner)
+            self._foreign.add(load.worker_id)
+            return
+        self._foreign.discard(load.worker_id)
         if handle is None:
             self._add_worker(load)
         else:
@@ -147,13 +152,43 @@ class SchedulerService:
     def _add_worker(self, load: WorkerLoad) -> None:
         if self._tasks is None:
             return  # not running yet
-        core = Scheduler(
-            load.max_num_seqs, load.max_model_len, self.config.max_num_waiting, self.config.scheduler_id
+        limits = Limits(
+            num_blocks=load.num_kv_blocks,
+            block_size=load.block_size,
+            max_num_seqs=load.max_num_seqs,
+            max_model_len=load.max_model_len,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_waiting=self.config.max_num_waiting,
         )
-        handle = WorkerHandle(load, core, time.monotonic())
+        handle = WorkerHandle(load, Scheduler(limits, self.config.scheduler_id), time.monotonic())
         self.workers[load.worker_id] = handle
-        handle.task = self._tasks.create_task(self._step_loop(handle))
-        log.info("worker %s joined (max_num_seqs=%d)", load.worker_id, load.max_num_seqs)
+        handle.task = self._tasks.create_task(self._drive(handle))
+        log.info(
+            "worker %s joined (max_num_seqs=%d, %d KV blocks of %d)",
+            load.worker_id,
+            load.max_num_seqs,
+            load.num_kv_blocks,
+            load.block_size,
+        )
+
+    async def _drive(self, handle: WorkerHandle) -> None:
+        loop = StepLoop(
+            self.bus,
+            self.subjects.worker_step(handle.load.worker_id),
+            handle,
+            self.config.overlap,
+            self.config.step_timeout_s,
+            self._publish,
+        )
+        # Dropped handles leave the loop by this check too: on Python 3.11 a cancel that races with
+        # a reply arriving inside asyncio.wait_for can be swallowed.
+        try:
+            await loop.claim()
+            await loop.run(lambda: self.workers.get(handle.load.worker_id) is handle)
+        except WorkerLost as exc:
+            if self.workers.get(handle.load.worker_id) is handle:
+                log.error("worker %s: %s", handle.load.worker_id, exc)
+                self._drop_worker(handle, str(exc))
 
     def _drop_worker(self, handle: WorkerHandle, why: str) -> None:
         self.workers.pop(handle.load.worker_id, None)
@@ -161,8 +196,6 @@ class SchedulerService:
         if handle.task is not None:
             handle.task.cancel()
         failed = handle.core.fail_all()
-        for seq in failed:
-            self._owner.pop(seq.seq_id, None)
         if failed:
             log.warning("worker %s lost (%s): failing %d requests", handle.load.worker_id, why, len(failed))
             self._publish_soon(failed, error=f"worker lost: {why}")
@@ -180,38 +213,6 @@ class SchedulerService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.worker_timeout_s / 4)
 
-    async def _step_loop(self, handle: WorkerHandle) -> None:
-        subject = self.subjects.worker_step(handle.load.worker_id)
-        core = handle.core
-        # Dropped handles leave the loop by this check too: on Python 3.11 a cancel that races with
-        # a reply arriving inside asyncio.wait_for can be swallowed.
-        while self.workers.get(handle.load.worker_id) is handle:
-            if not core.has_work():
-                handle.wake.clear()
-                await handle.wake.wait()
-                continue
-            plan = core.schedule()
-            try:
-                reply = await self.bus.request(subject, encode(plan), self.config.step_timeout_s)
-                result = decode(ModelRunnerOutput, reply)
-            except (NoResponders, RequestTimeout, DecodeError) as exc:
-                self._drop_worker(handle, f"step failed: {exc!r}")
-                return
-            if result.error:
-                log.error("worker %s step %d failed: %s", handle.load.worker_id, plan.step_id, result.error)
-                self._drop_worker(handle, result.error)
-                return
-            if result.failed_seq_ids:
-                failed = core.fail(result.failed_seq_ids)
-                await self._publish(failed, error="KV cache full")
-                for seq in failed:
-                    self._owner.pop(seq.seq_id, None)
-            changed = core.postprocess(result.seq_ids, unpack_tokens(result.sampled_token_ids))
-            for seq in changed:
-                if seq.is_finished:
-                    self._owner.pop(seq.seq_id, None)
-            await self._publish(changed)
-
     # --- outputs ---------------------------------------------------------------------------
 
     async def _publish(self, seqs: list[Sequence], error: str = "") -> None:
@@ -222,12 +223,14 @@ class SchedulerService:
             seq.num_sent_tokens = seq.num_output_tokens
             by_gateway[seq.gateway_id].append(
                 RequestOutput(
-                    request_id=seq.seq_id,
+                    request_id=seq.request_id,
                     new_token_ids=pack_tokens(new_tokens),
                     num_output_tokens=seq.num_output_tokens,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     finish_reason=seq.finish_reason if seq.is_finished else None,
                     error=error if seq.finish_reason is FinishReason.ERROR else "",
+                    index=seq.index,
+                    logprobs=_take_logprobs(seq),
                 )
             )
         for gateway_id, outputs in by_gateway.items():
@@ -237,3 +240,18 @@ class SchedulerService:
                 await self.bus.publish_durable(self.subjects.out(gateway_id), encode(step))
             except Exception as exc:  # the gateway sees the seq gap and fails these requests loudly
                 log.error("publishing to gateway %s failed: %s", gateway_id, exc)
+
+
+def _take_logprobs(seq: Sequence) -> Logprobs | None:
+    """The logprobs of the tokens not yet sent, merged into one message."""
+    parts, seq.unsent_logprobs = seq.unsent_logprobs, []
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return Logprobs(
+        token_logprobs=b"".join(p.token_logprobs for p in parts),
+        top_token_ids=b"".join(p.top_token_ids for p in parts),
+        top_logprobs=b"".join(p.top_logprobs for p in parts),
+        num_top=parts[0].num_top,
+    )

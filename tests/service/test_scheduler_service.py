@@ -25,45 +25,52 @@ from libs.protocol.messages import (
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import Config
 from services.scheduler.service import SchedulerService
+from tests.unit.scheduler.fake_worker import EOS, FakeWorker, reference_output
+
+PROMPT = [5, 6, 7]
 
 SUBJECTS = Subjects()
-EOS = 2
+BLOCK_SIZE = 4
 
 
 class ScriptedWorker:
-    """Answers every step with token 100 + step id per sequence and records the plans."""
+    """A FakeWorker (hash "model", KV checks) on the worker's subjects; records plans."""
 
-    def __init__(self, bus: InMemoryBus, worker_id: str = "w1", max_num_seqs: int = 4) -> None:
+    def __init__(self, bus: InMemoryBus, worker_id: str = "w1", max_num_seqs: int = 4, owner: str = "") -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.max_num_seqs = max_num_seqs
+        self.owner = owner
+        self.fake = FakeWorker(BLOCK_SIZE)
         self.plans: list[SchedulerOutput] = []
-        self.held: set[str] = set()
         self.gate = asyncio.Event()
         self.gate.set()
 
+    @property
+    def held(self) -> set[str]:
+        return set(self.fake.seqs)
+
     async def start(self) -> None:
         await self.bus.subscribe(SUBJECTS.worker_step(self.worker_id), self.on_step)
-        load = WorkerLoad(self.worker_id, 0, self.max_num_seqs, 64)
+        load = WorkerLoad(self.worker_id, 0, self.max_num_seqs, 64, 32, BLOCK_SIZE, owner=self.owner)
         await self.bus.publish(SUBJECTS.load(self.worker_id), encode(load))
 
     async def on_step(self, msg: Message) -> None:
         await self.gate.wait()
         plan = decode(SchedulerOutput, msg.data)
         self.plans.append(plan)
-        self.held -= set(plan.finished_seq_ids)
-        ids = tuple(s.seq_id for s in plan.new_seqs) + plan.decode_seq_ids
-        self.held |= set(ids)
-        tokens = [100 + plan.step_id] * len(ids)
-        out = ModelRunnerOutput(plan.step_id, ids, pack_tokens(tokens), len(self.held))
+        ids, tokens = self.fake.execute(plan)
+        out = ModelRunnerOutput(plan.step_id, ids, pack_tokens(tokens), len(self.fake.seqs))
         await self.bus.respond(msg, encode(out))
 
 
-@pytest.fixture
-async def stack() -> AsyncIterator[tuple[InMemoryBus, ScriptedWorker, asyncio.Queue[StepOutputs]]]:
+@pytest.fixture(params=[True, False], ids=["overlap", "no-overlap"])
+async def stack(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[InMemoryBus, ScriptedWorker, asyncio.Queue[StepOutputs]]]:
     bus = InMemoryBus()
     stop = asyncio.Event()
-    service = SchedulerService(Config(scheduler_id="s1", max_num_waiting=2), bus)
+    service = SchedulerService(Config(scheduler_id="s1", max_num_waiting=4, overlap=request.param), bus)
     task = asyncio.create_task(service.run(stop))
     await asyncio.sleep(0.01)
     worker = ScriptedWorker(bus)
@@ -81,9 +88,9 @@ async def stack() -> AsyncIterator[tuple[InMemoryBus, ScriptedWorker, asyncio.Qu
     await bus.close()
 
 
-async def submit(bus: InMemoryBus, request_id: str, max_tokens: int = 3) -> SubmitReply:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    req = SubmitRequest(request_id, "gw", pack_tokens([5, 6, 7]), params, EOS)
+async def submit(bus: InMemoryBus, request_id: str, max_tokens: int = 3, n: int = 1) -> SubmitReply:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n)
+    req = SubmitRequest(request_id, "gw", pack_tokens(PROMPT), params, EOS)
     return decode(SubmitReply, await bus.request(SUBJECTS.submit, encode(req), 1))
 
 
@@ -102,7 +109,30 @@ async def test_tokens_flow_in_order_one_message_per_step(stack) -> None:  # type
         if out.finish_reason is not None:
             break
     assert out.finish_reason is FinishReason.LENGTH
-    assert got == [101, 102, 103] and seqs == [1, 2, 3]
+    assert got == reference_output(PROMPT, 3, 64, ignore_eos=True)
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
+async def test_choices_arrive_with_their_index(stack) -> None:  # type: ignore[no-untyped-def]
+    bus, _worker, outputs = stack
+    assert (await submit(bus, "r1", max_tokens=4, n=2)).status is SubmitStatus.ACCEPTED
+    got: dict[int, list[int]] = {0: [], 1: []}
+    finished: set[int] = set()
+    while len(finished) < 2:
+        step = await asyncio.wait_for(outputs.get(), 2)
+        for out in step.outputs:
+            assert out.request_id == "r1"
+            got[out.index] += unpack_tokens(out.new_token_ids)
+            assert out.num_output_tokens == len(got[out.index])
+            if out.finish_reason is not None:
+                finished.add(out.index)
+    assert got[0] == got[1] == reference_output(PROMPT, 4, 64, ignore_eos=True)
+
+
+async def test_the_worker_is_claimed_with_an_empty_plan(stack) -> None:  # type: ignore[no-untyped-def]
+    _bus, worker, _outputs = stack
+    first = worker.plans[0]
+    assert first.scheduler_id == "s1" and first.num_scheduled_seqs == 0
 
 
 async def test_cancel_reaches_the_worker_even_when_idle(stack) -> None:  # type: ignore[no-untyped-def]
@@ -120,6 +150,21 @@ async def test_cancel_reaches_the_worker_even_when_idle(stack) -> None:  # type:
         await asyncio.sleep(0.01)
     assert "r1" not in worker.held
     assert any("r1" in p.finished_seq_ids for p in worker.plans)
+
+
+async def test_a_worker_owned_by_another_scheduler_is_left_alone() -> None:
+    bus = InMemoryBus()
+    stop = asyncio.Event()
+    task = asyncio.create_task(SchedulerService(Config(scheduler_id="s1"), bus).run(stop))
+    await asyncio.sleep(0.01)
+    worker = ScriptedWorker(bus, owner="s2")
+    await worker.start()
+    await asyncio.sleep(0.01)
+    assert (await submit(bus, "r0")).status is SubmitStatus.NO_WORKERS
+    assert worker.plans == []
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    await bus.close()
 
 
 async def test_admission_queue_full_and_no_workers() -> None:

@@ -22,7 +22,9 @@ def next_token(tokens: list[int]) -> int:
     return hash(tuple(tokens)) % VOCAB
 
 
-def reference_output(prompt: list[int], max_tokens: int, context_len: int, min_tokens: int = 0) -> list[int]:
+def reference_output(
+    prompt: list[int], max_tokens: int, context_len: int, min_tokens: int = 0, ignore_eos: bool = False
+) -> list[int]:
     """What a sequence generates when it runs alone from start to end."""
     tokens = list(prompt)
     out: list[int] = []
@@ -32,7 +34,7 @@ def reference_output(prompt: list[int], max_tokens: int, context_len: int, min_t
             token = EOS + 1  # the worker masks stop tokens before min_tokens; so does this "model"
         tokens.append(token)
         out.append(token)
-        if (token == EOS and len(out) > min_tokens) or len(out) >= max_tokens or len(tokens) >= context_len:
+        if (token == EOS and not ignore_eos and len(out) > min_tokens) or len(out) >= max_tokens or len(tokens) >= context_len:
             return out
 
 

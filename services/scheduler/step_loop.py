@@ -1,0 +1,101 @@
+"""Drives one worker: plan -> step request -> result -> postprocess, keeping plans in flight.
+
+With overlap on, up to two plans are in flight: while the worker computes plan N, plan N+1 is
+already made and queued at the worker, so the bus round trip, the scheduler's bookkeeping and the
+publishing of N's tokens all happen while the model runs. The worker executes plans in the order
+it receives them and feeds its own sampled tokens into the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from libs.bus.base import Bus, NoResponders, RequestTimeout
+from libs.protocol.codec import DecodeError, decode, encode, unpack_tokens
+from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerLoad
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05  # an empty plan with nothing in flight re-checks this often (never expected)
+
+
+class WorkerLost(Exception):
+    """The worker failed a step or stopped answering; every sequence on it is lost."""
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    load: WorkerLoad
+    core: Scheduler
+    last_seen: float
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class StepLoop:
+    def __init__(
+        self,
+        bus: Bus,
+        subject: str,
+        handle: WorkerHandle,
+        overlap: bool,
+        step_timeout_s: float,
+        publish: Callable[[list[Sequence]], Awaitable[None]],
+    ) -> None:
+        self.bus = bus
+        self.subject = subject
+        self.handle = handle
+        self.max_in_flight = 2 if overlap else 1
+        self.step_timeout_s = step_timeout_s
+        self.publish = publish
+        self._in_flight: deque[asyncio.Task[bytes]] = deque()
+
+    async def claim(self) -> None:
+        """An empty plan: the worker takes this scheduler as its owner, or says who owns it."""
+        plan = self.handle.core.schedule()
+        await self._finish_step(asyncio.ensure_future(self._send(plan)))
+
+    async def run(self, alive: Callable[[], bool]) -> None:
+        core = self.handle.core
+        try:
+            while alive():
+                if core.has_work() and len(self._in_flight) < self.max_in_flight:
+                    plan = core.schedule()
+                    if plan.num_scheduled_seqs or plan.finished_seq_ids:
+                        self._in_flight.append(asyncio.ensure_future(self._send(plan)))
+                        continue
+                if self._in_flight:
+                    await self._finish_step(self._in_flight.popleft())
+                    continue
+                self.handle.wake.clear()
+                if core.has_work():  # nothing runnable until something changes; should not happen
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.handle.wake.wait(), IDLE_POLL_S)
+                else:
+                    await self.handle.wake.wait()
+        finally:
+            for task in self._in_flight:
+                task.cancel()
+
+    async def _send(self, plan: SchedulerOutput) -> bytes:
+        return await self.bus.request(self.subject, encode(plan), self.step_timeout_s)
+
+    async def _finish_step(self, task: asyncio.Future[bytes]) -> None:
+        try:
+            result = decode(ModelRunnerOutput, await task)
+        except (NoResponders, RequestTimeout, DecodeError) as exc:
+            raise WorkerLost(f"step failed: {exc!r}") from exc
+        if result.error:
+            raise WorkerLost(result.error)
+        changed = self.handle.core.postprocess(
+            result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs
+        )
+        if changed:
+            await self.publish(changed)
