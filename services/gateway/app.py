@@ -17,11 +17,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from libs.protocol.messages import SamplingParams, SubmitStatus
-from services.gateway.openai_api import ApiError, ChatRequest, ChunkWriter, parse_chat_request, usage
+from libs.protocol.messages import SubmitStatus
+from services.gateway.choices import Choices
+from services.gateway.fields import ApiError
+from services.gateway.openai_api import ChatRequest, parse_chat_request
+from services.gateway.responses import ChunkWriter, usage
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService, RequestStream, SubmitRejected
-from services.gateway.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +49,10 @@ class Admitted:
 class ChatRoutes:
     """Handlers of the OpenAI routes over one GatewayService and one ServedModel."""
 
-    def __init__(self, service: GatewayService, served: ServedModel) -> None:
+    def __init__(self, service: GatewayService, served: ServedModel, retry_after_s: int) -> None:
         self.service = service
         self.served = served
+        self.retry_after_s = retry_after_s
 
     async def health(self, request: Request) -> Response:
         if await self.service.healthy():
@@ -63,9 +66,9 @@ class ChatRoutes:
         try:
             admitted = await self.admit(request)
         except ApiError as err:
-            headers = {"Retry-After": "1"} if err.status == 429 else None
+            headers = {"Retry-After": str(self.retry_after_s)} if err.status == 429 else None
             return error_response(err, headers)
-        writer = ChunkWriter(admitted.stream.request_id, self.served.name)
+        writer = ChunkWriter(admitted.stream.request_id, self.served.name, admitted.chat.include_usage)
         if admitted.chat.stream:
             return EventStreamResponse(self.stream_chunks(admitted, writer), on_close=admitted.stream.close)
         return await self.complete(request, admitted, writer)
@@ -79,15 +82,7 @@ class ChatRoutes:
         self.served.check_model(chat.model)
         # Tokenizing a long prompt is CPU work: keep it off the event loop (tokenizers drops the GIL).
         prompt = await asyncio.to_thread(self.served.render, chat.messages)
-        max_tokens = self.served.check_length(len(prompt), chat.max_tokens)
-        params = SamplingParams(
-            temperature=chat.temperature,
-            top_p=chat.top_p,
-            max_tokens=max_tokens,
-            stop_token_ids=chat.stop_token_ids,
-            ignore_eos=chat.ignore_eos,
-            seed=chat.seed,
-        )
+        params = chat.sampling.resolve(self.served.check_length(len(prompt), chat.sampling.max_tokens))
         request_id = "chatcmpl-" + uuid.uuid4().hex
         try:
             stream = await self.service.submit(request_id, prompt, params, self.served.eos_token_id)
@@ -97,39 +92,41 @@ class ChatRoutes:
         return Admitted(chat, stream, len(prompt))
 
     async def stream_chunks(self, admitted: Admitted, writer: ChunkWriter) -> AsyncIterator[str]:
-        text = TextStream(self.served.tokenizer, admitted.chat.stop)
-        yield sse(writer.chunk({"role": "assistant", "content": ""}))
-        async for piece in text.pieces(admitted.stream):
-            if piece:
-                yield sse(writer.chunk({"content": piece}))
-        if text.error:
-            yield sse({"error": {"message": text.error, "type": "server_error", "param": None, "code": None}})
-        else:
-            yield sse(writer.chunk({}, text.finish_reason))
-            if admitted.chat.include_usage:
-                yield sse(writer.usage_chunk(usage(admitted.num_prompt_tokens, text.num_output_tokens)))
+        """Each chunk carries one choice's delta; each choice ends with its own finish chunk."""
+        choices = Choices(self.served.tokenizer, admitted.chat.sampling)
+        for index in range(choices.n):
+            yield sse(writer.chunk(index, {"role": "assistant", "content": ""}))
+        async for event in choices.events(admitted.stream):
+            if event.text or event.logprobs:
+                yield sse(writer.chunk(event.index, {"content": event.text}, logprobs=event.logprobs))
+            if event.finish_reason is not None:
+                yield sse(writer.chunk(event.index, {}, event.finish_reason))
+        if choices.error:
+            yield sse(ApiError(500, choices.error, type_="server_error").body())
+        elif admitted.chat.include_usage:
+            yield sse(writer.usage_chunk(self._usage(admitted, choices)))
         yield "data: [DONE]\n\n"
 
     async def complete(self, request: Request, admitted: Admitted, writer: ChunkWriter) -> Response:
-        text = TextStream(self.served.tokenizer, admitted.chat.stop)
-
-        async def collect() -> str:
-            return "".join([p async for p in text.pieces(admitted.stream)])
-
+        choices = Choices(self.served.tokenizer, admitted.chat.sampling)
         try:
-            content = await until_disconnect(request, collect())
+            collected = await until_disconnect(request, choices.collect(admitted.stream))
         finally:
             admitted.stream.close()
-        if content is None:
+        if collected is None:
             return Response(status_code=499)  # nobody is listening any more
-        if text.error:
-            return error_response(ApiError(500, text.error, type_="server_error"))
-        num_tokens = usage(admitted.num_prompt_tokens, text.num_output_tokens)
-        return JSONResponse(writer.completion(content, text.finish_reason, num_tokens))
+        if choices.error:
+            return error_response(ApiError(500, choices.error, type_="server_error"))
+        return JSONResponse(writer.completion(collected, self._usage(admitted, choices)))
+
+    @staticmethod
+    def _usage(admitted: Admitted, choices: Choices) -> dict[str, Any]:
+        return usage(admitted.num_prompt_tokens, choices.num_output_tokens)
 
 
-def build_app(service: GatewayService, served: ServedModel) -> Starlette:
-    routes = ChatRoutes(service, served)
+def build_app(service: GatewayService, served: ServedModel, retry_after_s: int = 1) -> Starlette:
+    """``retry_after_s``: the Retry-After of a 429 (the scheduler's queue is full)."""
+    routes = ChatRoutes(service, served, retry_after_s)
     return Starlette(
         routes=[
             Route("/health", routes.health),

@@ -24,6 +24,9 @@ class Config:
     submit_timeout_s: float = field(
         default=5.0, metadata={"help": "how long a submit may wait for a scheduler"}
     )
+    retry_after_s: int = field(
+        default=1, metadata={"help": "Retry-After seconds sent with a 429 when the scheduler's queue is full"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -33,3 +36,5 @@ class Config:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.submit_timeout_s <= 0:
             raise ValueError(f"submit_timeout_s must be > 0, got {self.submit_timeout_s}")
+        if self.retry_after_s < 1:
+            raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")

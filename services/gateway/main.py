@@ -44,7 +44,7 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         await service.start()
         server = _Server(
             uvicorn.Config(
-                build_app(service, served),
+                build_app(service, served, config.retry_after_s),
                 host=config.host,
                 port=config.port,
                 log_level=config.log_level,

@@ -11,7 +11,7 @@ from libs.models.gguf_metadata import read_gguf_config
 from libs.models.registry import resolve_model_path
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.tokenizer import Tokenizer
-from services.gateway.openai_api import ApiError
+from services.gateway.fields import ApiError
 
 
 @dataclass(frozen=True, slots=True)

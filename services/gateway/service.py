@@ -3,7 +3,11 @@
 All step outputs for this gateway arrive on one ordered JetStream consumer (subject
 ``out.<gateway_id>``), never one per request. Two checks make a loss loud instead of silent: each
 scheduler numbers its messages to this gateway (a gap fails that scheduler's requests), and each
-output carries the request's running token count (a mismatch fails that request).
+output carries its choice's running token count (a mismatch fails that choice).
+
+A request with n > 1 is one submit; the scheduler runs choice i as sequence
+``seq_id_of(request_id, i)`` and tags its outputs with ``index`` i. The request is over when every
+choice is: finished by the scheduler, or stopped here (a stop string cancels just that sequence).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from libs.protocol.messages import (
     SubmitReply,
     SubmitRequest,
     SubmitStatus,
+    seq_id_of,
 )
 from libs.protocol.subjects import Subjects
+from services.gateway.logprobs import TokenLogprob, unpack_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -40,47 +46,73 @@ class SubmitRejected(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New tokens of one request from one step, as the HTTP side consumes them."""
+    """New tokens of one choice of a request from one step, as the HTTP side consumes them."""
 
     token_ids: list[int]
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # of this choice
     num_cached_tokens: int
     finish_reason: FinishReason | None
     error: str = ""
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
 @dataclass(eq=False)
 class _Pending:
+    n: int
+    want_logprobs: bool
     scheduler_id: str = ""
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
-    num_received: int = 0
+    num_received: list[int] = field(default_factory=list)  # per choice
+    # Per choice: the consumer has seen its end (or stopped it); later deltas for it are dropped.
+    done: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_received = [0] * self.n
+        self.done = [False] * self.n
 
 
 class RequestStream:
-    """One admitted request's deltas. ``close()`` before the end (disconnect, stop string) cancels it."""
+    """One admitted request's deltas, every choice interleaved in arrival order.
+
+    Iteration ends once every choice is done. ``stop_choice`` ends one choice early (a stop
+    string); ``close()`` before the end (disconnect, error) cancels whatever still runs.
+    """
 
     def __init__(self, service: GatewayService, request_id: str, pending: _Pending) -> None:
         self.request_id = request_id
         self._service = service
         self._pending = pending
-        self._finished = False
         self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return all(self._pending.done)
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Delta]:
-        while not self._finished:
+        done = self._pending.done
+        while not all(done):
             delta = await self._pending.queue.get()
-            self._finished = delta.finish_reason is not None
+            if done[delta.index]:
+                continue  # tokens still in flight for a choice stopped here
+            done[delta.index] = delta.finish_reason is not None
             yield delta
+
+    def stop_choice(self, index: int) -> None:
+        """End choice ``index`` here; the scheduler drops its sequence unless it had finished already."""
+        if not self._pending.done[index]:
+            self._pending.done[index] = True
+            self._service.cancel_soon(seq_id_of(self.request_id, index))
 
     def close(self) -> None:
         """Idempotent and synchronous, so it is safe in a finally block of a cancelled task."""
         if not self._closed:
             self._closed = True
-            self._service._forget(self.request_id, cancel=not self._finished)
+            self._service._forget(self.request_id, cancel=not self.finished)
 
 
 class GatewayService:
@@ -113,7 +145,7 @@ class GatewayService:
         """Admit the request (raises SubmitRejected) and return the stream of its deltas."""
         req = SubmitRequest(request_id, self.gateway_id, pack_tokens(prompt_token_ids), params, eos_token_id)
         # Registered before the submit goes out, so no output can arrive before its queue exists.
-        pending = self._pending[request_id] = _Pending()
+        pending = self._pending[request_id] = _Pending(params.n, params.logprobs)
         try:
             raw = await self.bus.request(self.subjects.submit, encode(req), self.submit_timeout_s)
             reply = decode(SubmitReply, raw)
@@ -160,16 +192,34 @@ class GatewayService:
         pending = self._pending.get(out.request_id)
         if pending is None:
             return  # cancelled here already, or answered by an older gateway with our id
+        if not 0 <= out.index < pending.n:
+            self._fail(pending, f"output for choice {out.index} of a request with n={pending.n}")
+            return
         token_ids = unpack_tokens(out.new_token_ids)
-        pending.num_received += len(token_ids)
-        error = out.error
-        finish = out.finish_reason
-        if pending.num_received != out.num_output_tokens:
-            error = f"lost tokens: have {pending.num_received}, scheduler sent {out.num_output_tokens}"
+        pending.num_received[out.index] += len(token_ids)
+        error, finish = out.error, out.finish_reason
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if pending.num_received[out.index] != out.num_output_tokens:
+            have = pending.num_received[out.index]
+            error = f"lost tokens: have {have}, scheduler sent {out.num_output_tokens}"
             finish = FinishReason.ERROR
+        elif pending.want_logprobs and token_ids:
+            try:
+                if out.logprobs is None:
+                    raise ValueError("no logprobs")
+                logprobs = unpack_logprobs(token_ids, out.logprobs)
+            except ValueError as exc:
+                error, finish = f"bad logprobs from the scheduler: {exc}", FinishReason.ERROR
         pending.queue.put_nowait(
             Delta(
-                token_ids, out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, finish, error
+                token_ids,
+                out.num_prompt_tokens,
+                out.num_output_tokens,
+                out.num_cached_tokens,
+                finish,
+                error,
+                out.index,
+                logprobs,
             )
         )
 
@@ -177,4 +227,11 @@ class GatewayService:
         log.error("scheduler %s: %s", scheduler_id, why)
         for pending in self._pending.values():
             if pending.scheduler_id == scheduler_id:
-                pending.queue.put_nowait(Delta([], 0, pending.num_received, 0, FinishReason.ERROR, why))
+                self._fail(pending, why)
+
+    @staticmethod
+    def _fail(pending: _Pending, why: str) -> None:
+        """End every choice with an error (the consumer skips those it has seen end already)."""
+        for index in range(pending.n):
+            received = pending.num_received[index]
+            pending.queue.put_nowait(Delta([], 0, received, 0, FinishReason.ERROR, why, index))

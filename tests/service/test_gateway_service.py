@@ -1,26 +1,30 @@
-"""The gateway's bus side on the in-memory bus, with a scripted scheduler: demux, loss detection, cancel."""
+"""The gateway's bus side on the in-memory bus, with a scripted scheduler: demux of requests and their
+choices, loss detection per choice, logprobs checks, cancel of a request or of one choice."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 
 import pytest
 
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
-from libs.protocol.codec import decode, encode, pack_tokens
+from libs.protocol.codec import decode, encode, pack_floats, pack_tokens
 from libs.protocol.messages import (
     CancelRequest,
     FinishReason,
+    Logprobs,
     RequestOutput,
     SamplingParams,
     StepOutputs,
     SubmitReply,
     SubmitRequest,
     SubmitStatus,
+    seq_id_of,
 )
 from libs.protocol.subjects import Subjects
+from services.gateway.logprobs import TokenLogprob
 from services.gateway.service import Delta, GatewayService, SubmitRejected
 
 SUBJECTS = Subjects()
@@ -63,11 +67,18 @@ async def gateway() -> AsyncIterator[tuple[GatewayService, ScriptedScheduler]]:
     await bus.close()
 
 
-def out(request_id: str, tokens: list[int], total: int, finish: FinishReason | None = None) -> RequestOutput:
-    return RequestOutput(request_id, pack_tokens(tokens), total, 3, finish)
+def out(
+    request_id: str,
+    tokens: list[int],
+    total: int,
+    finish: FinishReason | None = None,
+    index: int = 0,
+    logprobs: Logprobs | None = None,
+) -> RequestOutput:
+    return RequestOutput(request_id, pack_tokens(tokens), total, 3, finish, index=index, logprobs=logprobs)
 
 
-async def drain(stream: AsyncIterator[Delta]) -> list[Delta]:
+async def drain(stream: AsyncIterable[Delta]) -> list[Delta]:
     return [d async for d in stream]
 
 
@@ -134,3 +145,131 @@ async def test_rejections() -> None:
     assert info.value.status is SubmitStatus.QUEUE_FULL
     assert service.num_in_flight == 0
     await bus.close()
+
+
+def tokens_by_choice(deltas: list[Delta], n: int) -> list[list[int]]:
+    by_choice: list[list[int]] = [[] for _ in range(n)]
+    for d in deltas:
+        by_choice[d.index] += d.token_ids
+    return by_choice
+
+
+def finishes(deltas: list[Delta]) -> dict[int, FinishReason]:
+    return {d.index: d.finish_reason for d in deltas if d.finish_reason is not None}
+
+
+async def test_choices_are_demuxed_and_the_request_ends_with_its_last_choice(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    a = await service.submit("a", [1, 2, 3], SamplingParams(n=3), 2)
+    assert scheduler.submitted[0].sampling_params.n == 3  # one submit for all choices
+    await scheduler.emit(out("a", [10], 1, index=0), out("a", [20], 1, index=1), out("a", [30], 1, index=2))
+    await scheduler.emit(out("a", [21], 2, FinishReason.STOP, index=1), out("a", [11], 2, index=0))
+    await scheduler.emit(out("a", [12], 3, FinishReason.LENGTH, index=0))
+    await scheduler.emit(out("a", [31, 32], 3, FinishReason.STOP, index=2))
+    deltas = await asyncio.wait_for(drain(a), 2)
+    assert tokens_by_choice(deltas, 3) == [[10, 11, 12], [20, 21], [30, 31, 32]]
+    assert finishes(deltas) == {0: FinishReason.LENGTH, 1: FinishReason.STOP, 2: FinishReason.STOP}
+    assert deltas[-1].index == 2  # iteration ran until the last choice ended
+    a.close()
+    await asyncio.sleep(0.01)
+    assert scheduler.cancelled == [] and service.num_in_flight == 0
+
+
+async def test_lost_tokens_fail_only_their_choice(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    a = await service.submit("a", [1], SamplingParams(n=2), 2)
+    await scheduler.emit(out("a", [10], 1, index=0), out("a", [20], 1, index=1))
+    await scheduler.emit(out("a", [11], 2, index=0), out("a", [22], 3, index=1))  # choice 1 lost one
+    await scheduler.emit(out("a", [12], 3, FinishReason.STOP, index=0))
+    deltas = await asyncio.wait_for(drain(a), 2)
+    ends = {d.index: d for d in deltas if d.finish_reason is not None}
+    assert ends[0].finish_reason is FinishReason.STOP and not ends[0].error
+    assert ends[1].finish_reason is FinishReason.ERROR and "lost tokens" in ends[1].error
+
+
+async def test_stopping_one_choice_cancels_its_sequence_and_drops_its_late_tokens(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    a = await service.submit("a", [1], SamplingParams(n=2), 2)
+    await scheduler.emit(out("a", [10], 1, index=0), out("a", [20], 1, index=1))
+    seen: list[Delta] = []
+    async for delta in a:
+        seen.append(delta)
+        if delta.index == 1:
+            a.stop_choice(1)  # as a stop string in choice 1's text would
+            a.stop_choice(1)  # idempotent
+            await scheduler.emit(out("a", [21], 2, index=1), out("a", [11], 2, FinishReason.STOP, index=0))
+    assert tokens_by_choice(seen, 2) == [[10, 11], [20]]  # 21 was in flight and is dropped
+    await asyncio.sleep(0.01)
+    assert scheduler.cancelled == [seq_id_of("a", 1)] == ["a#1"]
+    a.close()  # every choice is over: nothing more to cancel
+    await asyncio.sleep(0.01)
+    assert scheduler.cancelled == ["a#1"] and service.num_in_flight == 0
+
+
+async def test_stopping_a_choice_that_finished_sends_no_cancel(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    a = await service.submit("a", [1], PARAMS, 2)
+    await scheduler.emit(out("a", [10], 1, FinishReason.STOP))
+    async for delta in a:
+        assert delta.finish_reason is FinishReason.STOP
+        a.stop_choice(0)  # the stop string arrived with the EOS
+    a.close()
+    await asyncio.sleep(0.01)
+    assert scheduler.cancelled == []
+
+
+async def test_closing_a_request_with_choices_running_cancels_the_request(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    a = await service.submit("a", [1], SamplingParams(n=2), 2)
+    await scheduler.emit(out("a", [10], 1, FinishReason.STOP, index=0))
+    async for _ in a:
+        break
+    a.close()
+    await asyncio.sleep(0.01)
+    assert scheduler.cancelled == ["a"]  # the request id cancels every choice at once
+
+
+async def test_a_gap_fails_every_choice_and_a_bad_index_fails_the_request(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    a = await service.submit("a", [1], SamplingParams(n=2), 2)
+    b = await service.submit("b", [1], SamplingParams(n=2), 2)
+    await scheduler.emit(out("a", [10], 1, FinishReason.STOP, index=0), out("b", [1], 1, index=2))
+    await scheduler.emit(out("a", [20], 2, index=1), seq=3)
+    deltas_a, deltas_b = await asyncio.wait_for(asyncio.gather(drain(a), drain(b)), 2)
+    assert finishes(deltas_a) == {0: FinishReason.STOP, 1: FinishReason.ERROR}
+    assert "lost step outputs" in deltas_a[-1].error
+    assert finishes(deltas_b) == {0: FinishReason.ERROR, 1: FinishReason.ERROR}
+    assert all("choice 2" in d.error for d in deltas_b)
+
+
+def wire_logprobs(values: list[float], top: list[tuple[int, float]], num_top: int) -> Logprobs:
+    return Logprobs(
+        pack_floats(values), pack_tokens([t for t, _ in top]), pack_floats([v for _, v in top]), num_top
+    )
+
+
+async def test_logprobs_are_unpacked_per_token_and_checked(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    params = SamplingParams(logprobs=True, top_logprobs=1, n=2)
+    a = await service.submit("a", [1], params, 2)
+    good = wire_logprobs([-0.5, -0.25], [(10, -0.5), (7, -0.125)], 1)
+    await scheduler.emit(out("a", [10, 11], 2, index=0, logprobs=good), out("a", [20], 1, index=1))
+    await scheduler.emit(out("a", [], 2, FinishReason.STOP, index=0))  # no tokens: no logprobs needed
+    deltas = await asyncio.wait_for(drain(a), 2)
+    assert deltas[0].logprobs == (
+        TokenLogprob(10, -0.5, ((10, -0.5),)),
+        TokenLogprob(11, -0.25, ((7, -0.125),)),
+    )
+    assert finishes(deltas) == {0: FinishReason.STOP, 1: FinishReason.ERROR}
+    assert "bad logprobs" in deltas[1].error  # choice 1 came without them
+    b = await service.submit("b", [1], params, 2)
+    await scheduler.emit(out("b", [10, 11], 2, index=0, logprobs=wire_logprobs([-0.5], [(10, -0.5)], 1)))
+    assert "bad logprobs" in (await asyncio.wait_for(anext(aiter(b)), 2)).error
+
+
+async def test_logprobs_not_asked_for_are_ignored(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    a = await service.submit("a", [1], PARAMS, 2)
+    await scheduler.emit(out("a", [10], 1, FinishReason.STOP, logprobs=wire_logprobs([-1.0, -2.0], [], 0)))
+    [delta] = await asyncio.wait_for(drain(a), 2)
+    assert (delta.finish_reason, delta.logprobs, delta.token_ids) == (FinishReason.STOP, (), [10])

@@ -1,0 +1,93 @@
+"""Chat Completions sampling fields -> SamplingParams: OpenAI's ranges plus vLLM's extensions. Pure.
+
+vLLM's extra body fields accepted here: top_k (-1 means off, as 0 does), min_p,
+repetition_penalty, min_tokens, stop_token_ids, ignore_eos. Stop strings stay in the gateway
+(they are matched on text), so they are returned beside the params, not inside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.protocol.messages import SamplingParams
+from services.gateway.fields import INT64_MIN, ApiError, boolean, number, optional_int, token_ids
+
+MAX_STOP_STRINGS = 4
+MAX_N = 16  # completions per request; each is a sequence with its own KV past the shared prompt
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    # Everything but max_tokens, which needs the prompt length: take the params from ``resolve``.
+    base: SamplingParams
+    max_tokens: int | None  # as asked; None means whatever the context window leaves
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return self.base.n
+
+    def resolve(self, max_tokens: int) -> SamplingParams:
+        """The params to submit, once the context window has fixed ``max_tokens``."""
+        if self.base.min_tokens > max_tokens:
+            raise ApiError(
+                400,
+                f"'min_tokens' ({self.base.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
+        return dataclasses.replace(self.base, max_tokens=max_tokens)
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+        return list(stop)
+    raise ApiError(400, f"'stop' must be a string or up to {MAX_STOP_STRINGS} strings", param="stop")
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one vLLM still reads.
+    max_tokens = optional_int(body, "max_completion_tokens", 1)
+    return max_tokens if max_tokens is not None else optional_int(body, "max_tokens", 1)
+
+
+def _logprobs(body: dict[str, Any]) -> tuple[bool, int]:
+    logprobs = boolean(body, "logprobs")
+    top_logprobs = optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    return logprobs, top_logprobs or 0
+
+
+def parse_sampling(body: dict[str, Any]) -> Sampling:
+    """Validate every sampling field of a request body (400 naming the field on a bad one)."""
+    logprobs, top_logprobs = _logprobs(body)
+    top_k = optional_int(body, "top_k", -1, _INT32_MAX)
+    base = SamplingParams(
+        temperature=number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(top_k or 0, 0),  # vLLM's -1 and our 0 both mean off
+        min_p=number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        min_tokens=optional_int(body, "min_tokens", 0) or 0,
+        stop_token_ids=token_ids(body, "stop_token_ids"),
+        ignore_eos=boolean(body, "ignore_eos"),
+        seed=optional_int(body, "seed", INT64_MIN),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=optional_int(body, "n", 1, MAX_N) or 1,
+    )
+    sampling = Sampling(base, _max_tokens(body), _stop(body))
+    if sampling.max_tokens is not None:
+        sampling.resolve(sampling.max_tokens)  # min_tokens > max_tokens fails before tokenizing
+    return sampling
