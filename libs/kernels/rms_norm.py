@@ -1,12 +1,27 @@
-"""RMSNorm reference ops in plain torch: plain, and fused with the residual add."""
+"""RMSNorm, plain and fused with the residual add: plain-torch references and the dispatching ops.
+
+`rms_norm` / `fused_add_rms_norm` pick flashinfer's kernels for CUDA tensors where its semantics
+match (fp16/bf16, one dtype throughout), else the torch fast path, which runs on any device.
+
+The torch fast path takes the sum of squares with one fp32-accumulating reduction
+(`linalg.vector_norm(..., dtype=float32)`, no fp32 copy of x) and makes at most one full-size
+temporary where the reference makes up to four; fresh large temporaries cost page faults on first
+touch, so the gain grows with the token count. Torch's own `F.rms_norm` is no
+help on CPU: in torch 2.13 its "fused" CPU route runs the same pow/mean/rsqrt/mul chain, and with
+mixed dtypes (llama.py's fp32 residual under bf16 weights) it falls back to the unfused composite
+with a warning. bench/kernels.py has the numbers.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+_HALF = (torch.float16, torch.bfloat16)
+_FAST = (torch.float32, *_HALF)  # dtypes vector_norm can accumulate in fp32 without narrowing
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Root-mean-square norm over the last dim, computed in fp32 and cast back to x.dtype.
 
     x: [..., hidden]; weight: [hidden]; returns [..., hidden].
@@ -18,7 +33,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (normed * weight.float()).to(x.dtype)
 
 
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def fused_add_rms_norm_reference(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """`residual + x`, and its norm: the pre-norm step between two sub-layers.
 
     x, residual: [..., hidden]; weight: [hidden]. Returns (normed in x.dtype, new_residual in
@@ -27,4 +44,56 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
     outlier channels in the thousands, where bf16's step is 8-128).
     """
     new_residual = (x.float() + residual.float()).to(residual.dtype)
-    return rms_norm(new_residual, weight, eps).to(x.dtype), new_residual
+    return rms_norm_reference(new_residual, weight, eps).to(x.dtype), new_residual
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """rms_norm_reference's result (fp32 math, one rounding to x.dtype), by the fastest route."""
+    if x.is_cuda and x.dtype in _HALF and weight.dtype == x.dtype:
+        return _rms_norm_flashinfer(x, weight, eps)
+    return _normed(x, weight, eps, x.dtype)
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """fused_add_rms_norm_reference's result by the fastest route; the inputs are not modified."""
+    if x.is_cuda and x.dtype in _HALF and residual.dtype == x.dtype and weight.dtype == x.dtype:
+        return _fused_add_rms_norm_flashinfer(x, residual, weight, eps)
+    if torch.result_type(x, residual) != residual.dtype:
+        # e.g. an fp32 x onto a bf16 residual: the reference adds in fp32 then rounds; keep that.
+        return fused_add_rms_norm_reference(x, residual, weight, eps)
+    # Same value as the reference's fp32 add: for an fp32 residual x is upcast exactly, and for a
+    # half residual torch adds in fp32 and rounds once to residual.dtype.
+    new_residual = residual + x
+    return _normed(new_residual, weight, eps, x.dtype), new_residual
+
+
+def _normed(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
+    """x / rms(x) * weight in fp32, rounded once to out_dtype. x: [..., hidden]; weight: [hidden]."""
+    if x.dtype not in _FAST:
+        return rms_norm_reference(x, weight, eps).to(out_dtype)
+    norm: Tensor = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # [..., 1]
+    inv_rms = norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+    out = x * inv_rms  # fp32: a [..., 1] fp32 operand promotes a half x
+    out.mul_(weight)  # in fp32, like the reference's weight.float()
+    return out.to(out_dtype)
+
+
+def _rms_norm_flashinfer(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    from flashinfer.norm import rmsnorm
+
+    out: Tensor = rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps)  # fp32 math, one rounding
+    return out.view(x.shape)
+
+
+def _fused_add_rms_norm_flashinfer(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    from flashinfer.norm import fused_add_rmsnorm
+
+    # flashinfer works in place (input becomes the normed output, residual the sum): copy first to
+    # keep this op pure. It normalises the fp32 sum before rounding it into residual, so its output
+    # can differ from the reference by one half-precision step.
+    normed = x.reshape(-1, x.shape[-1]).clone()
+    new_residual = residual.reshape(-1, residual.shape[-1]).clone()
+    fused_add_rmsnorm(normed, new_residual, weight, eps)
+    return normed.view(x.shape), new_residual.view(residual.shape)

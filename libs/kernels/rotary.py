@@ -1,8 +1,13 @@
-"""Rotary position embedding for the interleaved (GGUF/ggml) layout, in plain torch.
+"""Rotary position embedding for the interleaved (GGUF/ggml) layout: reference and dispatching op.
 
 llama.cpp's converter permutes the rows of Q and K so that ggml's rope, which rotates adjacent
 pairs (x[2i], x[2i+1]) by angle pos * base^(-2i/head_dim), gives the same result as HF's
 rotate_half layout. Weights used as stored in the GGUF therefore need this interleaved rotation.
+
+`apply_rotary_interleaved` runs flashinfer's kernel for half-precision CUDA tensors and otherwise
+the complex-multiply fast path: each pair viewed as one complex number, one multiply by
+e^(i * angle) instead of the reference's six elementwise ops and a stack (same fp32 arithmetic,
+same result to the bit in our tests; bench/kernels.py has the speed-up).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ def rope_cos_sin_cache(head_dim: int, max_positions: int, base: float, dtype: to
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
 
 
-def apply_rotary_interleaved(x: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> Tensor:
+def apply_rotary_interleaved_reference(x: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> Tensor:
     """Rotate each adjacent pair (x[..., 2i], x[..., 2i+1]) by its angle at each token's position.
 
     x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] int64;
@@ -40,3 +45,43 @@ def apply_rotary_interleaved(x: Tensor, positions: Tensor, cos_sin_cache: Tensor
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
     return rotated.flatten(-2).to(x.dtype)
+
+
+def apply_rotary_interleaved(x: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> Tensor:
+    """apply_rotary_interleaved_reference's result (fp32 math, x's shape and dtype), fast.
+
+    x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] int64;
+    cos_sin_cache: [max_positions, head_dim] from rope_cos_sin_cache.
+    """
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and cos_sin_cache.dtype == torch.float32:
+        return _rotary_flashinfer(x, positions, cos_sin_cache)
+    half = x.shape[-1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions).float()  # [num_tokens, head_dim]
+    rotation = torch.complex(
+        cos_sin[:, None, :half], cos_sin[:, None, half:]
+    )  # [num_tokens, 1, head_dim / 2]
+    pairs = x.float().reshape(*x.shape[:-1], half, 2)  # [num_tokens, num_heads, head_dim / 2, 2]
+    if not _complex_viewable(pairs):
+        pairs = pairs.clone(memory_format=torch.contiguous_format)  # fresh storage: offset 0
+    rotated = torch.view_as_complex(pairs) * rotation
+    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+
+def _complex_viewable(pairs: Tensor) -> bool:
+    """Whether view_as_complex accepts `pairs` [..., 2]: the pair dim dense, every other stride
+    and the storage offset even. A q/k view into the fused qkv output is, so no copy is made."""
+    even = pairs.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in pairs.stride()[:-1])
+    return even and pairs.stride(-1) == 1
+
+
+def _rotary_flashinfer(x: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> Tensor:
+    from flashinfer.rope import apply_rope_with_cos_sin_cache
+
+    # Same cache layout (cos half then sin half, fp32); is_neox=False is the interleaved rotation.
+    # The kernel rotates a query and a key tensor in one launch: x goes in as both and the second
+    # output is dropped, an extra pass over a small tensor.
+    head_dim = x.shape[-1]
+    flat = x.reshape(x.shape[0], -1)  # [num_tokens, num_heads * head_dim]
+    rotated, _ = apply_rope_with_cos_sin_cache(positions, flat, flat, head_dim, cos_sin_cache, is_neox=False)
+    out: Tensor = rotated.view(x.shape)
+    return out

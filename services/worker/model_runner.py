@@ -1,19 +1,27 @@
-"""ModelRunner: the worker's sequences, KV pages and one forward + sample per SchedulerOutput."""
+"""ModelRunner: the worker's sequences and KV pages, and one forward + sample per SchedulerOutput.
+
+The scheduler decides everything about KV placement: a plan names, for each sequence, the pages
+to append to its block table and how many tokens to compute after those already computed. The
+runner lays the step out flat (rows with several tokens first, then single-token rows, as the
+attention backend wants), runs the model once, and samples for the rows whose computed tokens
+reach the end of what they know: a prefill's last chunk, or a decode.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from libs.kernels.paged_attention import PagedAttentionMetadata, make_attention_backend
 from libs.models.attention import AttentionFn
 from libs.protocol.codec import pack_tokens, unpack_tokens
-from libs.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from services.worker.attention import KVPool, StepAttention
-from services.worker.block_manager import BlockManager
+from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, SchedulerOutput
+from services.worker.kv_cache import KVCache, KVLayout, StepAttention
 from services.worker.sampler import Sampler
+from services.worker.sequence_state import SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -27,41 +35,36 @@ class CausalLM(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+class ModelShape:
+    num_heads: int
+    layout: KVLayout
 
 
-@dataclass(eq=False)
-class SequenceState:
-    token_ids: list[int]  # prompt + sampled; the last one's k/v is not in the pool yet
-    sampling_params: SamplingParams
-    scheduler_id: str  # who scheduled it; its state goes if that scheduler goes
-    generator: torch.Generator | None = None
-    num_computed_tokens: int = 0  # tokens whose k/v is in the pool
+@dataclass(frozen=True, slots=True)
+class _Row:
+    state: SequenceState
+    num_tokens: int  # computed in this step, from state.num_computed_tokens on
 
 
-@dataclass
-class StepBatch:
-    """What one step feeds the model, in the flat layout of StepAttention."""
-
-    seq_ids: list[str] = field(default_factory=list)
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    logits_index: list[int] = field(default_factory=list)  # the token whose logits sample each seq
-    prefill_spans: list[tuple[int, int]] = field(default_factory=list)
+class PlanError(ValueError):
+    """A plan that contradicts what the worker holds (a scheduler bug, or a lost step)."""
 
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        model: CausalLM,
+        shape: ModelShape,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model = model
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.pool = KVPool(
-            layout.num_layers, num_blocks * block_size, layout.num_kv_heads, layout.head_dim, dtype
+        self.device = torch.device(device)
+        self.kv_cache = KVCache(shape.layout, num_blocks, block_size, dtype, self.device)
+        self.backend = make_attention_backend(
+            self.device, shape.num_heads, shape.layout.num_kv_heads, shape.layout.head_dim, dtype
         )
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
@@ -70,28 +73,101 @@ class ModelRunner:
     def num_running_seqs(self) -> int:
         return len(self.seqs)
 
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in plan.finished_seq_ids:
-            self.free(seq_id)
-        for new in plan.new_seqs:
-            gen = None
-            if new.sampling_params.seed is not None:
-                gen = torch.Generator().manual_seed(new.sampling_params.seed)
-            self.seqs[new.seq_id] = SequenceState(
-                unpack_tokens(new.prompt_token_ids), new.sampling_params, plan.scheduler_id, gen
-            )
-        batch, failed = self._build_batch([s.seq_id for s in plan.new_seqs], list(plan.decode_seq_ids))
-        if failed:
-            log.warning("KV cache full: failing %d sequences", len(failed))
-        sampled = self._run(batch) if batch.seq_ids else []
+            self.seqs.pop(seq_id, None)
+        rows = [self._add(new, plan.scheduler_id) for new in plan.new_seqs]
+        counts = unpack_tokens(plan.num_scheduled_tokens)
+        if not len(counts) == len(plan.seq_ids) == len(plan.new_block_ids):
+            raise PlanError("seq_ids, num_scheduled_tokens and new_block_ids differ in length")
+        for seq_id, num_tokens, blocks in zip(plan.seq_ids, counts, plan.new_block_ids, strict=True):
+            state = self.seqs.get(seq_id)
+            if state is None:
+                raise PlanError(f"sequence {seq_id!r} is not held here")
+            state.block_table += unpack_tokens(blocks)
+            rows.append(_Row(state, num_tokens))
+        for row in rows:
+            self._check_row(row)
+        sampled_rows, token_ids, logprobs = self._run(rows) if rows else ([], [], [])
         return ModelRunnerOutput(
             step_id=plan.step_id,
-            seq_ids=tuple(batch.seq_ids),
-            sampled_token_ids=pack_tokens(sampled),
+            seq_ids=tuple(r.state.seq_id for r in sampled_rows),
+            sampled_token_ids=pack_tokens(token_ids),
             num_running_seqs=self.num_running_seqs,
-            failed_seq_ids=tuple(failed),
+            logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
         )
+
+    def _add(self, new: NewSequence, scheduler_id: str) -> _Row:
+        prompt = unpack_tokens(new.prompt_token_ids)
+        state = SequenceState(
+            seq_id=new.seq_id,
+            token_ids=prompt + unpack_tokens(new.output_token_ids),
+            num_prompt_tokens=len(prompt),
+            sampling_params=new.sampling_params,
+            stop_token_ids=frozenset(new.stop_token_ids),
+            block_table=unpack_tokens(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            scheduler_id=scheduler_id,
+        )
+        self.seqs[new.seq_id] = state
+        return _Row(state, new.num_scheduled_tokens)
+
+    def _check_row(self, row: _Row) -> None:
+        state, end = row.state, row.state.num_computed_tokens + row.num_tokens
+        if row.num_tokens <= 0 or end > state.num_tokens:
+            raise PlanError(
+                f"{state.seq_id}: {row.num_tokens} tokens after {state.num_computed_tokens} "
+                f"of {state.num_tokens}"
+            )
+        if len(state.block_table) * self.block_size < end:
+            raise PlanError(f"{state.seq_id}: block table too short for {end} tokens")
+        if max(state.block_table, default=0) >= self.kv_cache.num_blocks:
+            raise PlanError(f"{state.seq_id}: block id beyond the pool")
+
+    def _run(self, rows: list[_Row]) -> tuple[list[_Row], list[int], list[Logprobs | None]]:
+        # Multi-token rows (prefill chunks) first, then single-token rows (decodes): the layout
+        # the attention backends batch on. Sorting is stable, so plan order is kept within each.
+        rows = sorted(rows, key=lambda r: r.num_tokens == 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_index: list[int] = []
+        sampled_rows: list[_Row] = []
+        for row in rows:
+            start = row.state.num_computed_tokens
+            end = start + row.num_tokens
+            input_ids += row.state.token_ids[start:end]
+            positions += range(start, end)
+            if end == row.state.num_tokens:
+                logits_index.append(len(input_ids) - 1)
+                sampled_rows.append(row)
+        meta = PagedAttentionMetadata.build(
+            query_lens=[r.num_tokens for r in rows],
+            context_lens=[r.state.num_computed_tokens for r in rows],
+            block_tables=[r.state.block_table for r in rows],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.backend.plan(meta)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            StepAttention(self.backend, self.kv_cache),
+        )
+        for row in rows:
+            row.state.num_computed_tokens += row.num_tokens
+        if not sampled_rows:
+            return [], [], []
+        index = torch.tensor(logits_index, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        out = self.sampler(logits, [r.state for r in sampled_rows])
+        for row, token_id in zip(sampled_rows, out.token_ids, strict=True):
+            row.state.token_ids.append(token_id)
+        return sampled_rows, out.token_ids, list(out.logprobs)
 
     def schedulers(self) -> set[str]:
         """Schedulers that own at least one sequence here."""
@@ -101,81 +177,15 @@ class ModelRunner:
         """Drop every sequence of ``scheduler_id``; returns how many."""
         owned = [seq_id for seq_id, s in self.seqs.items() if s.scheduler_id == scheduler_id]
         for seq_id in owned:
-            self.free(seq_id)
+            del self.seqs[seq_id]
         return len(owned)
 
     def reset(self) -> None:
         """Drop every sequence (after a failed step the scheduler fails them all)."""
-        for seq_id in list(self.seqs):
-            self.free(seq_id)
-
-    def free(self, seq_id: str) -> None:
-        self.seqs.pop(seq_id, None)
-        self.block_manager.free(seq_id)
-
-    def _build_batch(self, prefill_ids: list[str], decode_ids: list[str]) -> tuple[StepBatch, list[str]]:
-        """Lay out the step's tokens; sequences whose pages cannot be allocated are failed instead."""
-        batch, failed = StepBatch(), []
-        for seq_id in prefill_ids + decode_ids:
-            seq = self.seqs[seq_id]
-            start, end = seq.num_computed_tokens, len(seq.token_ids)
-            if not self.block_manager.can_allocate(seq_id, end):
-                failed.append(seq_id)
-                continue
-            self.block_manager.allocate(seq_id, end)
-            if start == 0:
-                batch.prefill_spans.append((len(batch.input_ids), end))
-            else:
-                assert end - start == 1, "a running sequence decodes one token per step"
-            batch.seq_ids.append(seq_id)
-            batch.input_ids += seq.token_ids[start:end]
-            batch.positions += range(start, end)
-            batch.slots += (self.block_manager.slot(seq_id, p) for p in range(start, end))
-            batch.logits_index.append(len(batch.input_ids) - 1)
-        for seq_id in failed:
-            self.free(seq_id)
-        return batch, failed
-
-    def _decode_gather(self, decode_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool slots of every decode sequence's tokens, padded to the longest, and its mask."""
-        lengths = [len(self.seqs[s].token_ids) for s in decode_ids]
-        max_len = max(lengths)
-        bs = self.block_manager.block_size
-        max_blocks = -(-max_len // bs)
-        tables = torch.zeros(len(decode_ids), max_blocks, dtype=torch.long)
-        for i, seq_id in enumerate(decode_ids):
-            table = self.block_manager.block_tables[seq_id]
-            tables[i, : len(table)] = torch.tensor(table[:max_blocks])
-        pos = torch.arange(max_len)
-        slots = tables[:, pos // bs] * bs + pos % bs  # [num_decode, max_len]
-        mask = pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-        return slots, mask[:, None, None, :]
-
-    def _run(self, batch: StepBatch) -> list[int]:
-        num_prefill_tokens = sum(n for _, n in batch.prefill_spans)
-        decode_ids = batch.seq_ids[len(batch.prefill_spans) :]
-        decode_slots = decode_mask = None
-        if decode_ids:
-            decode_slots, decode_mask = self._decode_gather(decode_ids)
-        attention = StepAttention(
-            pool=self.pool,
-            slot_mapping=torch.tensor(batch.slots, dtype=torch.long),
-            prefill_spans=tuple(batch.prefill_spans),
-            num_prefill_tokens=num_prefill_tokens,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-        )
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
-        positions = torch.tensor(batch.positions, dtype=torch.long)
-        hidden = self.model(input_ids, positions, attention)
-        logits = self.model.compute_logits(hidden[torch.tensor(batch.logits_index)])
-        states = [self.seqs[s] for s in batch.seq_ids]
-        sampled = self.sampler(logits, [s.sampling_params for s in states], [s.generator for s in states])
-        for state, token_id in zip(states, sampled, strict=True):
-            state.num_computed_tokens = len(state.token_ids)
-            state.token_ids.append(token_id)
-        return sampled
+        self.seqs.clear()
 
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity()
-        assert set(self.block_manager.block_tables) <= set(self.seqs)
+        for state in self.seqs.values():
+            assert state.num_computed_tokens <= state.num_tokens
+            assert len(state.block_table) * self.block_size >= state.num_computed_tokens
+            assert all(0 <= b < self.kv_cache.num_blocks for b in state.block_table)

@@ -1,4 +1,10 @@
-"""Adapts bus messages to the ModelRunner: step request -> forward in a thread -> reply + load."""
+"""Adapts bus messages to the ModelRunner: step request -> forward in a thread -> reply + load.
+
+The worker serves one scheduler at a time, its owner: the first scheduler to send a plan. Plans
+from any other scheduler are refused while the owner lives, because block tables are the
+owner's. The worker lets go when the owner leaves the members bucket, or holds sequences but
+has been silent for ``orphan_timeout_s``; its sequences are then dropped.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import logging
 import time
 
 from libs.bus.base import Bus, Message
-from libs.bus.membership import announce
+from libs.bus.membership import MEMBER_TTL_S, announce, live_members
 from libs.protocol.codec import DecodeError, decode, encode
 from libs.protocol.messages import MemberInfo, MemberKind, ModelRunnerOutput, SchedulerOutput, WorkerLoad
 from libs.protocol.subjects import Subjects
@@ -29,7 +35,8 @@ class WorkerService:
         self.model_name = model_name
         self.subjects = Subjects(config.subject_prefix)
         self._last_step_ms = 0.0
-        self._last_plan_at: dict[str, float] = {}  # scheduler id -> when its last step ended
+        self.owner = ""  # the scheduler this worker serves ("": none yet)
+        self._owner_seen = 0.0  # monotonic time of the owner's last plan
         self._stepping = asyncio.Lock()  # orphan checks never run while a step holds the runner
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -48,6 +55,14 @@ class WorkerService:
         except DecodeError as exc:
             await self.bus.respond(msg, encode(ModelRunnerOutput(0, (), b"", 0, error=str(exc))))
             return
+        if self.owner and plan.scheduler_id != self.owner:
+            refusal = f"worker {self.config.worker_id} is owned by scheduler {self.owner}"
+            num_running = self.runner.num_running_seqs
+            await self.bus.respond(
+                msg, encode(ModelRunnerOutput(plan.step_id, (), b"", num_running, error=refusal))
+            )
+            return
+        self.owner = plan.scheduler_id
         start = time.perf_counter()
         async with self._stepping:
             try:
@@ -56,10 +71,8 @@ class WorkerService:
             except Exception as exc:
                 log.exception("step %d failed", plan.step_id)
                 self.runner.reset()  # the scheduler fails every request it had here
-                result = ModelRunnerOutput(
-                    plan.step_id, (), b"", self.runner.num_running_seqs, error=repr(exc)
-                )
-            self._last_plan_at[plan.scheduler_id] = time.monotonic()
+                result = ModelRunnerOutput(plan.step_id, (), b"", 0, error=repr(exc))
+            self._owner_seen = time.monotonic()
         self._last_step_ms = (time.perf_counter() - start) * 1e3
         await self.bus.respond(msg, encode(result))
         await self._publish_load()
@@ -70,26 +83,41 @@ class WorkerService:
             num_running_seqs=self.runner.num_running_seqs,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
+            num_kv_blocks=self.runner.kv_cache.num_blocks,
+            block_size=self.runner.block_size,
             step_time_ms=self._last_step_ms,
             model=self.model_name,
+            owner=self.owner,
         )
 
     async def _publish_load(self) -> None:
         await self.bus.publish(self.subjects.load(self.config.worker_id), encode(self.load()))
 
     async def drop_orphans(self) -> int:
-        """Free the sequences of schedulers silent for ``orphan_timeout_s``.
+        """Let go of an owner that is gone; returns how many of its sequences were dropped.
 
-        A scheduler with sequences here sends steps back to back, so such silence means it died
-        (or lost this worker); its sequences would otherwise hold KV pages forever.
+        An owner with sequences here sends steps back to back, so silence while holding them
+        means it died or lost this worker; they would otherwise hold KV pages forever. An idle
+        owner keeps the worker as long as it is a live member.
         """
+        if not self.owner:
+            return 0
+        silent_s = time.monotonic() - self._owner_seen
+        holds = bool(self.runner.seqs)
+        gone = holds and silent_s > self.config.orphan_timeout_s
+        if not gone and silent_s > MEMBER_TTL_S:
+            try:
+                schedulers = await live_members(self.bus, self.subjects.members_bucket, MemberKind.SCHEDULER)
+            except Exception as exc:  # a NATS hiccup is no proof of death
+                log.warning("membership check failed: %s", exc)
+                return 0
+            gone = all(m.member_id != self.owner for m in schedulers)
+        if not gone:
+            return 0
         async with self._stepping:
-            now = time.monotonic()
-            num_freed = 0
-            for scheduler_id in self.runner.schedulers():
-                if now - self._last_plan_at.get(scheduler_id, now) > self.config.orphan_timeout_s:
-                    num_freed += self.runner.free_owned_by(scheduler_id)
-                    log.warning("scheduler %r went silent: dropped its sequences", scheduler_id)
+            num_freed = self.runner.free_owned_by(self.owner)
+            log.warning("scheduler %r is gone: released, %d sequences dropped", self.owner, num_freed)
+            self.owner = ""
             return num_freed
 
     async def _report_load(self, stop: asyncio.Event) -> None:

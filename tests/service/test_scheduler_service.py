@@ -36,7 +36,9 @@ BLOCK_SIZE = 4
 class ScriptedWorker:
     """A FakeWorker (hash "model", KV checks) on the worker's subjects; records plans."""
 
-    def __init__(self, bus: InMemoryBus, worker_id: str = "w1", max_num_seqs: int = 4, owner: str = "") -> None:
+    def __init__(
+        self, bus: InMemoryBus, worker_id: str = "w1", max_num_seqs: int = 4, owner: str = ""
+    ) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.max_num_seqs = max_num_seqs

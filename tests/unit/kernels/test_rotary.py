@@ -1,4 +1,5 @@
-"""Interleaved rotary vs complex-number rotation of adjacent pairs, and the cos/sin table."""
+"""Interleaved rotary vs complex-number rotation of adjacent pairs, the fast path vs the reference, and the
+cos/sin table."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import math
 import pytest
 import torch
 
-from libs.kernels.rotary import apply_rotary_interleaved, rope_cos_sin_cache
+from libs.kernels.rotary import (
+    apply_rotary_interleaved,
+    apply_rotary_interleaved_reference,
+    rope_cos_sin_cache,
+)
 
 
 def complex_rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -78,3 +83,54 @@ def test_bf16_input_keeps_dtype() -> None:
 def test_odd_head_dim_rejected() -> None:
     with pytest.raises(ValueError, match="even"):
         rope_cos_sin_cache(7, 4, 10000.0, torch.float32)
+
+
+# --- fast path vs reference -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_matches_reference_on_fused_qkv_views(num_tokens: int, dtype: torch.dtype) -> None:
+    # llama.py rotates q and k as strided views into one fused qkv projection output.
+    g = torch.Generator().manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, 9 * 64 + 2 * 3 * 64, generator=g).to(dtype)
+    q = qkv[:, : 9 * 64].view(num_tokens, 9, 64)
+    k = qkv[:, 9 * 64 : 12 * 64].view(num_tokens, 3, 64)
+    positions = torch.randint(0, 8192, (num_tokens,), generator=g)
+    cache = rope_cos_sin_cache(64, 8192, 100000.0, torch.float32)
+    for x in (q, k):
+        out = apply_rotary_interleaved(x, positions, cache)
+        assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+        torch.testing.assert_close(
+            out, apply_rotary_interleaved_reference(x, positions, cache), atol=1e-6, rtol=0
+        )
+
+
+def test_fast_path_copes_with_odd_offsets_and_strides() -> None:
+    # view_as_complex needs even offsets and strides; views without them must still work.
+    g = torch.Generator().manual_seed(9)
+    odd_offset = torch.randn(129, generator=g)[1:].view(4, 1, 32)
+    odd_stride = torch.randn(4, 33, generator=g)[:, :32].view(4, 1, 32)
+    even_view = torch.randn(4, 2, 48, generator=g)[:, :, 8:40]
+    cache = rope_cos_sin_cache(32, 16, 10000.0, torch.float32)
+    positions = torch.tensor([0, 3, 7, 15])
+    for x in (odd_offset, odd_stride, even_view):
+        expected = apply_rotary_interleaved_reference(x, positions, cache)
+        torch.testing.assert_close(apply_rotary_interleaved(x, positions, cache), expected)
+
+
+# --- CUDA -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flashinfer_rotary_matches_reference() -> None:
+    pytest.importorskip("flashinfer")
+    g = torch.Generator().manual_seed(10)
+    qkv = torch.randn(37, 15 * 64, generator=g).bfloat16().cuda()
+    positions = torch.randint(0, 4096, (37,), generator=g).cuda()
+    cache = rope_cos_sin_cache(64, 4096, 100000.0, torch.float32).cuda()
+    for x in (qkv[:, : 9 * 64].view(37, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)):
+        out = apply_rotary_interleaved(x, positions, cache)
+        expected = apply_rotary_interleaved_reference(x, positions, cache)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=1e-2)

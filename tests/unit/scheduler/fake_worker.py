@@ -34,7 +34,11 @@ def reference_output(
             token = EOS + 1  # the worker masks stop tokens before min_tokens; so does this "model"
         tokens.append(token)
         out.append(token)
-        if (token == EOS and not ignore_eos and len(out) > min_tokens) or len(out) >= max_tokens or len(tokens) >= context_len:
+        if (
+            (token == EOS and not ignore_eos and len(out) > min_tokens)
+            or len(out) >= max_tokens
+            or len(tokens) >= context_len
+        ):
             return out
 
 

@@ -52,11 +52,14 @@ def run(seed: int, overlap: bool, num_requests: int) -> tuple[int, int]:
             victim = rng.choice(sorted(sched.seqs))
             assert all(s.finish_reason is FinishReason.ABORT for s in sched.abort(victim.split("#")[0]))
             sched.check_integrity()
+        sent = False
         if sched.has_work():
             plan = sched.schedule()
             sched.check_integrity()
-            in_flight.append(worker.execute(plan))  # the worker runs plans in order
-        if in_flight and (len(in_flight) == (2 if overlap else 1) or not sched.has_work()):
+            if plan.num_scheduled_seqs or plan.finished_seq_ids:
+                in_flight.append(worker.execute(plan))  # the worker runs plans in order
+                sent = True
+        if in_flight and (len(in_flight) == (2 if overlap else 1) or not sent):
             for seq in sched.postprocess(*in_flight.popleft()):
                 if seq.is_finished and seq.finish_reason is not FinishReason.ABORT:
                     p = seq.sampling_params

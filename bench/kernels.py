@@ -1,0 +1,206 @@
+"""Micro-benchmark of the step's ops: each plain-torch reference against the path its dispatcher
+takes on CPU, at SmolLM2-135M shapes (hidden 576, 9 query / 3 KV heads of 64, ffn 1536), 2 threads.
+
+    python bench/kernels.py [--threads 2]
+
+One line per op and shape: time per call of the reference and of the fast path, and their ratio
+(fast / reference; below 1 is faster). The two are timed in alternation and each keeps its best
+round, so a busy neighbour on the machine skews neither side more than the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from libs.kernels.activation import silu_and_mul, silu_and_mul_reference
+from libs.kernels.paged_attention import (
+    PagedAttentionMetadata,
+    make_attention_backend,
+    paged_attention_reference,
+)
+from libs.kernels.rms_norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+from libs.kernels.rotary import (
+    apply_rotary_interleaved,
+    apply_rotary_interleaved_reference,
+    rope_cos_sin_cache,
+)
+
+HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, FFN = 576, 9, 3, 64, 1536
+DECODE_BATCHES, PREFILL = (1, 8, 32, 64), 512
+DTYPES = (torch.float32, torch.bfloat16)
+ROUND_SECONDS, ROUNDS = 0.02, 5
+
+
+def best_per_call(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Seconds per call of each fn: rounds of ~ROUND_SECONDS alternate between fns; best round wins."""
+    calls: dict[str, int] = {}
+    for name, fn in fns.items():
+        fn()  # warm-up (allocator, lazy init)
+        start = time.perf_counter()
+        fn()
+        calls[name] = max(1, int(ROUND_SECONDS / max(time.perf_counter() - start, 1e-7)))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls[name])
+    return best
+
+
+def report(
+    op: str, shape: str, dtype: torch.dtype, reference: Callable[[], object], fast: Callable[[], object]
+) -> None:
+    t = best_per_call({"reference": reference, "fast": fast})
+    print(
+        f"{op:<22} {shape:<28} {_name(dtype):<9}"
+        f" {t['reference'] * 1e6:>10.1f} {t['fast'] * 1e6:>10.1f} {t['fast'] / t['reference']:>6.2f}"
+    )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bench_norms(g: torch.Generator) -> None:
+    for dtype in DTYPES:
+        weight = torch.randn(HIDDEN, generator=g).to(dtype)
+        for n in (*DECODE_BATCHES, PREFILL):
+            x = torch.randn(n, HIDDEN, generator=g).to(dtype)
+            residual = torch.randn(n, HIDDEN, generator=g) * 50  # fp32 residual stream, as llama.py keeps it
+            report(
+                "rms_norm",
+                f"[{n}, {HIDDEN}]",
+                dtype,
+                partial(rms_norm_reference, x, weight, 1e-5),
+                partial(rms_norm, x, weight, 1e-5),
+            )
+            report(
+                "fused_add_rms_norm",
+                f"[{n}, {HIDDEN}] + fp32 residual",
+                dtype,
+                partial(fused_add_rms_norm_reference, x, residual, weight, 1e-5),
+                partial(fused_add_rms_norm, x, residual, weight, 1e-5),
+            )
+
+
+def bench_rotary(g: torch.Generator) -> None:
+    cache = rope_cos_sin_cache(HEAD_DIM, 8192, 100000.0, torch.float32)
+    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    for dtype in DTYPES:
+        for n in (*DECODE_BATCHES, PREFILL):
+            # q as llama.py passes it: a strided view into the fused qkv projection output.
+            qkv = torch.randn(n, q_size + 2 * kv_size, generator=g).to(dtype)
+            q = qkv[:, :q_size].view(n, NUM_HEADS, HEAD_DIM)
+            positions = torch.randint(0, 8192, (n,), generator=g)
+            report(
+                "rotary (q)",
+                f"[{n}, {NUM_HEADS}, {HEAD_DIM}]",
+                dtype,
+                partial(apply_rotary_interleaved_reference, q, positions, cache),
+                partial(apply_rotary_interleaved, q, positions, cache),
+            )
+
+
+def _silu_and_mul_in_place(gate_up: Tensor) -> Tensor:
+    """The candidate that lost (see activation.py): silu into a fresh tensor, then multiply in place."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def bench_activation(g: torch.Generator) -> None:
+    for dtype in DTYPES:
+        for n in (*DECODE_BATCHES, PREFILL):
+            gate_up = torch.randn(n, 2 * FFN, generator=g).to(dtype)
+            report(
+                "silu_and_mul",
+                f"[{n}, {2 * FFN}] (dispatch = ref)",
+                dtype,
+                partial(silu_and_mul_reference, gate_up),
+                partial(silu_and_mul, gate_up),
+            )
+            report(
+                "silu_and_mul",
+                f"[{n}, {2 * FFN}] (in-place cand.)",
+                dtype,
+                partial(silu_and_mul_reference, gate_up),
+                partial(_silu_and_mul_in_place, gate_up),
+            )
+
+
+def attention_step(
+    query_lens: list[int],
+    context_lens: list[int],
+    dtype: torch.dtype,
+    g: torch.Generator,
+    block_size: int = 16,
+) -> tuple[PagedAttentionMetadata, list[Tensor]]:
+    """Metadata over shuffled blocks, the step's q/k/v, and random caches just large enough."""
+    needed = [-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens, strict=True)]
+    pool = torch.randperm(sum(needed), generator=g).tolist()
+    tables = [pool[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(needed))]
+    meta = PagedAttentionMetadata.build(query_lens, context_lens, tables, block_size)
+    n, cache_shape = meta.num_tokens, (len(pool), block_size, NUM_KV_HEADS, HEAD_DIM)
+    tensors = [
+        torch.randn(n, NUM_HEADS, HEAD_DIM, generator=g),
+        torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=g),
+        torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=g),
+        torch.randn(cache_shape, generator=g),
+        torch.randn(cache_shape, generator=g),
+    ]
+    return meta, [t.to(dtype) for t in tensors]
+
+
+def bench_attention(g: torch.Generator) -> None:
+    decode_contexts = torch.randint(256, 1025, (32,), generator=g).tolist()
+    steps = {
+        "32 decodes, ctx 256-1024": ([1] * 32, decode_contexts),
+        "prefill 512": ([PREFILL], [0]),
+        "prefill 512 after 512": ([PREFILL], [512]),
+    }
+    for dtype in DTYPES:
+        backend = make_attention_backend(torch.device("cpu"), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
+        for label, (query_lens, context_lens) in steps.items():
+            meta, (q, k, v, k_cache, v_cache) = attention_step(query_lens, context_lens, dtype, g)
+            backend.plan(meta)  # once per step; the layers then share it
+            report(
+                "paged_attention",
+                label,
+                dtype,
+                partial(paged_attention_reference, q, k_cache, v_cache, meta),
+                partial(backend.forward, q, k, v, k_cache, v_cache),
+            )
+        meta, _ = attention_step([1] * 32, decode_contexts, dtype, g)
+        t = best_per_call({"plan": partial(backend.plan, meta)})["plan"]
+        print(f"{'  its plan()':<22} {'once per step':<28} {_name(dtype):<9} {'':>10} {t * 1e6:>10.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Reference vs fast path of each kernel op.")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    torch.set_num_threads(parser.parse_args().threads)
+    g = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; times in microseconds per call")
+    print(f"{'op':<22} {'shape':<28} {'dtype':<9} {'reference':>10} {'fast':>10} {'ratio':>6}")
+    with torch.inference_mode():
+        bench_norms(g)
+        bench_rotary(g)
+        bench_activation(g)
+        bench_attention(g)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The scheduler core and a ModelRunner in one process, with no bus: the baseline that measures
+what the services cost, and the harness for engine tests.
+
+With ``overlap`` the loop makes plan N+1 before it postprocesses result N, exactly as the
+scheduler service does with two plans in flight (the runner executes plans in order).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from libs.protocol.codec import unpack_tokens
+from libs.protocol.messages import FinishReason, ModelRunnerOutput, SamplingParams
+from services.scheduler.scheduler import Limits, Scheduler
+from services.scheduler.sequence import Sequence
+from services.worker.model_runner import ModelRunner
+
+
+class LocalEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        limits: Limits,
+        eos_token_id: int,
+        overlap: bool = False,
+        check: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.core = Scheduler(limits)
+        self.eos_token_id = eos_token_id
+        self.max_in_flight = 2 if overlap else 1
+        self.check = check  # check_integrity after every step (tests)
+        self.outputs: dict[str, list[int]] = {}  # seq id -> tokens, once finished
+        self.finish_reasons: dict[str, FinishReason] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0  # over finished sequences
+        self._in_flight: deque[ModelRunnerOutput] = deque()
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
+        seq = Sequence(request_id, "", list(prompt), params, self.eos_token_id, priority=priority)
+        self.core.add(seq)
+
+    def abort(self, request_or_seq_id: str) -> None:
+        for seq in self.core.abort(request_or_seq_id):
+            self._record(seq)
+
+    def has_work(self) -> bool:
+        return self.core.has_work() or bool(self._in_flight)
+
+    def step(self) -> None:
+        """Send one plan (if there is work), then postprocess the oldest result when due."""
+        sent = False
+        if self.core.has_work():
+            plan = self.core.schedule()
+            if plan.num_scheduled_seqs or plan.finished_seq_ids:
+                self._in_flight.append(self.runner.execute(plan))
+                self.num_steps += 1
+                sent = True
+        # Like StepLoop: when nothing more could be sent, wait for the oldest result.
+        if self._in_flight and (len(self._in_flight) >= self.max_in_flight or not sent):
+            result = self._in_flight.popleft()
+            sampled = unpack_tokens(result.sampled_token_ids)
+            for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs):
+                if seq.is_finished:
+                    self._record(seq)
+        if self.check:
+            self.core.check_integrity()
+            self.runner.check_integrity()
+
+    def run(
+        self, arrivals: Iterable[tuple[int, str, list[int], SamplingParams]] = ()
+    ) -> dict[str, list[int]]:
+        """Step until idle; ``arrivals`` are (step, request id, prompt, params) added at that step."""
+        pending = sorted(arrivals, key=lambda a: a[0])
+        step = 0
+        while pending or self.has_work():
+            while pending and pending[0][0] <= step:
+                _, request_id, prompt, params = pending.pop(0)
+                self.add(request_id, prompt, params)
+            self.step()
+            step += 1
+        return self.outputs
+
+    def _record(self, seq: Sequence) -> None:
+        self.outputs[seq.seq_id] = list(seq.output_token_ids)
+        assert seq.finish_reason is not None
+        self.finish_reasons[seq.seq_id] = seq.finish_reason
+        self.num_preemptions += seq.num_preemptions
