@@ -44,11 +44,13 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        # One fused projection; rows are [q | k | v].
-        self.qkv_proj = nn.Linear(
+        # One fused projection; rows are [q | k | v]. Typed nn.Module: quantize_model swaps in packed layers.
+        self.qkv_proj: nn.Module = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype, device=device
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        self.o_proj: nn.Module = nn.Linear(
+            self.q_size, config.hidden_size, bias=False, dtype=dtype, device=device
+        )
 
     def forward(
         self, positions: Tensor, hidden: Tensor, cos_sin_cache: Tensor, attention: AttentionFn
@@ -70,10 +72,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device | None) -> None:
         super().__init__()
         # One fused projection; rows are [gate | up], the order silu_and_mul expects.
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj: nn.Module = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
         )
-        self.down_proj = nn.Linear(
+        self.down_proj: nn.Module = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device
         )
 
@@ -141,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, i, dtype, dev) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, dev)
-        self.lm_head: nn.Linear | None = None
+        # None while tied to the embeddings; quantize_model may install a quantized copy here.
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=dev
@@ -179,5 +182,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model dtype)."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            logits: Tensor = self.lm_head(hidden)
+            return logits.float()
+        return F.linear(hidden, self.embed_tokens.weight).float()

@@ -18,7 +18,13 @@ class Config:
     )
     cache_dir: str = field(default="", metadata={"help": "converted-weights cache (default: user cache dir)"})
     device: str = field(default="cpu", metadata={"help": "cpu (cuda/npu: later)"})
-    dtype: str = field(default="auto", metadata={"help": "auto | bfloat16 | float32"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "weights: auto (bfloat16 where the CPU has bf16 math, else float32) | bfloat16 | float32"
+            " | int8 | int4 (weight-only, kept quantized; activations bfloat16)"
+        },
+    )
     max_num_seqs: int = field(default=32, metadata={"help": "sequences decoded together"})
     max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
@@ -33,8 +39,8 @@ class Config:
     def __post_init__(self) -> None:
         if self.device != "cpu":
             raise ValueError(f"device={self.device!r}: only 'cpu' is supported so far")
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"dtype={self.dtype!r}: expected auto, bfloat16 or float32")
+        if self.dtype not in ("auto", "bfloat16", "float32", "int8", "int4"):
+            raise ValueError(f"dtype={self.dtype!r}: expected auto, bfloat16, float32, int8 or int4")
         for key in ("max_num_seqs", "block_size", "kv_cache_gb", "load_interval_s", "orphan_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")

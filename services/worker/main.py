@@ -14,19 +14,23 @@ from deepinfer.runtime import run_service, setup_logging
 from deepinfer.settings import build_config, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
 from libs.models.gguf_loader import load_llama
+from libs.models.quant import quantize_model
 from libs.models.registry import resolve_model_path
-from services.worker.attention import KVPool
 from services.worker.config import Config
-from services.worker.model_runner import KVLayout, ModelRunner
+from services.worker.kv_cache import KVLayout
+from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """auto: bf16 where the CPU has native bf16 math (AVX-512 BF16 / AMX), else fp32."""
+    """The activation and KV dtype. auto: bf16 where the CPU has native bf16 math (AVX-512 BF16 / AMX),
+    else fp32. int8 / int4 weights run with bf16 activations (their fp32 CPU kernels are over 10x slower)."""
     if name == "auto":
         return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+    if name in ("int8", "int4"):
+        return torch.bfloat16
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
@@ -35,13 +39,16 @@ def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]
     path = resolve_model_path(config.model)
     dtype = resolve_dtype(config.dtype)
     model = load_llama(path, Path(cache_dir), dtype=dtype)
+    if config.dtype in ("int8", "int4"):
+        quantize_model(model, config.dtype)  # weight-only: projections and LM head stay packed
+        log.info("weights quantized to %s (activations %s)", config.dtype, dtype)
     mc = model.config
     max_model_len = config.max_model_len or mc.max_position_embeddings
     layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
-    slot_bytes = KVPool.bytes_per_slot(layout.num_layers, layout.num_kv_heads, layout.head_dim, dtype)
-    num_blocks = int(config.kv_cache_gb * 2**30) // (slot_bytes * config.block_size)
+    num_blocks = int(config.kv_cache_gb * 2**30) // layout.bytes_per_block(config.block_size, dtype)
     log.info("model %s dtype=%s, %d KV blocks of %d tokens", path.name, dtype, num_blocks, config.block_size)
-    runner = ModelRunner(model, layout, num_blocks, config.block_size, dtype)
+    shape = ModelShape(mc.num_attention_heads, layout)
+    runner = ModelRunner(model, shape, num_blocks, config.block_size, dtype)
     return runner, max_model_len, path.name.split(".")[0]
 
 

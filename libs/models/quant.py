@@ -1,0 +1,218 @@
+"""Weight-only int8 / int4 linear layers for CPU inference, kept quantized in memory.
+
+Decode at batch 1 is bound by reading the weights once per token, so storing them in 8 or 4 bits
+instead of bf16 cuts the bytes read per token (SmolLM2: 295 MB bf16, 148 MB int8, 103 MB int4 with
+its int8 head). The matmuls run on torch's CPU kernels for packed weights (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`) with bf16 activations: with fp32 activations the same kernels are
+over 10x slower than a dense bf16 matmul here.
+
+Those kernels lose to a dense bf16 matmul once a call carries many tokens (prefill), so from
+`dense_min_tokens` tokens on a layer dequantizes its weight into a temporary bf16 matrix and uses
+F.linear instead; the temporary is dropped after the call, memory stays quantized.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Final
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+__all__ = ["INT4_GROUP_SIZE", "Int4Linear", "Int8Linear", "quantize_model"]
+
+# From this many tokens per call a layer dequantizes and runs a dense bf16 matmul instead of the packed
+# kernel: where the two paths cross in a SmolLM2 forward on an AVX-512 BF16 CPU (1 and 2 threads). The
+# packed kernels barely speed up with more tokens (one thread, 32 -> 128 tokens: int8 175 -> 190 tok/s,
+# int4 205 -> 212), while dequantizing costs ~0.3 ms (int8) / ~1.5 ms (int4) per 1M weights per call.
+INT8_DENSE_MIN_TOKENS: Final = 64
+INT4_DENSE_MIN_TOKENS: Final = 128
+# 32 is the finest group the CPU kernel takes, and the one the Q4_1 GGUF was made with: re-quantizing
+# its weights at 32 reproduces them up to the bf16 rounding of scale and zero.
+INT4_GROUP_SIZE: Final = 32
+INT4_GROUP_SIZES: Final = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+# The CPU int4 pack interleaves rows in blocks of 64 (see `_unpack_int4`).
+_INT4_BLOCK_N: Final = 64
+
+
+class _PackedLinear(nn.Module):
+    """Shared forward: [..., K] -> [..., N] through the packed kernel, or dense for many tokens.
+
+    Subclasses provide `_matmul` (the kernel on [M, K] activations in `compute_dtype`) and
+    `dequantize` (the dense [N, K] weight in `compute_dtype`). Other input dtypes are cast in and
+    the output cast back.
+    """
+
+    in_features: int
+    out_features: int
+    dense_min_tokens: ClassVar[int]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def dequantize(self) -> Tensor:
+        raise NotImplementedError
+
+    def _matmul(self, x2d: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2d = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [num_tokens, K]
+        dense = x2d.shape[0] >= self.dense_min_tokens
+        out = F.linear(x2d, self.dequantize()) if dense else self._matmul(x2d)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+class Int8Linear(_PackedLinear):
+    """y = x @ W.T with W stored as int8 [N, K] and one symmetric scale per output row.
+
+    W[n, k] = weight_int8[n, k] * scales[n]; the compute dtype is the scales' (bf16 in practice).
+    """
+
+    dense_min_tokens = INT8_DENSE_MIN_TOKENS
+    weight_int8: Tensor  # [out_features, in_features] int8
+    scales: Tensor  # [out_features], compute dtype
+
+    def __init__(self, weight_int8: Tensor, scales: Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = map(int, weight_int8.shape)
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+        """Quantize a dense [N, K] weight; `dtype` is the activation (and scale) dtype."""
+        w = weight.detach().float()
+        # Round the scale to the compute dtype first, so q is chosen for the scale actually used.
+        scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(dtype)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales)
+
+    def dequantize(self) -> Tensor:
+        """The dense [N, K] weight in the compute dtype."""
+        return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def _matmul(self, x2d: Tensor) -> Tensor:
+        out: Tensor = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row"
+
+
+class Int4Linear(_PackedLinear):
+    """y = x @ W.T with W stored as 4-bit codes, asymmetric, one (scale, zero) per group of K.
+
+    For row n and group g = k // group_size: W[n, k] = (code[n, k] - 8) * scale[g, n] + zero[g, n],
+    the convention of torch's int4 kernel. `packed` is that kernel's CPU layout ([N, K / 2] uint8);
+    `scales_and_zeros` is [K / group_size, N, 2] in the compute dtype.
+    """
+
+    dense_min_tokens = INT4_DENSE_MIN_TOKENS
+    packed: Tensor
+    scales_and_zeros: Tensor
+
+    def __init__(self, packed: Tensor, scales_and_zeros: Tensor, group_size: int) -> None:
+        super().__init__()
+        num_groups, self.out_features, _ = scales_and_zeros.shape
+        self.group_size = group_size
+        self.in_features = num_groups * group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    @classmethod
+    def from_weight(
+        cls, weight: Tensor, group_size: int = INT4_GROUP_SIZE, dtype: torch.dtype = torch.bfloat16
+    ) -> Int4Linear:
+        """Quantize a dense [N, K] weight (min/max per group, like GGUF Q4_1)."""
+        n, k = weight.shape
+        if group_size not in INT4_GROUP_SIZES or k % group_size:
+            raise ValueError(f"group_size {group_size} must be one of {INT4_GROUP_SIZES} and divide K={k}")
+        if n % _INT4_BLOCK_N:
+            raise ValueError(f"int4 needs out_features divisible by {_INT4_BLOCK_N}, got {n}")
+        w = weight.detach().float().reshape(n, k // group_size, group_size)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, groups]
+        scale = ((hi - lo).clamp(min=1e-12) / 15).to(dtype)
+        zero = (lo + 8 * scale.float()).to(dtype)  # the value of code 8
+        # Codes chosen for the scale and zero as rounded to the compute dtype, which the kernel uses.
+        codes = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+        codes = codes.to(torch.int32).reshape(n, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        if not torch.equal(_unpack_int4(packed), codes.to(torch.uint8)):
+            # The layout is torch-internal; `dequantize` relies on it, so fail loudly if it moved.
+            raise RuntimeError("unexpected int4 pack layout in this torch build")
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        return cls(packed, scales_and_zeros, group_size)
+
+    def dequantize(self) -> Tensor:
+        """The dense [N, K] weight in the compute dtype."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        codes = _unpack_int4(self.packed).float().view(n, k // g, g)
+        # [N, groups] each, made contiguous: broadcasting strided ones is ~20x slower on CPU.
+        scale = self.scales_and_zeros[..., 0].t().float().contiguous()
+        offset = (self.scales_and_zeros[..., 1].t().float() - 8 * scale).contiguous()  # code 0's value
+        w = (codes * scale[..., None]).add_(offset[..., None])
+        return w.view(n, k).to(self.scales_and_zeros.dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    def _matmul(self, x2d: Tensor) -> Tensor:
+        out: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2d, self.packed, self.group_size, self.scales_and_zeros
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{self.group_size}"
+
+
+def _unpack_int4(packed: Tensor) -> Tensor:
+    """CPU int4 pack [N, K / 2] uint8 -> codes [N, K] uint8.
+
+    Rows come in blocks of 64; a block's bytes, read as [K, 32], hold row j of the block in the low
+    nibble and row 32 + j in the high nibble of column j.
+    """
+    n, half_k = packed.shape
+    blocks = packed.view(n // _INT4_BLOCK_N, 2 * half_k, _INT4_BLOCK_N // 2)  # [N / 64, K, 32]
+    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=1)  # [N / 64, 2, K, 32]
+    return codes.transpose(2, 3).reshape(n, 2 * half_k)
+
+
+def quantize_model(model: LlamaForCausalLM, fmt: str, group_size: int = INT4_GROUP_SIZE) -> None:
+    """Replace every decoder projection and the LM head with int8 or int4 layers, in place.
+
+    The model must be bf16: its activations stay bf16 and the fp32 residual stream is untouched.
+    `group_size` applies to the int4 projections. The LM head is int8 in both formats: at int4 (g32)
+    SmolLM2's logits drift 4x further from fp32 (max |dlogit| 4.9 vs 1.4, top-1 86% vs 96%), while
+    the head is only a fifth of the weights. A tied head gets its own quantized copy of the embedding
+    table; the table stays dense for lookups (one row per token, so it costs no bandwidth).
+    """
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"fmt={fmt!r}: expected 'int8' or 'int4'")
+    if model.dtype != torch.bfloat16:
+        raise ValueError(f"quantize_model needs a bfloat16 model, got {model.dtype}")
+    if isinstance(model.lm_head, _PackedLinear):
+        raise ValueError("model is already quantized")
+
+    def convert(linear: nn.Module) -> _PackedLinear:
+        assert isinstance(linear, nn.Linear) and linear.bias is None
+        if fmt == "int4":
+            return Int4Linear.from_weight(linear.weight, group_size, torch.bfloat16)
+        return Int8Linear.from_weight(linear.weight, torch.bfloat16)
+
+    for layer in model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj, attn.o_proj = convert(attn.qkv_proj), convert(attn.o_proj)
+        mlp.gate_up_proj, mlp.down_proj = convert(mlp.gate_up_proj), convert(mlp.down_proj)
+    head = model.lm_head.weight if isinstance(model.lm_head, nn.Linear) else model.embed_tokens.weight
+    model.lm_head = Int8Linear.from_weight(head, torch.bfloat16)
