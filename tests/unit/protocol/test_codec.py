@@ -3,9 +3,18 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from libs.protocol.codec import DecodeError, decode, encode, pack_tokens, unpack_tokens
+from libs.protocol.codec import (
+    DecodeError,
+    decode,
+    encode,
+    pack_floats,
+    pack_tokens,
+    unpack_floats,
+    unpack_tokens,
+)
 from libs.protocol.messages import (
     FinishReason,
+    Logprobs,
     ModelRunnerOutput,
     NewSequence,
     RequestOutput,
@@ -24,15 +33,41 @@ def test_tokens_pack_as_uint32_little_endian() -> None:
     assert unpack_tokens(packed) == ids
 
 
+def test_floats_pack_as_float32() -> None:
+    values = [0.0, -1.5, -9999.0]
+    assert len(pack_floats(values)) == 12
+    assert unpack_floats(pack_floats(values)) == values
+
+
 @pytest.mark.parametrize(
     "msg",
     [
         SubmitRequest(
-            "r1", "gw", pack_tokens([5, 6]), SamplingParams(0.0, 0.9, 7, (3,), True, 42), 2, 1, "t"
+            "r1",
+            "gw",
+            pack_tokens([5, 6]),
+            SamplingParams(temperature=0.0, top_k=7, stop_token_ids=(3,), seed=42, n=2, logprobs=True),
+            2,
+            1,
+            "t",
         ),
-        SchedulerOutput(3, (NewSequence("a", pack_tokens([1]), SamplingParams()),), ("b", "c"), ("d",)),
-        ModelRunnerOutput(3, ("a", "b"), pack_tokens([9, 8]), 2, ("x",), ""),
-        StepOutputs("s", 9, (RequestOutput("r", pack_tokens([1]), 1, 4, FinishReason.LENGTH),)),
+        SchedulerOutput(
+            3,
+            (NewSequence("a", pack_tokens([1]), b"", SamplingParams(), (2,), pack_tokens([4]), 0, 1),),
+            ("b", "c"),
+            pack_tokens([1, 5]),
+            (b"", pack_tokens([7])),
+            ("d",),
+            "s1",
+        ),
+        ModelRunnerOutput(
+            3,
+            ("a", "b"),
+            pack_tokens([9, 8]),
+            2,
+            (Logprobs(pack_floats([-0.5]), pack_tokens([9]), pack_floats([-0.5]), 1), None),
+        ),
+        StepOutputs("s", 9, (RequestOutput("r", pack_tokens([1]), 1, 4, FinishReason.LENGTH, index=1),)),
     ],
 )
 def test_round_trip(msg: object) -> None:
@@ -41,7 +76,7 @@ def test_round_trip(msg: object) -> None:
 
 def test_wire_is_an_array_without_field_names() -> None:
     wire = msgpack.unpackb(encode(SamplingParams(temperature=0.5)))
-    assert wire == [0.5, 1.0, 256, [], False, None]
+    assert wire == [0.5, 1.0, 0, 0.0, 1.0, 0.0, 0.0, 256, 0, [], False, None, False, 0, 1]
 
 
 def test_enum_and_optional_fields_decode_to_their_types() -> None:
