@@ -3,10 +3,9 @@
 `rms_norm` / `fused_add_rms_norm` pick flashinfer's kernels for CUDA tensors where its semantics
 match (fp16/bf16, one dtype throughout), else the torch fast path, which runs on any device.
 
-The torch fast path takes the sum of squares with one fp32-accumulating reduction
-(`linalg.vector_norm(..., dtype=float32)`, no fp32 copy of x) and makes at most one full-size
-temporary where the reference makes up to four; fresh large temporaries cost page faults on first
-touch, so the gain grows with the token count. Torch's own `F.rms_norm` is no
+The torch fast path computes what the reference computes, bit for bit, with fewer full-size
+temporaries (two where the reference makes up to four, the rest in place); fresh large temporaries
+cost page faults on first touch, so the gain grows with the token count. Torch's own `F.rms_norm` is no
 help on CPU: in torch 2.13 its "fused" CPU route runs the same pow/mean/rsqrt/mul chain, and with
 mixed dtypes (llama.py's fp32 residual under bf16 weights) it falls back to the unfused composite
 with a warning. bench/kernels.py has the numbers.
@@ -71,9 +70,11 @@ def _normed(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Te
     """x / rms(x) * weight in fp32, rounded once to out_dtype. x: [..., hidden]; weight: [hidden]."""
     if x.dtype not in _FAST:
         return rms_norm_reference(x, weight, eps).to(out_dtype)
-    norm: Tensor = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # [..., 1]
-    inv_rms = norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
-    out = x * inv_rms  # fp32: a [..., 1] fp32 operand promotes a half x
+    # The variance exactly as the reference takes it (a mean of fp32 squares): a bf16 model sits on
+    # near-ties in its logits, and a norm that differs by an ulp flips SmolLM2's greedy answer.
+    x32 = x.float()
+    inv_rms = x32.square().mean(dim=-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1]
+    out = x32.mul_(inv_rms) if x32 is not x else x * inv_rms
     out.mul_(weight)  # in fp32, like the reference's weight.float()
     return out.to(out_dtype)
 

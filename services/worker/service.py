@@ -2,8 +2,8 @@
 
 The worker serves one scheduler at a time, its owner: the first scheduler to send a plan. Plans
 from any other scheduler are refused while the owner lives, because block tables are the
-owner's. The worker lets go when the owner leaves the members bucket, or holds sequences but
-has been silent for ``orphan_timeout_s``; its sequences are then dropped.
+owner's. The worker lets go of an idle owner that left the members bucket, and of an owner that
+holds sequences here but has been silent for ``orphan_timeout_s`` (its sequences are dropped).
 """
 
 from __future__ import annotations
@@ -96,25 +96,33 @@ class WorkerService:
     async def drop_orphans(self) -> int:
         """Let go of an owner that is gone; returns how many of its sequences were dropped.
 
-        An owner with sequences here sends steps back to back, so silence while holding them
-        means it died or lost this worker; they would otherwise hold KV pages forever. An idle
-        owner keeps the worker as long as it is a live member.
+        An owner with sequences here sends steps back to back, so silence for
+        ``orphan_timeout_s`` while holding them means it died or lost this worker; they would
+        otherwise hold KV pages forever. An idle owner is released as soon as it leaves the
+        members bucket, so another scheduler can take over; a live one just claims the worker
+        again with its next plan. Membership alone never drops sequences: a process stalled
+        past the member TTL (a loaded machine) is not dead.
         """
         if not self.owner:
             return 0
-        silent_s = time.monotonic() - self._owner_seen
-        holds = bool(self.runner.seqs)
-        gone = holds and silent_s > self.config.orphan_timeout_s
-        if not gone and silent_s > MEMBER_TTL_S:
+        seen = self._owner_seen
+        silent_s = time.monotonic() - seen
+        if self.runner.seqs:
+            gone = silent_s > self.config.orphan_timeout_s
+        elif silent_s > MEMBER_TTL_S:
             try:
                 schedulers = await live_members(self.bus, self.subjects.members_bucket, MemberKind.SCHEDULER)
             except Exception as exc:  # a NATS hiccup is no proof of death
                 log.warning("membership check failed: %s", exc)
                 return 0
             gone = all(m.member_id != self.owner for m in schedulers)
+        else:
+            gone = False
         if not gone:
             return 0
         async with self._stepping:
+            if self._owner_seen != seen:
+                return 0  # the owner stepped while membership was being checked
             num_freed = self.runner.free_owned_by(self.owner)
             log.warning("scheduler %r is gone: released, %d sequences dropped", self.owner, num_freed)
             self.owner = ""

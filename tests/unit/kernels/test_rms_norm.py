@@ -138,3 +138,16 @@ def test_flashinfer_norms_match_reference() -> None:
     torch.testing.assert_close(new_residual, ref_residual, atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(normed, ref_normed, atol=2e-2, rtol=1e-2)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_is_bitwise_the_reference(dtype: torch.dtype) -> None:
+    """A bf16 model sits on logit near-ties: the fast path must not move a single ulp."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 576, generator=g) * 40).to(dtype)
+    residual = torch.randn(37, 576, generator=g) * 300  # fp32, as the model keeps it
+    weight = torch.randn(576, generator=g).to(dtype)
+    assert torch.equal(rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
+    out, res = fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_res = fused_add_rms_norm_reference(x, residual, weight, 1e-5)
+    assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
