@@ -240,9 +240,11 @@ def test_dense_prefill_path_agrees_with_packed_kernels(
     force_path(monkeypatch, "packed")
     packed = logits_of(model, prompts[0])
     # Same weights; only bf16 rounding and summation order differ, which is the size of plain bf16's
-    # own error: measured max |dlogit| 0.88 (int8) / 0.96 (int4) here, bf16 vs fp32 0.70; top-1 100%.
+    # own error: measured max |dlogit| 0.88 (int8) / 0.96 (int4) here, bf16 vs fp32 0.70. Top-1 was
+    # 95-100% over these 37 positions: plain bf16 agrees with fp32 on 96%, and a near-tie flips with
+    # the last ulp of any op, so the floor allows three flips.
     assert (dense - packed).abs().max().item() < 1.5
-    assert (dense.argmax(-1) == packed.argmax(-1)).float().mean().item() >= 0.95
+    assert (dense.argmax(-1) == packed.argmax(-1)).float().mean().item() >= 0.9
 
 
 class GrowingCache:
