@@ -75,6 +75,6 @@ def run(seed: int, overlap: bool, num_requests: int) -> tuple[int, int]:
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_traffic_keeps_integrity_and_outputs(seed: int, overlap: bool) -> None:
-    num_checked, num_preemptions = run(seed, overlap, num_requests=300)
-    assert num_checked > 300  # n > 1 requests add choices; a few are cancelled
+    num_checked, num_preemptions = run(seed, overlap, num_requests=1000)
+    assert num_checked > 1000  # n > 1 requests add choices; a few are cancelled
     assert num_preemptions > 10  # the small pool forces recompute, so that path is exercised
