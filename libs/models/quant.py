@@ -13,6 +13,7 @@ F.linear instead; the temporary is dropped after the call, memory stays quantize
 
 from __future__ import annotations
 
+import abc
 from typing import ClassVar, Final
 
 import torch
@@ -37,7 +38,7 @@ INT4_GROUP_SIZES: Final = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu
 _INT4_BLOCK_N: Final = 64
 
 
-class _PackedLinear(nn.Module):
+class _PackedLinear(nn.Module, abc.ABC):
     """Shared forward: [..., K] -> [..., N] through the packed kernel, or dense for many tokens.
 
     Subclasses provide `_matmul` (the kernel on [M, K] activations in `compute_dtype`) and
@@ -50,14 +51,14 @@ class _PackedLinear(nn.Module):
     dense_min_tokens: ClassVar[int]
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def compute_dtype(self) -> torch.dtype: ...
 
-    def dequantize(self) -> Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def dequantize(self) -> Tensor: ...
 
-    def _matmul(self, x2d: Tensor) -> Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _matmul(self, x2d: Tensor) -> Tensor: ...
 
     def forward(self, x: Tensor) -> Tensor:
         x2d = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [num_tokens, K]

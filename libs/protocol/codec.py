@@ -30,30 +30,31 @@ class DecodeError(ValueError):
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as uint32 little-endian bytes (4 bytes per token, never a list of ints)."""
-    packed = array("I", token_ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
+    return _pack("I", token_ids)
 
 
 def unpack_tokens(data: bytes) -> list[int]:
-    packed = array("I")
-    packed.frombytes(data)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tolist()
+    return _unpack("I", data)
 
 
 def pack_floats(values: Sequence[float]) -> bytes:
     """Floats as float32 little-endian bytes (logprobs)."""
-    packed = array("f", values)
+    return _pack("f", values)
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    return _unpack("f", data)
+
+
+def _pack(typecode: str, values: Sequence[float]) -> bytes:
+    packed: array[Any] = array(typecode, values)
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
 
 
-def unpack_floats(data: bytes) -> list[float]:
-    packed = array("f")
+def _unpack(typecode: str, data: bytes) -> list[Any]:
+    packed: array[Any] = array(typecode)
     packed.frombytes(data)
     if sys.byteorder != "little":
         packed.byteswap()

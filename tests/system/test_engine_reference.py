@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from deepinfer.local_engine import LocalEngine
-from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.messages import SamplingParams
@@ -23,6 +22,7 @@ from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.scheduler import Limits
 from services.worker.kv_cache import KVLayout
 from services.worker.model_runner import ModelRunner, ModelShape
+from tests.reference import reference_greedy
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -51,15 +51,6 @@ def prompts(smollm2_path: Path, model_cache_dir: Path) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def reference(model: LlamaForCausalLM, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     return {seq_id: reference_greedy(model, p, GREEDY.max_tokens) for seq_id, p in prompts.items()}
-
-
-@torch.inference_mode()
-def reference_greedy(model: LlamaForCausalLM, prompt: list[int], num_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(num_tokens):
-        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), SingleSequenceCausalAttention())
-        tokens.append(int(model.compute_logits(hidden[-1:]).argmax()))
-    return tokens[len(prompt) :]
 
 
 def make_engine(

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
 
-from libs.models.attention import SingleSequenceCausalAttention, causal_attention
+from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.reference import GrowingCache
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENIZER_SAMPLES = [
@@ -28,20 +28,6 @@ TOKENIZER_SAMPLES = [
     "<|im_start|>user\nhi<|im_end|>\n",
     "def f(x):\n    return x**2  # comment",
 ]
-
-
-class GrowingCache:
-    """AttentionFn for one sequence that keeps each layer's k/v, so decoding feeds one token a step."""
-
-    def __init__(self) -> None:
-        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
-
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if layer_idx in self.kv:
-            k_old, v_old = self.kv[layer_idx]
-            k, v = torch.cat([k_old, k]), torch.cat([v_old, v])
-        self.kv[layer_idx] = (k, v)
-        return causal_attention(q, k, v)
 
 
 @pytest.fixture(scope="module")

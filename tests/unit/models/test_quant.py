@@ -14,12 +14,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from libs.models.attention import SingleSequenceCausalAttention, causal_attention
+from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from libs.models.quant import Int4Linear, Int8Linear, quantize_model
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.reference import GrowingCache
 from tests.tiny_models import TINY_LLAMA
 
 PROMPTS = [
@@ -245,20 +246,6 @@ def test_dense_prefill_path_agrees_with_packed_kernels(
     # the last ulp of any op, so the floor allows three flips.
     assert (dense - packed).abs().max().item() < 1.5
     assert (dense.argmax(-1) == packed.argmax(-1)).float().mean().item() >= 0.9
-
-
-class GrowingCache:
-    """AttentionFn for one sequence that keeps each layer's k/v, so decoding feeds one token a step."""
-
-    def __init__(self) -> None:
-        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
-
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if layer_idx in self.kv:
-            k_old, v_old = self.kv[layer_idx]
-            k, v = torch.cat([k_old, k]), torch.cat([v_old, v])
-        self.kv[layer_idx] = (k, v)
-        return causal_attention(q, k, v)
 
 
 # int8 only. For the first answer token fp32's logits are a near-tie, "The" 25.33 vs "L" 25.24, closer

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from deepinfer.local_engine import LocalEngine
-from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
 from services.scheduler.scheduler import Limits
 from services.worker.kv_cache import KVLayout
 from services.worker.model_runner import ModelRunner, ModelShape, PlanError
+from tests.reference import reference_greedy
 from tests.tiny_models import TINY_LLAMA
 
 CONFIG = TINY_LLAMA
@@ -54,16 +54,6 @@ def make_engine(
     return LocalEngine(
         make_runner(model, num_blocks, block_size), limits, CONFIG.eos_token_id, overlap, check=True
     )
-
-
-@torch.inference_mode()
-def reference_greedy(model: LlamaForCausalLM, prompt: list[int], num_tokens: int) -> list[int]:
-    """Re-run the whole sequence for every token: no cache at all."""
-    tokens = list(prompt)
-    for _ in range(num_tokens):
-        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), SingleSequenceCausalAttention())
-        tokens.append(int(model.compute_logits(hidden[-1:]).argmax()))
-    return tokens[len(prompt) :]
 
 
 def run_staggered(engine: LocalEngine, params: SamplingParams = GREEDY) -> dict[str, list[int]]:
