@@ -78,7 +78,9 @@ class Stack:
                     "16",
                     log=log,
                 ),
-                spawn("scheduler", *common, log=log),
+                # Overlap on: the harder path (two plans in flight over real NATS); serve's test runs
+                # the default.
+                spawn("scheduler", *common, "--overlap", "true", log=log),
                 spawn("gateway", *common, "--port", str(stack.port), "--cache-dir", str(cache_dir), log=log),
             ]
             wait_healthy(f"{stack.root_url}/health", stack.procs, log, READY_TIMEOUT_S)
