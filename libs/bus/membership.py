@@ -12,8 +12,11 @@ from libs.protocol.messages import MemberInfo, MemberKind
 
 log = logging.getLogger(__name__)
 
-MEMBER_TTL_S = 3.0  # an entry not refreshed for this long is gone: the process is presumed dead
-REFRESH_S = 1.0
+# An entry not refreshed for this long is gone: the process is presumed dead. Generous on
+# purpose: a busy process on a loaded host can miss a refresh or two, and a false "dead"
+# flaps /health; real deaths are also seen sooner by the step loop (WorkerLost).
+MEMBER_TTL_S = 10.0
+REFRESH_S = 2.0
 
 
 def member_key(info: MemberInfo) -> str:
