@@ -128,6 +128,9 @@ class InMemoryBus:
         self._subs.add(sub)
         return sub
 
+    async def stream_last_seq(self, name: str) -> int:
+        return len(self._streams[name].messages)
+
     async def ensure_kv(self, bucket: str, ttl_s: float) -> None:
         self._kv.setdefault(bucket, {})
         self._kv_ttl[bucket] = ttl_s
@@ -138,8 +141,12 @@ class InMemoryBus:
     async def kv_delete(self, bucket: str, key: str) -> None:
         self._kv[bucket].pop(key, None)
 
+    async def kv_get(self, bucket: str, key: str) -> bytes | None:
+        return (await self.kv_items(bucket)).get(key)
+
     async def kv_items(self, bucket: str) -> dict[str, bytes]:
-        deadline = time.monotonic() - self._kv_ttl[bucket]
+        ttl = self._kv_ttl[bucket]
+        deadline = time.monotonic() - ttl if ttl else -float("inf")
         return {k: v for k, (v, t) in self._kv[bucket].items() if t >= deadline}
 
     async def close(self) -> None:

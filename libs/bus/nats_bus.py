@@ -104,6 +104,10 @@ class NatsBus:
         )
         return _NatsSubscription(sub)
 
+    async def stream_last_seq(self, name: str) -> int:
+        info = await self._js.stream_info(name)
+        return int(info.state.last_seq)
+
     async def ensure_kv(self, bucket: str, ttl_s: float) -> None:
         try:
             self._kv[bucket] = await self._js.key_value(bucket)
@@ -119,6 +123,13 @@ class NatsBus:
 
     async def kv_delete(self, bucket: str, key: str) -> None:
         await self._kv[bucket].purge(key)
+
+    async def kv_get(self, bucket: str, key: str) -> bytes | None:
+        try:
+            entry = await self._kv[bucket].get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value or None
 
     async def kv_items(self, bucket: str) -> dict[str, bytes]:
         kv = self._kv[bucket]

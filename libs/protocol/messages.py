@@ -215,3 +215,48 @@ class WorkerLoad:
 def seq_id_of(request_id: str, index: int) -> str:
     """The sequence running choice ``index`` of a request (choice 0 keeps the request id)."""
     return request_id if index == 0 else f"{request_id}#{index}"
+
+
+# --- gateway <-> gateway (stream resume, stored responses) -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRecord:
+    """Everything a gateway needs to re-render a request's event stream from its step outputs.
+
+    Written at admission into the streams bucket; a resume (by any gateway, also after a restart)
+    replays ``out.<gateway_id>`` from ``start_seq``, keeps this request's outputs, and renders them
+    again: the rendering is deterministic, so event N is the same event N the client saw.
+    """
+
+    request_id: str
+    api: str  # "chat" | "completions" | "responses" | "messages"
+    gateway_id: str  # the out subject the scheduler publishes this request's outputs on
+    start_seq: int  # the out stream holds nothing of this request before this sequence
+    created: int  # unix seconds, as the API objects show it
+    model: str
+    n: int
+    logprobs: bool
+    top_logprobs: int
+    include_usage: bool
+    stop: tuple[str, ...]
+    syntax: str  # output parser: "deepseek" | "hermes" | "plain"
+    start: str  # the parser's first stage: "content" | "reasoning" | "tool_calls"
+    parse_tool_calls: bool
+    thinking: bool
+    context: bytes = b""  # the API's own JSON needed to render (e.g. the Responses skeleton)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeClaim:
+    request_id: str
+    gateway_id: str  # who now serves the resumed stream
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A Responses API object kept for retrieval and ``previous_response_id`` chaining."""
+
+    response_json: bytes  # the response object as the API shows it
+    input_json: bytes  # the input items it answered, the chain before it included (JSON array)
+    request_id: str = ""  # the request that produces it (cancel); empty once it ended

@@ -50,6 +50,21 @@ class Subjects:
         return f"{self.prefix.replace('.', '_').upper()}_OUT"
 
     @property
+    def resume_claim(self) -> str:
+        """A gateway resuming a stream tells the others: do not cancel it on the old disconnect."""
+        return f"{self.prefix}.resume.claim"
+
+    @property
+    def streams_bucket(self) -> str:
+        """JetStream KV bucket: per request, what it takes to re-render its stream (a resume)."""
+        return f"{self.prefix.replace('.', '-')}-streams"
+
+    @property
+    def responses_bucket(self) -> str:
+        """JetStream KV bucket: stored Responses API objects (retrieval, previous_response_id)."""
+        return f"{self.prefix.replace('.', '-')}-responses"
+
+    @property
     def members_bucket(self) -> str:
         """JetStream KV bucket for membership and liveness."""
         return f"{self.prefix.replace('.', '-')}-members"

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from libs.models.gguf_metadata import read_gguf_header
 from libs.models.registry import model_fingerprint
+from libs.recipe.conversation import RecipeError
 
 # Bump when the cached layout or the build rules change: old cache files are then rebuilt.
 _CACHE_FORMAT: Final = "deepinfer-tokenizer-v1"
@@ -68,6 +69,7 @@ class Tokenizer:
         chat_template: str | None,
     ) -> None:
         self._backend = backend
+        self._plain: HFTokenizer | None = None  # the backend without its added vocabulary, built on use
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos = add_bos
@@ -118,12 +120,28 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self._backend.id_to_token(token_id) or ""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of text; special-token text (`<|im_start|>`) maps to its id. BOS per the GGUF flag."""
         ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
+        if add_bos and self.add_bos and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of untrusted text: a special token's spelling stays plain text (no injection)."""
+        if self._plain is None:
+            record = json.loads(self._backend.to_str())
+            record["added_tokens"] = []
+            self._plain = HFTokenizer.from_str(json.dumps(record))
+        ids: list[int] = self._plain.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def special_id(self, spelling: str) -> int:
+        """The id of an added (special) token by its spelling; RecipeError when there is none."""
+        token_id = self._backend.token_to_id(spelling)
+        if token_id is None:
+            raise RecipeError(f"special token {spelling!r} is not in this model's vocabulary")
+        return int(token_id)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -145,19 +163,21 @@ class IncrementalDetokenizer:
     across tokens (so streaming never shows U+FFFD for valid text). Text is never re-emitted.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        keep_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        # Special tokens to keep although skipping: those that spell an output parser's markers.
+        self._skipped = tokenizer.special_token_ids - keep_token_ids if skip_special_tokens else frozenset()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append tokens; return only the text they complete (possibly empty)."""
         tok = self._tokenizer
-        chunk = b"".join(
-            tok.token_bytes(token_id)
-            for token_id in token_ids
-            if not (self._skip_special_tokens and token_id in tok.special_token_ids)
-        )
+        chunk = b"".join(tok.token_bytes(token_id) for token_id in token_ids if token_id not in self._skipped)
         return self._decoder.decode(chunk, final=False) if chunk else ""
 
     def flush(self) -> str:

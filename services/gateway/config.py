@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from libs.recipe.chat_formats import FORMATS
+
 
 @dataclass(frozen=True, slots=True)
 class Config:
@@ -20,6 +22,12 @@ class Config:
     )
     served_model_name: str = field(default="", metadata={"help": "model id clients use (default: file name)"})
     cache_dir: str = field(default="", metadata={"help": "tokenizer cache (default: user cache dir)"})
+    chat_format: str = field(
+        default="template",
+        metadata={
+            "help": "how prompts are written: template (the model's own) | deepseek-v4 | deepseek-v4.1"
+        },
+    )
     max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})
     submit_timeout_s: float = field(
         default=5.0, metadata={"help": "how long a submit may wait for a scheduler"}
@@ -27,14 +35,30 @@ class Config:
     retry_after_s: int = field(
         default=1, metadata={"help": "Retry-After seconds sent with a 429 when the scheduler's queue is full"}
     )
+    resume_grace_s: float = field(
+        default=10.0,
+        metadata={"help": "how long a streaming request outlives its client's disconnect, for a resume"},
+    )
+    stream_retention_s: float = field(
+        default=600.0, metadata={"help": "how long step outputs stay replayable (stream resume)"}
+    )
+    responses_ttl_s: float = field(
+        default=30 * 86400.0, metadata={"help": "how long stored Responses API objects are kept"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.chat_format not in FORMATS:
+            raise ValueError(f"chat_format must be one of {', '.join(FORMATS)}, got {self.chat_format!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.submit_timeout_s <= 0:
             raise ValueError(f"submit_timeout_s must be > 0, got {self.submit_timeout_s}")
+        if self.resume_grace_s < 0:
+            raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
+        if self.stream_retention_s <= 0 or self.responses_ttl_s <= 0:
+            raise ValueError("stream_retention_s and responses_ttl_s must be > 0")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")

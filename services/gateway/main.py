@@ -19,6 +19,7 @@ from libs.protocol.messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
 from services.gateway.app import build_app
 from services.gateway.config import Config
+from services.gateway.response_store import ResponseStore
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
 
@@ -35,16 +36,30 @@ class _Server(uvicorn.Server):
 
 async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
     served = await asyncio.to_thread(
-        ServedModel.load, config.model, cache_dir, config.served_model_name, config.max_model_len
+        ServedModel.load,
+        config.model,
+        cache_dir,
+        config.served_model_name,
+        config.max_model_len,
+        config.chat_format,
     )
     subjects = Subjects(config.subject_prefix)
     bus = await NatsBus.connect(config.nats_url, name=config.gateway_id)
     try:
-        service = GatewayService(bus, subjects, config.gateway_id, config.submit_timeout_s)
+        service = GatewayService(
+            bus,
+            subjects,
+            config.gateway_id,
+            config.submit_timeout_s,
+            resume_grace_s=config.resume_grace_s,
+            out_max_age_s=config.stream_retention_s,
+        )
         await service.start()
+        store = ResponseStore(bus, subjects.responses_bucket, config.responses_ttl_s)
+        await store.start()
         server = _Server(
             uvicorn.Config(
-                build_app(service, served, config.retry_after_s),
+                build_app(service, served, store, config.retry_after_s),
                 host=config.host,
                 port=config.port,
                 log_level=config.log_level,

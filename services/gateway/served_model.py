@@ -1,4 +1,4 @@
-"""The model as the gateway sees it: names, tokenizer, chat template, context window."""
+"""The model as the gateway sees it: names, tokenizer, chat format, context window."""
 
 from __future__ import annotations
 
@@ -9,9 +9,16 @@ from typing import Any
 
 from libs.models.gguf_metadata import read_gguf_config
 from libs.models.registry import resolve_model_path
+from libs.recipe.chat_formats import ChatFormat, make_chat_format
 from libs.recipe.chat_template import ChatTemplate
+from libs.recipe.conversation import Conversation, RecipeError
+from libs.recipe.fields import ApiError
+from libs.recipe.template_format import Prompt
 from libs.recipe.tokenizer import Tokenizer
-from services.gateway.fields import ApiError
+
+# Spellings the output parsers read; when a vocabulary makes one a special token, the detokenizer
+# must keep it in the text (other special tokens are dropped from it).
+_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "｜DSML｜")
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,24 +26,31 @@ class ServedModel:
     name: str
     aliases: frozenset[str]  # other ids clients may send (e.g. the --model spec)
     tokenizer: Tokenizer
-    chat_template: ChatTemplate
+    chat_format: ChatFormat
     max_model_len: int
     eos_token_id: int
+    keep_token_ids: frozenset[int]  # special tokens the output parser must see
 
     @classmethod
-    def load(cls, spec: str, cache_dir: str, served_name: str, max_model_len: int) -> ServedModel:
+    def load(
+        cls, spec: str, cache_dir: str, served_name: str, max_model_len: int, chat_format: str = "template"
+    ) -> ServedModel:
         path = resolve_model_path(spec)
         tokenizer = Tokenizer.from_gguf(path, Path(cache_dir))
         if not max_model_len:
             max_model_len = read_gguf_config(path).max_position_embeddings
-        if tokenizer.chat_template is None or tokenizer.eos_token_id is None:
-            raise ValueError(f"model {spec!r}: the GGUF has no chat template or no EOS token")
-        template = ChatTemplate(
-            tokenizer.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token
-        )
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"model {spec!r}: the GGUF names no EOS token")
+        template = None
+        if tokenizer.chat_template is not None:
+            template = ChatTemplate(
+                tokenizer.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token
+            )
         name = served_name or path.name.split(".")[0]
         aliases = frozenset({spec, path.name})
-        return cls(name, aliases, tokenizer, template, max_model_len, tokenizer.eos_token_id)
+        keep = frozenset(i for i in tokenizer.special_token_ids if tokenizer.id_to_token(i) in _MARKERS)
+        speaks = make_chat_format(chat_format, template, tokenizer)
+        return cls(name, aliases, tokenizer, speaks, max_model_len, tokenizer.eos_token_id, keep)
 
     def card(self) -> dict[str, Any]:
         return {
@@ -51,11 +65,14 @@ class ServedModel:
         if model != self.name and model not in self.aliases:
             raise ApiError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
+    def prompt(self, conversation: Conversation) -> Prompt:
         try:
-            text = self.chat_template.render(messages, add_generation_prompt=True)
-        except ValueError as exc:
-            raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from exc
+            return self.chat_format.prompt(conversation)
+        except RecipeError as exc:
+            raise ApiError(400, exc.message, param=exc.param or "messages") from exc
+
+    def encode_text(self, text: str) -> list[int]:
+        """A raw prompt (Completions): the client's text is the prompt, special tokens included."""
         return self.tokenizer.encode(text)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:

@@ -1,12 +1,13 @@
-"""One choice's token deltas -> text pieces with their tokens' logprobs. Pure (no I/O, no asyncio).
+"""One choice's token deltas -> output segments with their tokens' logprobs. Pure (no I/O, no asyncio).
 
-Incremental detokenization, then stop strings. Each token's text occupies a span [start, end) of
-the choice's decoded text; the text sent so far is always a prefix of it (stop strings only hold
-text back or cut it). Logprobs follow the text by these rules:
+Incremental detokenization, then the output parser (reasoning / content / tool calls, stop
+strings in content). Each token's text occupies a span [start, end) of the choice's decoded text;
+the parser has decided a prefix of it (``num_consumed``: emitted, skipped or matched; the rest is
+held back as a possible marker). Logprobs follow the text by these rules:
 
-- a token's record goes out with the piece that completes its text (``end <= sent``); a token with
-  no text of its own (a special token, or the first bytes of a character split across tokens)
-  goes out with the first text after it (``start < sent``), or at the end of the choice;
+- a token's record goes out with the piece that completes the decided text over it
+  (``end <= consumed``); a token with no text of its own (a special token, or the first bytes of
+  a character split across tokens) goes out with the first text after it, or at the end;
 - when a stop string ends the choice, the text from the stop string on is never sent, and the
   records of the tokens whose text begins before the stop string are sent (the token that
   straddles it included); the records of the rest, which lie wholly in or beyond it, are dropped;
@@ -20,60 +21,68 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from libs.protocol.messages import FinishReason
+from libs.recipe.output_parser import OutputParser
+from libs.recipe.segments import EndReason, Finish, Segment
 from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.logprobs import TokenLogprob
-from services.gateway.service import Delta
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.request_stream import Delta
+
+_END: dict[FinishReason, EndReason] = {
+    FinishReason.STOP: "eos",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    text: str
+    segments: list[Segment]
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class ChoiceText:
-    """After the piece that ends the choice: ``finish_reason`` (OpenAI spelling), ``stopped``
-    (a stop string ended it here), ``error``; ``num_output_tokens`` is kept up to date."""
+    """After the piece that ends the choice: ``finish`` is set and ``stopped`` says whether a stop
+    string ended it here (the scheduler must then drop the sequence); ``num_output_tokens`` is
+    kept up to date."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._matcher = StopStringMatcher(stop)
+    def __init__(self, tokenizer: Tokenizer, parser: OutputParser, keep_token_ids: frozenset[int]) -> None:
+        # Special tokens are dropped from the text, except those that spell the parser's markers.
+        self._detokenizer = IncrementalDetokenizer(tokenizer, keep_token_ids=keep_token_ids)
+        self.parser = parser
         self._spans: deque[tuple[int, int, TokenLogprob]] = deque()  # records not sent yet
         self._num_decoded = 0  # characters out of the detokenizer so far
-        self._num_sent = 0  # characters sent so far (a prefix of the decoded text)
-        self.finish_reason: str | None = None
+        self.finish: Finish | None = None
         self.stopped = False
-        self.error = ""
         self.num_output_tokens = 0
 
     def feed(self, delta: Delta) -> Piece:
-        if self.finish_reason is not None:
-            return Piece("")
+        if self.finish is not None:
+            return Piece([])
         self.num_output_tokens = delta.num_output_tokens
         decoded = self._decode(delta)
-        ending = delta.finish_reason is not None
-        if ending:
+        if delta.finish_reason is not None:
             tail = self._detokenizer.flush()  # an incomplete character at the end becomes U+FFFD
             self._num_decoded += len(tail)
             decoded += tail
-        text = self._matcher.feed(decoded)
-        if ending and not self._matcher.stopped:
-            text += self._matcher.flush()
-        self._num_sent += len(text)
-        if self._matcher.stopped:
+        parser = self.parser
+        segments = parser.feed(decoded)
+        if delta.finish_reason is not None and not parser.finished:
+            segments += parser.finish()
+        if parser.finished:
             self.stopped = True
-            self.finish_reason = "stop"
-            records = self._release(lambda start, _end: start < self._num_sent)
+            self.finish = Finish("stop_sequence", parser.stop_sequence)
+            stop_at = parser.stop_offset if parser.stop_offset is not None else parser.num_consumed
+            records = self._release(lambda start, _end: start < stop_at)
             self._spans.clear()
         elif delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason.openai
-            if delta.finish_reason is FinishReason.ERROR:
-                self.error = delta.error or "the request failed"
+            error = delta.error or "the request failed" if delta.finish_reason is FinishReason.ERROR else ""
+            self.finish = Finish(_END[delta.finish_reason], error=error)
             records = self._release(lambda _start, _end: True)
         else:
-            records = self._release(lambda start, end: start < self._num_sent and end <= self._num_sent)
-        return Piece(text, records)
+            consumed = parser.num_consumed
+            records = self._release(lambda start, end: start < consumed and end <= consumed)
+        return Piece(segments, records)
 
     def _decode(self, delta: Delta) -> str:
         """Decode token by token so that each token's span is known (the text is the same)."""

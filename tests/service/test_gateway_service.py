@@ -25,7 +25,8 @@ from libs.protocol.messages import (
 )
 from libs.protocol.subjects import Subjects
 from services.gateway.logprobs import TokenLogprob
-from services.gateway.service import Delta, GatewayService, SubmitRejected
+from services.gateway.request_stream import Delta
+from services.gateway.service import GatewayService, SubmitRejected
 
 SUBJECTS = Subjects()
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)

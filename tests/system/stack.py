@@ -13,6 +13,7 @@ from deepinfer.serve import is_healthy
 from libs.bus.nats_server import EmbeddedNatsServer, free_port
 
 READY_TIMEOUT_S = 180.0
+RESUME_GRACE_S = 5.0  # a client that drops has this long to resume before its request is cancelled
 
 
 def spawn(command: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
@@ -45,6 +46,7 @@ class Stack:
     port: int
     worker_id: str
     log: Path
+    cache_dir: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -59,7 +61,7 @@ class Stack:
     def start(cls, cache_dir: Path, log: Path, dtype: str = "float32") -> Stack:
         nats = EmbeddedNatsServer()
         nats.start()
-        stack = cls(nats, free_port(), "worker-test", log)
+        stack = cls(nats, free_port(), "worker-test", log, cache_dir)
         common = ("--nats-url", nats.url, "--log-level", "info")
         try:
             stack.procs = [
@@ -81,13 +83,22 @@ class Stack:
                 # Overlap on: the harder path (two plans in flight over real NATS); serve's test runs
                 # the default.
                 spawn("scheduler", *common, "--overlap", "true", log=log),
-                spawn("gateway", *common, "--port", str(stack.port), "--cache-dir", str(cache_dir), log=log),
+                stack.spawn_gateway(stack.port),
             ]
             wait_healthy(f"{stack.root_url}/health", stack.procs, log, READY_TIMEOUT_S)
         except BaseException:
             stack.stop()
             raise
         return stack
+
+    def spawn_gateway(self, port: int) -> subprocess.Popen[bytes]:
+        """A gateway process on this stack's NATS (the stack's own, or another for restart tests)."""
+        return spawn(
+            "gateway",
+            *("--nats-url", self.nats.url, "--log-level", "info", "--port", str(port)),
+            *("--cache-dir", str(self.cache_dir), "--resume-grace-s", str(RESUME_GRACE_S)),
+            log=self.log,
+        )
 
     def stop(self) -> None:
         for proc in self.procs:

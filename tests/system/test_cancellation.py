@@ -1,4 +1,4 @@
-"""A client that disconnects mid-stream: its sequence leaves the worker promptly."""
+"""A client that disconnects mid-stream: its sequence leaves the worker once the resume grace is over."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import nats
 from libs.protocol.codec import decode
 from libs.protocol.messages import WorkerLoad
 from libs.protocol.subjects import Subjects
-from tests.system.stack import Stack
+from tests.system.stack import RESUME_GRACE_S, Stack
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -51,4 +51,5 @@ def test_disconnect_frees_the_sequence_on_the_worker(stack: Stack) -> None:
                 await nc.close()
                 return seen_at - closed_at
 
-    assert asyncio.run(run()) < 1.0
+    # Kept for a resume during the grace period, then cancelled everywhere.
+    assert RESUME_GRACE_S <= asyncio.run(run()) < RESUME_GRACE_S + 10

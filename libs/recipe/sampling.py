@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libs.protocol.messages import SamplingParams
-from services.gateway.fields import INT64_MIN, ApiError, boolean, number, optional_int, token_ids
+from libs.recipe.fields import INT64_MIN, ApiError, boolean, number, optional_int, token_ids
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16  # completions per request; each is a sequence with its own KV past the shared prompt

@@ -1,0 +1,203 @@
+"""OpenAI Chat Completions request body -> a validated ``ChatRequest`` holding one Conversation. Pure.
+
+Extensions accepted beside OpenAI's fields: DeepSeek's ``thinking: {type}``, assistant
+``reasoning_content`` / ``prefix`` and the ``latest_reminder`` role; vLLM's sampling extras (see
+``sampling``) and ``chat_template_kwargs`` (-> ``Conversation.extra``); and a regex output
+constraint spelled ``response_format: {"type": "regex", "regex": "..."}`` (the wheel's spelling;
+vLLM's ``guided_regex`` is not accepted). An unknown top-level field is a 400, as at OpenAI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.recipe.api.chat_messages import parse_messages
+from libs.recipe.api.common import (
+    OutputFormat,
+    check_fields,
+    include_usage,
+    json_object,
+    json_schema_format,
+    mentions_json,
+    metadata,
+    model_name,
+    optional_dict,
+    optional_str,
+    regex_format,
+    reject_present,
+    resolve_thinking,
+    thinking_type,
+    without_reasoning,
+)
+from libs.recipe.api.tools import ToolChoiceSpec, resolve_tool_choice, tool_definition, unique_tools
+from libs.recipe.conversation import Conversation, ToolDefinition
+from libs.recipe.fields import ApiError, boolean
+from libs.recipe.sampling import Sampling, parse_sampling
+
+OPENAI_FIELDS = (
+    "model", "messages", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
+    "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort",
+    "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
+    "verbosity", "audio", "function_call", "functions", "web_search_options",
+)  # fmt: skip
+EXTENSION_FIELDS = (
+    "thinking", "chat_template_kwargs",  # DeepSeek / vLLM
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM sampling
+)  # fmt: skip
+# Known, but not implemented: a 400 beats silently ignoring them.
+UNSUPPORTED = ("logit_bias", "audio", "prediction", "functions", "function_call", "web_search_options")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str
+    conversation: Conversation
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    output_format: OutputFormat  # the response_format in full (name, strict) for the constraint
+    parallel_tool_calls: bool = True
+    user: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    store: bool = False
+    service_tier: str | None = None
+
+
+def _tools(body: dict[str, Any]) -> tuple[ToolDefinition, ...]:
+    raw = body.get("tools")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ApiError(400, "'tools' must be an array", param="tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ApiError(400, f"'{where}.type' must be 'function'", param=f"{where}.type")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise ApiError(400, f"'{where}.function' must be an object", param=f"{where}.function")
+        get = function.get
+        tools.append(
+            tool_definition(
+                get("name"), get("description"), get("parameters"), get("strict"), f"{where}.function"
+            )
+        )
+    return unique_tools(tools)
+
+
+def tool_choice_spec(choice: Any) -> ToolChoiceSpec:
+    if choice is None:
+        return ToolChoiceSpec("auto")
+    if choice in ("none", "auto", "required"):
+        return ToolChoiceSpec(choice)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if (
+        not isinstance(function, dict)
+        or choice.get("type") != "function"
+        or not isinstance(function.get("name"), str)
+    ):
+        raise ApiError(
+            400,
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    return ToolChoiceSpec("required", name=function["name"])
+
+
+def _output_format(body: dict[str, Any]) -> OutputFormat:
+    spec = optional_dict(body, "response_format")
+    if spec is None:
+        return OutputFormat()
+    kind = spec.get("type")
+    if kind in ("text", "json_object"):
+        return OutputFormat(kind)
+    if kind == "json_schema":
+        nested = spec.get("json_schema")
+        if not isinstance(nested, dict):
+            raise ApiError(
+                400, "'response_format.json_schema' must be an object", param="response_format.json_schema"
+            )
+        return json_schema_format(nested, "response_format.json_schema")
+    if kind == "regex":
+        return regex_format(spec, "response_format")
+    raise ApiError(
+        400,
+        "'response_format.type' must be one of 'text', 'json_object', 'json_schema', 'regex'",
+        param="response_format.type",
+    )
+
+
+def _extra(body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = optional_dict(body, "chat_template_kwargs") or {}
+    if not all(isinstance(key, str) for key in kwargs):
+        raise ApiError(400, "'chat_template_kwargs' keys must be strings", param="chat_template_kwargs")
+    return dict(kwargs)
+
+
+def _check_modalities(body: dict[str, Any]) -> None:
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError(400, "only the 'text' output modality is supported", param="modalities")
+
+
+def _conversation(body: dict[str, Any]) -> tuple[Conversation, OutputFormat]:
+    messages = parse_messages(body.get("messages"))
+    thinking, effort = resolve_thinking(
+        thinking_type(body.get("thinking"), "thinking"), body.get("reasoning_effort"), "reasoning_effort"
+    )
+    tool_choice, tools = resolve_tool_choice(
+        tool_choice_spec(body.get("tool_choice")), _tools(body), thinking
+    )
+    output = _output_format(body)
+    if output.kind == "json_object" and not mentions_json(messages):
+        raise ApiError(
+            400,
+            "Prompt must contain the word 'json' in some form to use 'response_format' of type "
+            "'json_object'.",
+            param="messages",
+        )
+    conversation = Conversation(
+        messages=without_reasoning(messages, thinking),
+        thinking=thinking,
+        tools=tools,
+        tool_choice=tool_choice,
+        effort=effort,
+        response_format=output.kind,
+        response_schema=output.schema,
+        response_regex=output.regex,
+        extra=_extra(body),
+    )
+    return conversation, output
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a Chat Completions body (400 naming the offending field on bad input)."""
+    body = json_object(body)
+    check_fields(
+        body, OPENAI_FIELDS + EXTENSION_FIELDS, lambda key: f"Unrecognized request argument supplied: {key}"
+    )
+    model = model_name(body)
+    reject_present(body, UNSUPPORTED)
+    _check_modalities(body)
+    conversation, output = _conversation(body)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    return ChatRequest(
+        model=model,
+        conversation=conversation,
+        sampling=parse_sampling(body),
+        stream=boolean(body, "stream"),
+        include_usage=include_usage(body),
+        output_format=output,
+        parallel_tool_calls=parallel is not False,
+        user=optional_str(body, "user"),
+        metadata=metadata(body),
+        store=boolean(body, "store"),
+        service_tier=optional_str(body, "service_tier"),
+    )

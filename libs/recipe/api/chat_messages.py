@@ -1,0 +1,142 @@
+"""Chat Completions ``messages`` -> Conversation messages, with OpenAI's tool-history rules. Pure.
+
+Roles: system, developer (a system turn: OpenAI's newer name for it), user, assistant, tool, and
+DeepSeek's latest_reminder. Content is a string or text parts joined with "\\n\\n"; media parts are
+refused cleanly. Assistant turns carry DeepSeek's ``reasoning_content`` and ``prefix`` extensions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libs.recipe.api.common import UNSUPPORTED_INPUT, ToolTurnWording, check_tool_turns, join_text
+from libs.recipe.conversation import Message, Role, ToolCall
+from libs.recipe.fields import ApiError
+
+ROLES: dict[str, Role] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "latest_reminder": "latest_reminder",
+}
+_MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
+
+WORDING = ToolTurnWording(
+    unanswered=lambda ids: (
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(ids)}"
+    ),
+    orphan=lambda _: (
+        "Invalid parameter: messages with role 'tool' must be a response to a preceding message "
+        "with 'tool_calls'."
+    ),
+    unknown_id=lambda call_id: (
+        f"Invalid parameter: 'tool_call_id' of '{call_id}' not found in 'tool_calls' of previous message."
+    ),
+    duplicate=lambda call_id: f"Duplicate value for 'tool_call_id' of {call_id}.",
+)
+
+
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _MEDIA:
+        raise ApiError(400, UNSUPPORTED_INPUT.format(kind=_MEDIA[kind]), param=where)
+    key = "refusal" if kind == "refusal" else "text"
+    if kind not in ("text", "refusal") or not isinstance(part.get(key), str):
+        raise ApiError(400, f"'{where}' must be a text content part", param=where)
+    return str(part[key])
+
+
+def content_text(content: Any, where: str) -> str | None:
+    """A string, or text parts joined; None stays None (the caller decides if that is allowed)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return join_text([_part_text(part, f"{where}[{j}]") for j, part in enumerate(content)])
+    raise ApiError(400, f"'{where}' must be a string or an array of content parts", param=where)
+
+
+def _tool_call(raw: Any, where: str) -> ToolCall:
+    function = raw.get("function") if isinstance(raw, dict) else None
+    if not isinstance(function, dict):
+        raise ApiError(
+            400, f"'{where}.function' is required and must be an object", param=f"{where}.function"
+        )
+    if raw.get("type", "function") != "function":
+        raise ApiError(400, f"'{where}.type' must be 'function'", param=f"{where}.type")
+    checks = (
+        (raw, "id", where),
+        (function, "name", f"{where}.function"),
+        (function, "arguments", f"{where}.function"),
+    )
+    for obj, key, path in checks:
+        if not isinstance(obj.get(key), str):
+            raise ApiError(400, f"'{path}.{key}' is required and must be a string", param=f"{path}.{key}")
+    return ToolCall(id=raw["id"], name=function["name"], arguments=function["arguments"])
+
+
+def _tool_calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ApiError(400, f"'{where}' must be an array", param=where)
+    return tuple(_tool_call(call, f"{where}[{j}]") for j, call in enumerate(raw))
+
+
+def _assistant(msg: dict[str, Any], where: str, content: str | None, last: bool) -> Message:
+    calls = _tool_calls(msg.get("tool_calls"), f"{where}.tool_calls")
+    reasoning = msg.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ApiError(
+            400, f"'{where}.reasoning_content' must be a string", param=f"{where}.reasoning_content"
+        )
+    prefix = msg.get("prefix", False)
+    if not isinstance(prefix, bool | None):
+        raise ApiError(400, f"'{where}.prefix' must be a boolean", param=f"{where}.prefix")
+    if prefix and not last:
+        raise ApiError(400, "Only the last message may be an assistant 'prefix'", param=f"{where}.prefix")
+    if prefix and calls:
+        raise ApiError(400, "An assistant 'prefix' cannot have 'tool_calls'", param=f"{where}.prefix")
+    if content is None and not calls and not isinstance(msg.get("refusal"), str):
+        raise ApiError(
+            400, f"'{where}.content' or '{where}.tool_calls' must be set", param=f"{where}.content"
+        )
+    return Message("assistant", content or "", reasoning=reasoning, tool_calls=calls, prefix=bool(prefix))
+
+
+def _message(msg: Any, i: int, last: bool) -> Message:
+    where = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise ApiError(400, f"'{where}' must be an object", param=where)
+    role = ROLES.get(msg.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise ApiError(
+            400, f"'{where}.role' must be one of {', '.join(map(repr, ROLES))}", param=f"{where}.role"
+        )
+    content = content_text(msg.get("content"), f"{where}.content")
+    if role == "assistant":
+        return _assistant(msg, where, content, last)
+    if content is None:
+        raise ApiError(
+            400, f"'{where}.content' is required for role '{msg['role']}'", param=f"{where}.content"
+        )
+    if role != "tool":
+        return Message(role, content)
+    call_id = msg.get("tool_call_id")
+    if not isinstance(call_id, str):
+        raise ApiError(
+            400, f"'{where}.tool_call_id' is required and must be a string", param=f"{where}.tool_call_id"
+        )
+    return Message("tool", content, tool_call_id=call_id)
+
+
+def parse_messages(raw: Any) -> tuple[Message, ...]:
+    if not isinstance(raw, list):
+        raise ApiError(400, "'messages' is required and must be an array", param="messages")
+    if not raw:
+        raise ApiError(400, "'messages' must not be empty", param="messages")
+    messages = tuple(_message(msg, i, i == len(raw) - 1) for i, msg in enumerate(raw))
+    check_tool_turns(messages, lambda i: f"messages[{i}]", WORDING)
+    return messages

@@ -1,0 +1,219 @@
+"""Request pieces every API shares: body and field checks, thinking/effort, output formats. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from libs.recipe.api.tools import check_name
+from libs.recipe.conversation import Effort, Message, ResponseFormat
+from libs.recipe.fields import ApiError
+
+# Client effort names -> the formats' levels (the wheel's table; "none" means thinking off).
+EFFORTS: dict[str, Effort | None] = {
+    "none": None,
+    "minimal": "low",
+    "low": "low",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "xhigh",
+    "max": "max",
+}
+UNSUPPORTED_INPUT = "{kind} input is not supported by this model"
+
+
+def json_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def check_fields(
+    body: dict[str, Any], allowed: Iterable[str], message: Callable[[str], str], prefix: str = ""
+) -> None:
+    """Reject the first field outside ``allowed``: an ignored typo is worse than a 400."""
+    known = frozenset(allowed)
+    for key in body:
+        if key not in known:
+            raise ApiError(400, message(f"{prefix}{key}"), param=f"{prefix}{key}")
+
+
+def reject_present(body: dict[str, Any], keys: Iterable[str], prefix: str = "") -> None:
+    """Fields we know but do not implement: refusing beats silently ignoring them."""
+    for key in keys:
+        if body.get(key) is not None:
+            param = f"{prefix}{key}"
+            raise ApiError(400, f"'{param}' is not supported", param=param, code="unsupported_parameter")
+
+
+def model_name(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required and must be a string", param="model")
+    return model
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool | None):
+        raise ApiError(
+            400, "'stream_options' must be an object with a boolean include_usage", param="stream_options"
+        )
+    return bool(options.get("include_usage"))
+
+
+def optional_str(body: dict[str, Any], key: str, param: str | None = None) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"'{param or key}' must be a string", param=param or key)
+    return value
+
+
+def optional_dict(body: dict[str, Any], key: str, param: str | None = None) -> dict[str, Any] | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ApiError(400, f"'{param or key}' must be an object", param=param or key)
+    return value
+
+
+def metadata(body: dict[str, Any]) -> dict[str, str]:
+    """OpenAI's metadata: up to 16 string pairs (keys up to 64 chars, values up to 512)."""
+    value = optional_dict(body, "metadata") or {}
+    ok = len(value) <= 16 and all(
+        isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()
+    )
+    if not ok:
+        raise ApiError(400, "'metadata' must be at most 16 string key-value pairs", param="metadata")
+    return dict(value)
+
+
+def effort(value: Any, param: str) -> tuple[bool, Effort | None]:
+    """(thinking wanted, effort) for a client's effort name; "none" asks for no thinking."""
+    if value not in EFFORTS:
+        raise ApiError(
+            400, f"'{param}' must be one of {', '.join(map(repr, EFFORTS))}, got {value!r}", param=param
+        )
+    return value != "none", EFFORTS[value]
+
+
+def thinking_type(value: Any, param: str) -> bool | None:
+    """A ``thinking: {type}`` object: enabled/adaptive -> on, disabled -> off, absent -> None."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise ApiError(
+            400, f"'{param}.type' must be one of 'enabled', 'disabled', 'adaptive'", param=f"{param}.type"
+        )
+    return bool(kind != "disabled")
+
+
+def resolve_thinking(
+    explicit: bool | None, effort_value: Any, param: str, effort_implies_thinking: bool = True
+) -> tuple[bool | None, Effort | None]:
+    """(Conversation.thinking, Conversation.effort).
+
+    An explicit thinking switch wins. Otherwise an effort turns thinking on (OpenAI's reading:
+    asking for reasoning effort asks for reasoning) and "none" turns it off; with neither, None
+    leaves it to the model's default. Effort is dropped when thinking is off.
+    """
+    wanted, level = (True, None) if effort_value is None else effort(effort_value, param)
+    thinking = explicit
+    if thinking is None and effort_value is not None and effort_implies_thinking:
+        thinking = wanted
+    if thinking is False or not wanted:
+        return thinking, None
+    return thinking, level
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFormat:
+    kind: ResponseFormat = "text"
+    name: str | None = None
+    description: str | None = None
+    schema: Any = None  # json_schema: as the client sent it (strict normalisation is the constraint's)
+    strict: bool | None = None
+    regex: str | None = None
+
+
+def json_schema_format(spec: dict[str, Any], param: str) -> OutputFormat:
+    """A json_schema format's body: Chat's nested ``json_schema`` object or Responses' flat one."""
+    name = spec.get("name")
+    if name is not None:
+        check_name(name, f"{param}.name")
+    description = optional_str(spec, "description", f"{param}.description")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ApiError(
+            400, f"'{param}.schema' is required and must be a JSON Schema object", param=f"{param}.schema"
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ApiError(400, f"'{param}.strict' must be a boolean", param=f"{param}.strict")
+    return OutputFormat("json_schema", name=name, description=description, schema=schema, strict=strict)
+
+
+def regex_format(spec: dict[str, Any], param: str) -> OutputFormat:
+    regex = spec.get("regex")
+    if not isinstance(regex, str) or not regex:
+        raise ApiError(400, f"'{param}.regex' must be a non-empty string", param=f"{param}.regex")
+    return OutputFormat("regex", regex=regex)
+
+
+def mentions_json(messages: Iterable[Message]) -> bool:
+    # OpenAI's json_object guard: the word must appear somewhere in the prompt, any case.
+    return any("json" in message.content.lower() for message in messages)
+
+
+def without_reasoning(messages: tuple[Message, ...], thinking: bool | None) -> tuple[Message, ...]:
+    """With thinking explicitly off, earlier turns' reasoning is dropped, as the wheel converts them."""
+    if thinking is not False:
+        return messages
+    return tuple(replace(m, reasoning=None) if m.reasoning is not None else m for m in messages)
+
+
+def join_text(parts: list[str]) -> str:
+    return "\n\n".join(parts)  # the wheel's separator for text parts and blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ToolTurnWording:
+    """How an API words its tool-history errors (each mirrors its vendor's message)."""
+
+    unanswered: Callable[[list[str]], str]
+    orphan: Callable[[str], str]  # a result with no open tool-call turn
+    unknown_id: Callable[[str], str]  # a result whose id the open turn did not call
+    duplicate: Callable[[str], str]
+
+
+def check_tool_turns(
+    messages: tuple[Message, ...], where: Callable[[int], str | None], wording: ToolTurnWording
+) -> None:
+    """Every tool result answers a call of the open assistant turn, and every call is answered
+    before the next user or assistant turn (or the end). System and reminder turns may sit
+    between results; their ordering, and the results' order, is the format's business."""
+    pending: dict[str, int] = {}
+    opened: int | None = None
+    for i, message in enumerate(messages):
+        if message.role in ("user", "assistant") and pending:
+            raise ApiError(400, wording.unanswered(list(pending)), param=where(opened or 0))
+        if message.role == "assistant" and message.tool_calls:
+            ids = [call.id for call in message.tool_calls]
+            for call_id in ids:
+                if ids.count(call_id) > 1:
+                    raise ApiError(400, wording.duplicate(call_id), param=where(i))
+            pending, opened = dict.fromkeys(ids, i), i
+        elif message.role == "tool":
+            call_id = message.tool_call_id or ""
+            if opened is None:
+                raise ApiError(400, wording.orphan(call_id), param=where(i))
+            if call_id not in pending:
+                raise ApiError(400, wording.unknown_id(call_id), param=where(i))
+            del pending[call_id]
+        elif message.role in ("user", "assistant"):
+            opened = None
+    if pending:
+        raise ApiError(400, wording.unanswered(list(pending)), param=where(opened or 0))

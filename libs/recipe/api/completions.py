@@ -1,0 +1,96 @@
+"""OpenAI (legacy) Completions request body -> a validated ``CompletionRequest``. Pure.
+
+One prompt per request: a string, or a list of token ids (a one-element list of either is
+unwrapped). Several prompts in one request are a 400, as are ``suffix`` (no fill-in-the-middle
+format) and ``logit_bias``. ``logprobs`` here is OpenAI's integer 0-5: how many top alternatives to
+return per token (0: just the sampled token's logprob). ``max_tokens`` defaults to 16, OpenAI's
+default for this endpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from libs.recipe.api.common import (
+    check_fields,
+    include_usage,
+    json_object,
+    model_name,
+    optional_str,
+    reject_present,
+)
+from libs.recipe.fields import ApiError, boolean, optional_int
+from libs.recipe.sampling import MAX_N, Sampling, parse_sampling
+
+FIELDS = (
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
+    "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
+    "top_p", "user",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM
+)  # fmt: skip
+UNSUPPORTED = ("suffix", "logit_bias")
+MAX_LOGPROBS = 5  # OpenAI's limit for this endpoint
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str
+    prompt: str | tuple[int, ...]  # text to tokenize, or token ids used as they are
+    echo: bool  # the response repeats the prompt before the completion
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    user: str | None = None
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(i) is int and 0 <= i < 2**32 for i in value)
+
+
+def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if _is_ids(prompt) and prompt:
+        return tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
+        return _prompt({"prompt": prompt[0]})
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise ApiError(
+            400,
+            "several prompts in one request are not supported: send one request per prompt",
+            param="prompt",
+        )
+    raise ApiError(400, "'prompt' is required: a string or a non-empty list of token ids", param="prompt")
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a Completions body (400 naming the offending field on bad input)."""
+    body = json_object(body)
+    check_fields(body, FIELDS, lambda key: f"Unrecognized request argument supplied: {key}")
+    model = model_name(body)
+    reject_present(body, UNSUPPORTED)
+    logprobs = optional_int(body, "logprobs", 0, MAX_LOGPROBS)
+    n = optional_int(body, "n", 1, MAX_N) or 1
+    best_of = optional_int(body, "best_of", 1, MAX_N)
+    if best_of is not None and best_of not in (1, n):
+        # best_of > n means sampling extra sequences and ranking them: not implemented.
+        raise ApiError(400, "'best_of' must be 1 or equal to 'n'", param="best_of")
+    max_tokens = optional_int(body, "max_tokens", 1)
+    chat_body = {
+        **body,
+        "logprobs": logprobs is not None,
+        "top_logprobs": logprobs,
+        "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+    }
+    return CompletionRequest(
+        model=model,
+        prompt=_prompt(body),
+        echo=boolean(body, "echo"),
+        sampling=parse_sampling(chat_body),
+        stream=boolean(body, "stream"),
+        include_usage=include_usage(body),
+        user=optional_str(body, "user"),
+    )

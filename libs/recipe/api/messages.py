@@ -1,0 +1,194 @@
+"""Anthropic Messages request body -> a validated ``MessagesRequest`` holding one Conversation. Pure.
+
+Anthropic's semantics where they differ from the wheel's: ``max_tokens`` is required,
+``temperature`` is in [0, 1], ``tool_choice: any`` means a call is required, and a final assistant
+message is a prefill the model continues (``prefix``). ``/v1/messages/count_tokens`` bodies use
+``parse_count_tokens_request``: the same, without ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.recipe.api.common import (
+    check_fields,
+    json_object,
+    model_name,
+    optional_dict,
+    optional_str,
+    reject_present,
+    resolve_thinking,
+    thinking_type,
+    without_reasoning,
+)
+from libs.recipe.api.messages_content import parse_messages, system_text
+from libs.recipe.api.tools import ToolChoiceSpec, resolve_tool_choice, tool_definition, unique_tools
+from libs.recipe.conversation import Conversation, Message, ToolDefinition
+from libs.recipe.fields import ApiError, boolean, number, optional_int
+from libs.recipe.sampling import Sampling, parse_sampling
+
+FIELDS = (
+    "model", "messages", "max_tokens", "system", "tools", "tool_choice", "thinking", "output_config",
+    "stop_sequences", "temperature", "top_p", "top_k", "metadata", "stream", "service_tier",
+    "container", "mcp_servers", "context_management",
+)  # fmt: skip
+UNSUPPORTED = ("container", "mcp_servers", "context_management")
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesRequest:
+    model: str
+    conversation: Conversation
+    sampling: Sampling
+    max_tokens: int | None  # required for /v1/messages; None only for count_tokens
+    stream: bool
+    user_id: str | None = None  # metadata.user_id
+    service_tier: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _tools(body: dict[str, Any]) -> tuple[ToolDefinition, ...]:
+    raw = body.get("tools")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ApiError(400, "tools: Input should be a valid list", param="tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise ApiError(400, f"{where}: Input should be an object", param=where)
+        if tool.get("type", "custom") != "custom":  # web_search_20250305, bash_..., text_editor_...
+            raise ApiError(400, f"{where}: server tools are not supported", param=f"{where}.type")
+        if not isinstance(tool.get("input_schema"), dict):
+            raise ApiError(400, f"{where}.input_schema: Field required", param=f"{where}.input_schema")
+        get = tool.get
+        # Anthropic's strict only closes objects; optional properties stay optional.
+        definition = tool_definition(
+            get("name"), get("description"), get("input_schema"), get("strict"), where, "input_schema", False
+        )
+        tools.append(definition)
+    return unique_tools(tools)
+
+
+def _tool_choice(body: dict[str, Any]) -> ToolChoiceSpec:
+    choice = optional_dict(body, "tool_choice")
+    if choice is None:
+        return ToolChoiceSpec("auto")
+    disable_parallel = choice.get("disable_parallel_tool_use")
+    if disable_parallel is not None and not isinstance(disable_parallel, bool):
+        raise ApiError(
+            400, "tool_choice.disable_parallel_tool_use: Input should be a valid boolean", param="tool_choice"
+        )
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return ToolChoiceSpec(kind)
+    if kind == "any":
+        return ToolChoiceSpec("required")  # Anthropic: the model must use one of the tools
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return ToolChoiceSpec("required", name=choice["name"])
+    raise ApiError(
+        400, "tool_choice: must be {type: auto|any|none} or {type: tool, name}", param="tool_choice"
+    )
+
+
+def _max_tokens(body: dict[str, Any], required: bool) -> int | None:
+    if required and body.get("max_tokens") is None:
+        raise ApiError(400, "max_tokens: Field required", param="max_tokens")
+    return optional_int(body, "max_tokens", 1, _INT32_MAX)
+
+
+def _thinking(body: dict[str, Any], max_tokens: int | None) -> bool | None:
+    thinking = body.get("thinking")
+    enabled = thinking_type(thinking, "thinking")
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+    if budget is not None:
+        # Accepted for compatibility and otherwise ignored: the formats have no thinking budget.
+        ok = type(budget) is int and budget >= 1024 and (max_tokens is None or budget < max_tokens)
+        if not ok:
+            raise ApiError(
+                400,
+                "thinking.budget_tokens: must be an integer >= 1024 and less than max_tokens",
+                param="thinking.budget_tokens",
+            )
+    return enabled
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
+    # Anthropic's ranges are checked under Anthropic's names, then Chat's reader builds the params.
+    number(body, "temperature", 1.0, 0.0, 1.0)
+    top_k = optional_int(body, "top_k", 0, _INT32_MAX)
+    stop = body.get("stop_sequences")
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "stop_sequences: Input should be a valid list of strings", param="stop_sequences")
+    chat_body = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_k": top_k}
+    sampling = parse_sampling({**chat_body, "max_tokens": max_tokens})
+    return dataclasses.replace(sampling, stop=[s for s in stop or [] if s])
+
+
+def _output_config(body: dict[str, Any]) -> tuple[Any, Any]:
+    """(effort, json schema) from output_config."""
+    config = optional_dict(body, "output_config") or {}
+    allowed = ("effort", "format")
+    check_fields(config, allowed, lambda key: f"{key}: Extra inputs are not permitted", "output_config.")
+    fmt = optional_dict(config, "format", "output_config.format")
+    if fmt is None:
+        return config.get("effort"), None
+    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError(
+            400,
+            "output_config.format: must be {type: json_schema, schema: {...}}",
+            param="output_config.format",
+        )
+    return config.get("effort"), fmt["schema"]
+
+
+def _request(body: Any, max_tokens_required: bool) -> MessagesRequest:
+    body = json_object(body)
+    check_fields(body, FIELDS, lambda key: f"{key}: Extra inputs are not permitted")
+    model = model_name(body)
+    reject_present(body, UNSUPPORTED)
+    max_tokens = _max_tokens(body, max_tokens_required)
+    system = system_text(body.get("system"))
+    messages: tuple[Message, ...] = ((Message("system", system),) if system else ()) + parse_messages(
+        body.get("messages")
+    )
+    effort_value, schema = _output_config(body)
+    # Anthropic's effort shapes all output, thinking or not: it does not switch thinking on.
+    thinking, effort = resolve_thinking(
+        _thinking(body, max_tokens), effort_value, "output_config.effort", effort_implies_thinking=False
+    )
+    tool_choice, tools = resolve_tool_choice(_tool_choice(body), _tools(body), thinking)
+    meta = optional_dict(body, "metadata") or {}
+    conversation = Conversation(
+        messages=without_reasoning(messages, thinking),
+        thinking=thinking,
+        tools=tools,
+        tool_choice=tool_choice,
+        effort=effort,
+        response_format="text" if schema is None else "json_schema",
+        response_schema=schema,
+    )
+    return MessagesRequest(
+        model=model,
+        conversation=conversation,
+        sampling=_sampling(body, max_tokens),
+        max_tokens=max_tokens,
+        stream=boolean(body, "stream"),
+        user_id=optional_str(meta, "user_id", "metadata.user_id"),
+        service_tier=optional_str(body, "service_tier"),
+        metadata=dict(meta),
+    )
+
+
+def parse_messages_request(body: Any) -> MessagesRequest:
+    """Validate a /v1/messages body (400 naming the offending field on bad input)."""
+    return _request(body, max_tokens_required=True)
+
+
+def parse_count_tokens_request(body: Any) -> MessagesRequest:
+    """Validate a /v1/messages/count_tokens body: a Messages body whose max_tokens is optional."""
+    return _request(body, max_tokens_required=False)

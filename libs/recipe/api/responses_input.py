@@ -1,0 +1,174 @@
+"""OpenAI Responses ``input`` items -> Conversation messages. Pure.
+
+Consecutive assistant-side items form one assistant turn, as the wheel groups them: a reasoning
+item with ``reasoning_text`` parts opens a turn (they become its reasoning; summary-only items
+are skipped), assistant messages
+add text, function calls add tool calls; a user/system message, a function_call_output, a new
+reasoning item after text or calls, or assistant text after a call closes the turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from libs.recipe.api.common import UNSUPPORTED_INPUT, ToolTurnWording, join_text
+from libs.recipe.conversation import Message, Role, ToolCall
+from libs.recipe.fields import ApiError
+
+# A developer message stays one: where it goes is the format's choice (the wheel: V4 user, V4.1 system).
+ROLES: dict[str, Role] = {
+    "user": "user", "system": "system", "developer": "developer", "assistant": "assistant"
+}  # fmt: skip
+_TEXT_PARTS = ("input_text", "output_text")
+_MEDIA_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+WORDING = ToolTurnWording(
+    unanswered=lambda ids: f"No tool output found for function call {', '.join(ids)}.",
+    orphan=lambda call_id: f"No tool call found for function call output with call_id {call_id}.",
+    unknown_id=lambda call_id: f"No tool call found for function call output with call_id {call_id}.",
+    duplicate=lambda call_id: f"Duplicate 'call_id': {call_id}.",
+)
+
+
+@dataclass
+class _Turn:
+    origin: int  # the item that opened it, for error params
+    reasoning: list[str] | None = None
+    texts: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def message(self) -> Message:
+        reasoning = None if self.reasoning is None else "\n".join(self.reasoning)
+        return Message("assistant", join_text(self.texts), reasoning=reasoning, tool_calls=tuple(self.calls))
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ApiError(400, f"'{where}.{key}' is required and must be a string", param=f"{where}.{key}")
+    return value
+
+
+def content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{where}' must be a string or an array of content parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise ApiError(400, UNSUPPORTED_INPUT.format(kind=_MEDIA_PARTS[kind]), param=f"{where}[{j}]")
+        key = "refusal" if kind == "refusal" else "text"
+        if kind not in (*_TEXT_PARTS, "refusal") or not isinstance(part.get(key), str):
+            raise ApiError(400, f"'{where}[{j}]' must be a text content part", param=f"{where}[{j}]")
+        texts.append(part[key])
+    return join_text(texts)
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> list[str]:
+    # Only raw reasoning_text parts are the model's reasoning: summaries are a paraphrase of it.
+    content = item.get("content") or []
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{where}.content' must be an array", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        if (
+            not isinstance(part, dict)
+            or part.get("type") != "reasoning_text"
+            or not isinstance(part.get("text"), str)
+        ):
+            raise ApiError(
+                400, f"'{where}.content[{j}]' must be a reasoning_text part", param=f"{where}.content[{j}]"
+            )
+        texts.append(part["text"])
+    return texts
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.origins: list[int] = []
+        self.turn: _Turn | None = None
+
+    def close(self) -> None:
+        if self.turn is not None:
+            self.emit(self.turn.message(), self.turn.origin)
+            self.turn = None
+
+    def emit(self, message: Message, origin: int) -> None:
+        self.messages.append(message)
+        self.origins.append(origin)
+
+    def open(self, i: int, fresh: bool) -> _Turn:
+        if self.turn is not None and fresh:
+            self.close()
+        if self.turn is None:
+            self.turn = _Turn(i)
+        return self.turn
+
+    def message(self, item: dict[str, Any], i: int, where: str) -> None:
+        role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise ApiError(
+                400, f"'{where}.role' must be one of {', '.join(map(repr, ROLES))}", param=f"{where}.role"
+            )
+        text = content_text(item.get("content"), f"{where}.content")
+        if role == "assistant":
+            turn = self.open(i, fresh=bool(self.turn and self.turn.calls))
+            turn.texts.append(text)
+        else:
+            self.close()
+            self.emit(Message(role, text), i)
+
+    def reasoning(self, item: dict[str, Any], i: int, where: str) -> None:
+        texts = _reasoning_text(item, where)
+        if not texts:
+            return  # summary or encrypted_content only: nothing to render, and no new turn (as the wheel)
+        turn = self.open(i, fresh=bool(self.turn and (self.turn.texts or self.turn.calls)))
+        turn.reasoning = (turn.reasoning or []) + texts
+
+    def function_call(self, item: dict[str, Any], i: int, where: str) -> None:
+        call = ToolCall(
+            id=_string(item, "call_id", where),
+            name=_string(item, "name", where),
+            arguments=_string(item, "arguments", where),
+        )
+        self.open(i, fresh=False).calls.append(call)
+
+    def function_call_output(self, item: dict[str, Any], i: int, where: str) -> None:
+        call_id = _string(item, "call_id", where)
+        output = content_text(item.get("output"), f"{where}.output")
+        self.close()
+        self.emit(Message("tool", output, tool_call_id=call_id), i)
+
+
+def parse_input(raw: Any) -> tuple[tuple[Message, ...], tuple[int, ...]]:
+    """The input's messages, and for each the index of the item it came from."""
+    if isinstance(raw, str):
+        return (Message("user", raw),), (0,)
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'input' is required: a string or a non-empty array of items", param="input")
+    builder = _Builder()
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"'{where}' must be an object", param=where)
+        kind = item.get("type", "message")
+        handler = {
+            "message": builder.message,
+            "reasoning": builder.reasoning,
+            "function_call": builder.function_call,
+            "function_call_output": builder.function_call_output,
+        }.get(kind)
+        if handler is None:
+            raise ApiError(
+                400,
+                f"input items of type {kind!r} are not supported",
+                param=f"{where}.type",
+                code="unsupported_parameter",
+            )
+        handler(item, i, where)
+    builder.close()
+    return tuple(builder.messages), tuple(builder.origins)

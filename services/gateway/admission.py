@@ -1,0 +1,79 @@
+"""Admission shared by every API: prompt tokens + sampling -> a submitted, resumable request."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from libs.protocol.messages import StreamRecord, SubmitStatus
+from libs.recipe.conversation import Conversation
+from libs.recipe.fields import ApiError
+from libs.recipe.sampling import Sampling
+from libs.recipe.template_format import Prompt
+from services.gateway.request_stream import RequestStream
+from services.gateway.served_model import ServedModel
+from services.gateway.service import GatewayService, SubmitRejected
+
+# submit status -> (HTTP status, error type, code)
+_REJECTED: dict[SubmitStatus, tuple[int, str, str | None]] = {
+    SubmitStatus.QUEUE_FULL: (429, "rate_limit_error", "queue_full"),
+    SubmitStatus.NO_WORKERS: (503, "server_error", "no_workers"),
+    SubmitStatus.INVALID: (400, "invalid_request_error", None),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    record: StreamRecord
+    stream: RequestStream
+
+
+class Admission:
+    def __init__(self, service: GatewayService, served: ServedModel) -> None:
+        self.service = service
+        self.served = served
+
+    async def prompt(self, conversation: Conversation) -> Prompt:
+        # Rendering and tokenizing a long prompt is CPU work: keep it off the event loop.
+        return await asyncio.to_thread(self.served.prompt, conversation)
+
+    async def admit(
+        self,
+        api: str,
+        request_id: str,
+        prompt: Prompt,
+        sampling: Sampling,
+        *,
+        created: int,
+        resumable: bool,
+        include_usage: bool = False,
+        context: bytes = b"",
+    ) -> Admitted:
+        served = self.served
+        params = sampling.resolve(served.check_length(len(prompt.token_ids), sampling.max_tokens))
+        record = StreamRecord(
+            request_id=request_id,
+            api=api,
+            gateway_id=self.service.gateway_id,
+            start_seq=0,
+            created=created,
+            model=served.name,
+            n=params.n,
+            logprobs=params.logprobs,
+            top_logprobs=params.top_logprobs,
+            include_usage=include_usage,
+            stop=tuple(sampling.stop),
+            syntax=prompt.syntax,
+            start=prompt.start,
+            parse_tool_calls=prompt.parse_tool_calls,
+            thinking=prompt.thinking,
+            context=context,
+        )
+        try:
+            stream = await self.service.submit(
+                request_id, prompt.token_ids, params, served.eos_token_id, record if resumable else None
+            )
+        except SubmitRejected as exc:
+            status, type_, code = _REJECTED[exc.status]
+            raise ApiError(status, str(exc), code=code, type_=type_) from exc
+        return Admitted(record, stream)

@@ -1,0 +1,213 @@
+"""One ApiRenderer per API over the recipe's event encoders: the SSE events and the non-stream body.
+
+Each renderer feeds every event it emits to its API's accumulator, so ``body()`` (the
+non-streaming response) is built from exactly what a stream would have carried.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from libs.protocol.messages import StreamRecord
+from libs.recipe.events_chat import ChatAccumulator, ChatEncoder, chat_usage
+from libs.recipe.events_messages import MessagesAccumulator, MessagesEncoder
+from libs.recipe.events_responses import ResponsesAccumulator, ResponsesEncoder
+from libs.recipe.segments import Content, Finish, Reasoning, Segment, ToolCallArgs, Usage
+from services.gateway.generation import ApiRenderer, Event
+
+DONE = Event(None, "[DONE]")
+
+
+def openai_error(message: str, type_: str = "server_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": None}}
+
+
+class ChatRenderer:
+    def __init__(
+        self, request_id: str, model: str, created: int, *, n: int, thinking: bool, include_usage: bool
+    ) -> None:
+        self._encoder = ChatEncoder(
+            request_id, model, created, reasoning=thinking, n=n, include_usage=include_usage
+        )
+        self._accumulator = ChatAccumulator()
+        self._n = n
+        self._include_usage = include_usage
+        self._usage = Usage(0, 0)
+        self.failed = False
+
+    def _out(self, chunks: list[dict[str, Any]]) -> list[Event]:
+        for chunk in chunks:
+            self._accumulator.add(chunk)
+        return [Event(None, chunk) for chunk in chunks]
+
+    def open(self, usage: Usage) -> list[Event]:
+        return self._out([c for i in range(self._n) for c in self._encoder.start(i)])
+
+    def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
+        return self._out(self._encoder.feed(index, segments, logprobs))
+
+    def end_choice(self, index: int, finish: Finish, num_tool_calls: int) -> list[Event]:
+        return self._out(self._encoder.finish(index, finish, num_tool_calls > 0))
+
+    def close(self, usage: Usage, error: str) -> list[Event]:
+        self._usage = usage
+        if error:
+            self.failed = True
+            return [Event(None, openai_error(error)), DONE]
+        if self._include_usage:
+            return [Event(None, self._encoder.usage_chunk(usage)), DONE]
+        return [DONE]
+
+    def body(self) -> dict[str, Any]:
+        body = self._accumulator.result()
+        body["usage"] = chat_usage(self._usage)
+        return body
+
+
+class CompletionsRenderer:
+    """Legacy Completions (``text_completion``): text only; reasoning and tools do not apply."""
+
+    def __init__(self, request_id: str, model: str, created: int, *, n: int, echo: str, include_usage: bool):
+        self._head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._finish: list[str | None] = [None] * n
+        self._echo = echo
+        self._include_usage = include_usage
+        self._usage = Usage(0, 0)
+        self.failed = False
+
+    def _chunk(self, index: int, text: str, finish_reason: str | None = None) -> Event:
+        self._texts[index].append(text)
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        body: dict[str, Any] = {**self._head, "choices": [choice]}
+        if self._include_usage:
+            body["usage"] = None
+        return Event(None, body)
+
+    def open(self, usage: Usage) -> list[Event]:
+        return [self._chunk(i, self._echo) for i in range(len(self._texts)) if self._echo]
+
+    def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
+        text = "".join(s.text for s in segments if isinstance(s, Content | Reasoning | ToolCallArgs))
+        return [self._chunk(index, text)] if text else []
+
+    def end_choice(self, index: int, finish: Finish, num_tool_calls: int) -> list[Event]:
+        reason = "length" if finish.reason == "length" else "stop"
+        self._finish[index] = reason
+        return [self._chunk(index, "", reason)]
+
+    def close(self, usage: Usage, error: str) -> list[Event]:
+        self._usage = usage
+        if error:
+            self.failed = True
+            return [Event(None, openai_error(error)), DONE]
+        if self._include_usage:
+            return [Event(None, {**self._head, "choices": [], "usage": chat_usage(usage)}), DONE]
+        return [DONE]
+
+    def body(self) -> dict[str, Any]:
+        choices = [
+            {"index": i, "text": "".join(t), "logprobs": None, "finish_reason": self._finish[i]}
+            for i, t in enumerate(self._texts)
+        ]
+        return {**self._head, "choices": choices, "usage": chat_usage(self._usage)}
+
+
+class _OneChoiceRenderer:
+    """Responses and Messages: one choice, each event named by its type; the finish is held until
+    ``close`` brings the usage."""
+
+    def __init__(self, accumulator: ResponsesAccumulator | MessagesAccumulator) -> None:
+        self._accumulator = accumulator
+        self._finish = Finish("eos")
+        self.failed = False
+
+    def _out(self, events: list[dict[str, Any]]) -> list[Event]:
+        for event in events:
+            self._accumulator.add(event)
+        return [Event(event["type"], event) for event in events]
+
+    def end_choice(self, index: int, finish: Finish, num_tool_calls: int) -> list[Event]:
+        self._finish = finish
+        return []
+
+    def _final(self, error: str) -> Finish:
+        self.failed = bool(error)
+        return Finish("error", error=error) if error else self._finish
+
+
+class ResponsesRenderer(_OneChoiceRenderer):
+    """``skeleton``: the response object's echoed settings (id, created_at, model, tools, ...)."""
+
+    def __init__(self, skeleton: dict[str, Any], *, queued: bool = False) -> None:
+        super().__init__(ResponsesAccumulator())
+        self._encoder = ResponsesEncoder(skeleton)
+        self._queued = queued
+
+    def open(self, usage: Usage) -> list[Event]:
+        return self._out(self._encoder.start(queued=self._queued))
+
+    def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
+        return self._out(self._encoder.feed(segments))
+
+    def close(self, usage: Usage, error: str) -> list[Event]:
+        return self._out(self._encoder.finish(self._final(error), usage, int(time.time())))
+
+    @property
+    def response(self) -> dict[str, Any]:
+        """The object as it stands (also for a cancelled response, which has no terminal event)."""
+        return self._encoder.response
+
+    def body(self) -> dict[str, Any]:
+        return self._encoder.response
+
+
+class MessagesRenderer(_OneChoiceRenderer):
+    """``message_start`` waits for the first output: it carries the prompt's (cached) token counts."""
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self._messages = MessagesAccumulator()
+        super().__init__(self._messages)
+        self._encoder = MessagesEncoder(message_id, model, signature=message_id)
+
+    def open(self, usage: Usage) -> list[Event]:
+        return self._out(self._encoder.start(usage))
+
+    def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
+        return self._out(self._encoder.feed(segments))
+
+    def close(self, usage: Usage, error: str) -> list[Event]:
+        return self._out(self._encoder.finish(self._final(error), usage))
+
+    def body(self) -> dict[str, Any]:
+        return self._messages.result()
+
+
+def renderer_for(record: StreamRecord) -> ApiRenderer:
+    """The renderer a request was streamed with, rebuilt from its record (a resume)."""
+    context: dict[str, Any] = json.loads(record.context) if record.context else {}
+    if record.api == "chat":
+        return ChatRenderer(
+            record.request_id,
+            record.model,
+            record.created,
+            n=record.n,
+            thinking=record.thinking,
+            include_usage=record.include_usage,
+        )
+    if record.api == "completions":
+        return CompletionsRenderer(
+            record.request_id,
+            record.model,
+            record.created,
+            n=record.n,
+            echo=context.get("echo", ""),
+            include_usage=record.include_usage,
+        )
+    if record.api == "responses":
+        return ResponsesRenderer(context["skeleton"], queued=context.get("queued", False))
+    if record.api == "messages":
+        return MessagesRenderer(record.request_id, record.model)
+    raise ValueError(f"unknown api {record.api!r} in a stream record")

@@ -1,0 +1,133 @@
+"""One request's step outputs as the HTTP side consumes them: checked deltas, per choice, in order.
+
+``Pending`` turns a request's ``RequestOutput``s into ``Delta``s and checks that nothing was lost
+(each output carries its choice's running token count). ``RequestStream`` iterates them; the
+same classes serve a live request and a resumed one replayed from the out stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from libs.protocol.codec import unpack_tokens
+from libs.protocol.messages import FinishReason, RequestOutput, seq_id_of
+from services.gateway.logprobs import TokenLogprob, unpack_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New tokens of one choice of a request from one step."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int  # of this choice
+    num_cached_tokens: int
+    finish_reason: FinishReason | None
+    error: str = ""
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+
+
+@dataclass(eq=False)
+class Pending:
+    n: int
+    want_logprobs: bool
+    scheduler_id: str = ""
+    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    num_received: list[int] = field(default_factory=list)  # per choice
+    # Per choice: the consumer has seen its end (or stopped it); later deltas for it are dropped.
+    done: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_received = [0] * self.n
+        self.done = [False] * self.n
+
+    def accept(self, out: RequestOutput) -> None:
+        """Queue one output as a delta; a lost message or bad payload ends its choice with an error."""
+        if not 0 <= out.index < self.n:
+            self.fail(f"output for choice {out.index} of a request with n={self.n}")
+            return
+        token_ids = unpack_tokens(out.new_token_ids)
+        self.num_received[out.index] += len(token_ids)
+        error, finish = out.error, out.finish_reason
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if self.num_received[out.index] != out.num_output_tokens:
+            have = self.num_received[out.index]
+            error = f"lost tokens: have {have}, scheduler sent {out.num_output_tokens}"
+            finish = FinishReason.ERROR
+        elif self.want_logprobs and token_ids:
+            try:
+                if out.logprobs is None:
+                    raise ValueError("no logprobs")
+                logprobs = unpack_logprobs(token_ids, out.logprobs)
+            except ValueError as exc:
+                error, finish = f"bad logprobs from the scheduler: {exc}", FinishReason.ERROR
+        self.queue.put_nowait(
+            Delta(
+                token_ids,
+                out.num_prompt_tokens,
+                out.num_output_tokens,
+                out.num_cached_tokens,
+                finish,
+                error,
+                out.index,
+                logprobs,
+            )
+        )
+
+    def fail(self, why: str) -> None:
+        """End every choice with an error (the consumer skips those it has seen end already)."""
+        for index in range(self.n):
+            self.queue.put_nowait(Delta([], 0, self.num_received[index], 0, FinishReason.ERROR, why, index))
+
+
+class RequestStream:
+    """One admitted request's deltas, every choice interleaved in arrival order.
+
+    Iteration ends once every choice is done. ``stop_choice`` ends one choice early (a stop
+    string); ``close()`` before the end (disconnect, error) hands the request to ``on_close``
+    (which cancels it, at once or after the resume grace period).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        pending: Pending,
+        cancel: Callable[[str], None],
+        on_close: Callable[[RequestStream], None],
+    ) -> None:
+        self.request_id = request_id
+        self._pending = pending
+        self._cancel = cancel
+        self._on_close = on_close
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return all(self._pending.done)
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Delta]:
+        done = self._pending.done
+        while not all(done):
+            delta = await self._pending.queue.get()
+            if done[delta.index]:
+                continue  # tokens still in flight for a choice stopped here
+            done[delta.index] = delta.finish_reason is not None
+            yield delta
+
+    def stop_choice(self, index: int) -> None:
+        """End choice ``index`` here; the scheduler drops its sequence unless it had finished already."""
+        if not self._pending.done[index]:
+            self._pending.done[index] = True
+            self._cancel(seq_id_of(self.request_id, index))
+
+    def close(self) -> None:
+        """Idempotent and synchronous, so it is safe in a finally block of a cancelled task."""
+        if not self._closed:
+            self._closed = True
+            self._on_close(self)

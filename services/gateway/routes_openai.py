@@ -1,0 +1,91 @@
+"""OpenAI Chat Completions and Completions: POST (stream or not) and GET to resume a stream."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from libs.recipe.api.chat import parse_chat_request
+from libs.recipe.api.completions import parse_completion_request
+from libs.recipe.fields import ApiError
+from libs.recipe.template_format import Prompt
+from services.gateway.admission import Admission
+from services.gateway.serving import Server, error_response, json_body, last_event_id
+
+
+class OpenAIRoutes:
+    def __init__(self, server: Server, admission: Admission) -> None:
+        self.server = server
+        self.admission = admission
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            chat = parse_chat_request(await json_body(request))
+            self.server.served.check_model(chat.model)
+            prompt = await self.admission.prompt(chat.conversation)
+            admitted = await self.admission.admit(
+                "chat",
+                "chatcmpl-" + uuid.uuid4().hex,
+                prompt,
+                chat.sampling,
+                created=int(time.time()),
+                resumable=chat.stream,
+                include_usage=chat.include_usage,
+            )
+        except ApiError as err:
+            return error_response(err, retry_after_s=self.server.retry_after_s)
+        generation = self.server.generation(admitted.record)
+        if chat.stream:
+            return self.server.sse(generation, admitted.stream)
+        return await self.server.body(request, generation, admitted.stream) or Response(status_code=499)
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = parse_completion_request(await json_body(request))
+            served = self.server.served
+            served.check_model(req.model)
+            if isinstance(req.prompt, str):
+                token_ids = served.encode_text(req.prompt)
+                echo = req.prompt if req.echo else ""
+            else:
+                token_ids = list(req.prompt)
+                echo = served.tokenizer.decode(token_ids, skip_special_tokens=False) if req.echo else ""
+            prompt = Prompt(
+                token_ids, syntax="plain", start="content", parse_tool_calls=False, thinking=False
+            )
+            admitted = await self.admission.admit(
+                "completions",
+                "cmpl-" + uuid.uuid4().hex,
+                prompt,
+                req.sampling,
+                created=int(time.time()),
+                resumable=req.stream,
+                include_usage=req.include_usage,
+                context=json.dumps({"echo": echo}).encode(),
+            )
+        except ApiError as err:
+            return error_response(err, retry_after_s=self.server.retry_after_s)
+        generation = self.server.generation(admitted.record)
+        if req.stream:
+            return self.server.sse(generation, admitted.stream)
+        return await self.server.body(request, generation, admitted.stream) or Response(status_code=499)
+
+    async def resume_chat(self, request: Request) -> Response:
+        return await self._resume(request, "chat")
+
+    async def resume_completion(self, request: Request) -> Response:
+        return await self._resume(request, "completions")
+
+    async def _resume(self, request: Request, api: str) -> Response:
+        """``GET .../{id}?stream=true`` with ``Last-Event-ID``: the events after it, then live."""
+        try:
+            if request.query_params.get("stream", "true").lower() != "true":
+                raise ApiError(400, "only a stream can be resumed: pass stream=true", param="stream")
+            after = last_event_id(request, "last_event_id")
+            return await self.server.resume(request.path_params["request_id"], api, after)
+        except ApiError as err:
+            return error_response(err)

@@ -1,0 +1,137 @@
+"""The official openai and anthropic SDKs, unmodified, against the running stack (SmolLM2, fp32)."""
+
+from __future__ import annotations
+
+import time
+
+import anthropic
+import openai
+import pytest
+
+from tests.system.stack import Stack
+
+MODEL = "SmolLM2-135M-Instruct"
+ASK = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def oai(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(stack: Stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.root_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_stream_equals_non_stream(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": ASK}]
+    whole = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and "Paris" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage == whole.usage
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_completions(oai: openai.OpenAI) -> None:
+    done = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    streamed = oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    assert done.usage is not None and done.usage.completion_tokens == 8
+
+
+def test_responses_create_stream_retrieve_and_chain(oai: openai.OpenAI) -> None:
+    first = oai.responses.create(model=MODEL, input=ASK, temperature=0, max_output_tokens=24)
+    assert first.status in ("completed", "incomplete") and "Paris" in first.output_text
+    assert oai.responses.retrieve(first.id).output_text == first.output_text
+
+    events = list(
+        oai.responses.create(model=MODEL, input=ASK, temperature=0, max_output_tokens=24, stream=True)
+    )
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    order = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+    assert [t for t in types if t in order][:3] == order
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
+
+    # previous_response_id: the follow-up's prompt holds the first exchange (a longer input).
+    follow = oai.responses.create(
+        model=MODEL, input="And of Italy?", previous_response_id=first.id, temperature=0, max_output_tokens=16
+    )
+    alone = oai.responses.create(model=MODEL, input="And of Italy?", temperature=0, max_output_tokens=16)
+    assert follow.usage is not None and alone.usage is not None
+    assert follow.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens  # type: ignore[union-attr]
+
+
+def test_responses_background_and_cancel(oai: openai.OpenAI) -> None:
+    started = oai.responses.create(
+        model=MODEL, input="Write a long story about a dragon.", max_output_tokens=400, background=True
+    )
+    assert started.status in ("queued", "in_progress")
+    cancelled = oai.responses.cancel(started.id)
+    assert cancelled.status == "cancelled"
+    assert oai.responses.retrieve(started.id).status == "cancelled"
+
+    quick = oai.responses.create(model=MODEL, input=ASK, temperature=0, max_output_tokens=12, background=True)
+    deadline = time.monotonic() + 60
+    while (got := oai.responses.retrieve(quick.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert got.status in ("completed", "incomplete") and "Paris" in got.output_text
+
+
+def test_bad_requests_get_each_apis_error_shape(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    with pytest.raises(openai.BadRequestError) as chat_err:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])  # type: ignore[misc,list-item]
+    assert chat_err.value.body["param"] == "messages[0].role"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(
+            model=MODEL, input=[{"type": "function_call_output", "call_id": "x", "output": "1"}]
+        )
+    with pytest.raises(anthropic.BadRequestError) as msg_err:
+        claude.messages.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [{"type": "wat"}]}]
+        )  # type: ignore[list-item]
+    assert msg_err.value.body["type"] == "error"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve("resp_does_not_exist")
+    # and the service keeps serving
+    assert oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+
+
+def test_messages_stream_non_stream_and_count_tokens(claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": ASK}]
+    greedy = {"temperature": 0}  # this SDK version has no temperature argument
+    whole = claude.messages.create(model=MODEL, max_tokens=24, messages=messages, extra_body=greedy)  # type: ignore[arg-type]
+    assert whole.content[0].type == "text" and "Paris" in whole.content[0].text
+    with claude.messages.stream(model=MODEL, max_tokens=24, messages=messages, extra_body=greedy) as stream:  # type: ignore[arg-type]
+        types = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert [b.model_dump(include={"type", "text"}) for b in final.content] == [
+        b.model_dump(include={"type", "text"}) for b in whole.content
+    ]
+    assert final.stop_reason == whole.stop_reason
+    assert types[0] == "message_start" and types[-1] == "message_stop"
+    assert (
+        types.index("content_block_start")
+        < types.index("content_block_delta")
+        < types.index("content_block_stop")
+        < types.index("message_delta")
+    )
+    counted = claude.messages.count_tokens(model=MODEL, messages=messages)  # type: ignore[arg-type]
+    assert counted.input_tokens == whole.usage.input_tokens

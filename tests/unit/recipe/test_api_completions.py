@@ -1,0 +1,64 @@
+"""Completions request model: one prompt (text or token ids), logprobs as a count, bad inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from libs.recipe.api import parse_completion_request
+from libs.recipe.fields import ApiError
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": "Once", **fields}
+
+
+def test_text_prompt_defaults() -> None:
+    request = parse_completion_request(body())
+    assert (request.prompt, request.echo, request.stream, request.sampling.max_tokens) == (
+        "Once",
+        False,
+        False,
+        16,
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"), [([1, 2, 3], (1, 2, 3)), (["one"], "one"), ([[4, 5]], (4, 5))]
+)
+def test_prompt_forms(prompt: Any, expected: Any) -> None:
+    assert parse_completion_request(body(prompt=prompt)).prompt == expected
+
+
+def test_logprobs_is_a_top_count() -> None:
+    base = parse_completion_request(body(logprobs=3, echo=True, max_tokens=5)).sampling.base
+    assert (base.logprobs, base.top_logprobs) == (True, 3)
+    assert parse_completion_request(body(logprobs=0)).sampling.base.logprobs is True
+
+
+def test_best_of_equal_to_n() -> None:
+    assert parse_completion_request(
+        body(n=2, best_of=2, stream=True, stream_options={"include_usage": True})
+    ).include_usage
+
+
+@pytest.mark.parametrize(
+    ("request_body", "param", "fragment"),
+    [
+        (body(prompt=["a", "b"]), "prompt", "several prompts"),
+        (body(prompt=[]), "prompt", "required"),
+        (body(prompt=None), "prompt", "required"),
+        (body(suffix="x"), "suffix", "not supported"),
+        (body(logprobs=6), "logprobs", "between 0 and 5"),
+        (body(best_of=3), "best_of", "equal to 'n'"),
+        (body(messages=[]), "messages", "Unrecognized request argument supplied: messages"),
+        (body(max_tokens=0), "max_tokens", "between 1"),
+        (body(echo="yes"), "echo", "boolean"),
+    ],
+)
+def test_bad_input(request_body: dict[str, Any], param: str, fragment: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_completion_request(request_body)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert fragment in info.value.message
