@@ -3,6 +3,7 @@
 A response's id is its request id. Stored responses live in the responses bucket; a background
 response runs in a task of this gateway that stores the object as it ends, while any number of
 readers (the creating call with ``stream: true``, later ``GET ...?stream=true``) replay its events.
+If that gateway dies, the next retrieval at any gateway adopts the response and finishes it there.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from libs.protocol.messages import StreamRecord
 from libs.recipe.api.responses import ResponsesRequest, parse_responses_request
 from libs.recipe.api.responses_input import parse_input
 from libs.recipe.fields import ApiError
+from libs.recipe.segments import Usage
 from services.gateway.admission import Admission, Admitted
 from services.gateway.generation import Generation
 from services.gateway.renderers import ResponsesRenderer
+from services.gateway.request_stream import RequestStream
 from services.gateway.response_store import TERMINAL, ResponseStore
 from services.gateway.serving import Server, error_response, json_body, last_event_id
 
@@ -42,7 +46,7 @@ class ResponsesRoutes:
         self.server = server
         self.admission = admission
         self.store = store
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._running: dict[str, asyncio.Task[None]] = {}  # background responses run by this gateway
 
     async def create(self, request: Request) -> Response:
         try:
@@ -73,9 +77,9 @@ class ResponsesRoutes:
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)
-        generation = self.server.generation(admitted.record)
         if req.background:
-            return await self._background(req, admitted, generation, input_items)
+            return await self._background(req, admitted, input_items)
+        generation = self.server.generation(admitted.record)
 
         async def store(done: Generation) -> None:
             if req.store:
@@ -101,32 +105,48 @@ class ResponsesRoutes:
         return history
 
     async def _background(
-        self, req: ResponsesRequest, admitted: Admitted, generation: Generation, input_items: list[Any]
+        self, req: ResponsesRequest, admitted: Admitted, input_items: list[Any]
     ) -> Response:
         """Run to the end in a task of this gateway, whoever listens; store as it starts and ends."""
-        renderer = generation.renderer
-        assert isinstance(renderer, ResponsesRenderer)
-        renderer.open(generation.usage)  # the queued object, before any output
-        await self.store.put(renderer.response, input_items, admitted.record.request_id)
-        background = self.server.generation(admitted.record)  # a fresh pipeline for the task
+        queued = self.server.generation(admitted.record).renderer
+        assert isinstance(queued, ResponsesRenderer)
+        queued.open(Usage(0, 0))  # the queued object, before any output
+        await self.store.put(queued.response, input_items, admitted.record.request_id)
+        self._run_to_end(admitted.record, admitted.stream, input_items)
+        if not req.stream:
+            return JSONResponse(queued.response)
+        replay = await self.server.service.replay(admitted.record, cancel_on_close=False)
+        return self.server.sse(self.server.generation(admitted.record), replay)
+
+    def _run_to_end(self, record: StreamRecord, stream: RequestStream, input_items: list[Any]) -> None:
+        generation = self.server.generation(record)
 
         async def run() -> None:
             try:
-                async for _ in background.events(admitted.stream):
+                async for _ in generation.events(stream):
                     pass
             finally:
-                admitted.stream.close()
-            final = background.renderer
+                stream.close()
+            final = generation.renderer
             assert isinstance(final, ResponsesRenderer)
             await self.store.put(final.response, input_items)
 
         task = asyncio.create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        if not req.stream:
-            return JSONResponse(renderer.response)
-        replay = await self.server.service.replay(admitted.record, cancel_on_close=False)
-        return self.server.sse(self.server.generation(admitted.record), replay)
+        self._running[record.request_id] = task
+        task.add_done_callback(lambda _: self._running.pop(record.request_id, None))
+
+    async def _adopt(self, response: dict[str, Any], input_items: list[Any]) -> None:
+        """A background response still running whose gateway is gone: finish (and store) it here.
+
+        Its step outputs are in the out stream; replaying them renders the same response."""
+        response_id = response["id"]
+        if response.get("status") in TERMINAL or response_id in self._running:
+            return
+        record = await self.server.service.stream_record(response_id)
+        if record is None or record.gateway_id in await self.server.service.live_gateways():
+            return  # expired, or its own gateway is still on it
+        stream = await self.server.service.replay(record, cancel_on_close=False)
+        self._run_to_end(record, stream, input_items)
 
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -139,6 +159,7 @@ class ResponsesRoutes:
                 raise _not_found(response_id)
         except ApiError as err:
             return error_response(err)
+        await self._adopt(*found)
         return JSONResponse(found[0])
 
     async def cancel(self, request: Request) -> Response:

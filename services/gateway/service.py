@@ -89,6 +89,10 @@ class GatewayService:
             await live_members(self.bus, bucket, MemberKind.SCHEDULER)
         )
 
+    async def live_gateways(self) -> set[str]:
+        members = await live_members(self.bus, self.subjects.members_bucket, MemberKind.GATEWAY)
+        return {m.member_id for m in members}
+
     async def submit(
         self,
         request_id: str,

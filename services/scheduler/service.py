@@ -122,8 +122,11 @@ class SchedulerService:
             return
         for request_id in cancel.request_ids:
             for handle in self.workers.values():
-                if handle.core.abort(request_id):
+                aborted = handle.core.abort(request_id)
+                if aborted:
                     handle.wake.set()  # the next plan tells the worker to drop it
+                    # The end goes out like any other: a reader replaying the stream sees it end.
+                    self._publish_soon(aborted, "")
                     log.info("cancelled %s", request_id)
 
     async def on_load(self, msg: Message) -> None:

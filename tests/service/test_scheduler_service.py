@@ -152,6 +152,15 @@ async def test_cancel_reaches_the_worker_even_when_idle(stack) -> None:  # type:
         await asyncio.sleep(0.01)
     assert "r1" not in worker.held
     assert any("r1" in p.finished_seq_ids for p in worker.plans)
+    # and the end goes out to the gateway like any finish, so a replayed stream ends too
+    total = 0
+    while True:
+        (out,) = (await asyncio.wait_for(outputs.get(), 2)).outputs
+        total += len(unpack_tokens(out.new_token_ids))
+        assert out.num_output_tokens == total + 1  # the first step's token was read above
+        if out.finish_reason is not None:
+            break
+    assert out.finish_reason is FinishReason.ABORT
 
 
 async def test_a_worker_owned_by_another_scheduler_is_left_alone() -> None:

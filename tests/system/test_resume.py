@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,8 +125,11 @@ def test_resume_after_the_gateway_restarts(stack: Stack) -> None:
     first = stack.spawn_gateway(port)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", [first], stack.log, READY_TIMEOUT_S)
-        before = drop_after(f"http://127.0.0.1:{port}/v1", CHAT, NUM_BEFORE_DROP)
         stored = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json=RESPONSES.body, timeout=60).json()
+        background = {**RESPONSES.body, "background": True}
+        running = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json=background, timeout=60).json()
+        # Last, and killed at once: the drop starts the grace period, which must not run out.
+        before = drop_after(f"http://127.0.0.1:{port}/v1", CHAT, NUM_BEFORE_DROP)
     finally:
         first.send_signal(signal.SIGKILL)  # no drain, no cancel: the request runs on
         first.wait()
@@ -136,6 +140,18 @@ def test_resume_after_the_gateway_restarts(stack: Stack) -> None:
         request_id = CHAT.request_id(before[0])
         after = resume(base, CHAT, request_id, before[-1].id)
         full = resume(base, CHAT, request_id, -1)
+        # A background response whose gateway died is finished by the next gateway that is asked.
+        deadline = time.monotonic() + 120
+        while (got := httpx.get(f"{base}/responses/{running['id']}").json())["status"] in (
+            "queued",
+            "in_progress",
+        ):
+            assert time.monotonic() < deadline, got
+            time.sleep(0.5)
+        assert (
+            got["status"] == stored["status"]
+            and got["output"][0]["content"] == stored["output"][0]["content"]
+        )
         # A stored response outlives the gateway that made it, and chains from the new one.
         assert httpx.get(f"{base}/responses/{stored['id']}").json() == stored
         follow = {**RESPONSES.body, "input": "Again.", "previous_response_id": stored["id"]}
