@@ -4,14 +4,22 @@
 ``{"error": {"message", "type", "param", "code"}}``. Every reader treats an absent field and an
 explicit ``null`` alike (the default), as OpenAI does, and rejects booleans where numbers are
 expected (``True`` is an ``int`` to Python, never to a client).
+
+A body is any JSON value: where a field should be a name, it may be an object or an array (which
+Python cannot hash, so cannot look up in a table) or a value nested thousands deep (which recursion
+cannot walk, nor ``repr`` print). ``lookup``, ``shown`` and ``check_depth`` read such values safely.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+MAX_DEPTH = 100  # nesting levels of a JSON value the adapters copy or walk (schemas, tool inputs)
+_SHOWN_CHARS = 40
+_T = TypeVar("_T")
 
 
 class ApiError(Exception):
@@ -77,3 +85,35 @@ def token_ids(body: dict[str, Any], key: str) -> tuple[int, ...]:
     if not valid:
         raise ApiError(400, f"'{key}' must be a list of token ids", param=key)
     return tuple(ids)
+
+
+def lookup(table: Mapping[str, _T], value: Any) -> _T | None:
+    """``table[value]`` when ``value`` is one of its names; None for anything else (any JSON type)."""
+    return table.get(value) if isinstance(value, str) else None
+
+
+def shown(value: Any) -> str:
+    """A client's value as an error message quotes it: a string in quotes and a number cut short,
+    true/false/null as JSON spells them, an object or array by its kind alone (it may be huge, or
+    nested too deep to print)."""
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "an array"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= _SHOWN_CHARS else f"{value[:_SHOWN_CHARS]!r}..."
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    text = str(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}..."
+
+
+def check_depth(value: Any, param: str, limit: int = MAX_DEPTH) -> None:
+    """400 when objects and arrays nest more than ``limit`` deep in ``value`` (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise ApiError(400, f"'{param}' is nested too deeply (at most {limit} levels)", param=param)
+        stack.extend((child, depth + 1) for child in children)

@@ -49,10 +49,12 @@ def _tools_section(tools: Sequence[ToolDefinition]) -> str:
         for t in tools
     ]
     return (
-        "# Tools\n\nYou can call these functions. Their JSON schemas:\n<tools>\n"
+        "# Tools\n\nYou may call functions to help with the request. "
+        "Their signatures, one JSON object per line:\n<tools>\n"
         + "\n".join(lines)
-        + "\n</tools>\n\nTo call a function, answer with one block per call:\n"
-        '<tool_call>\n{"name": "FUNCTION_NAME", "arguments": {ARGUMENTS AS A JSON OBJECT}}\n</tool_call>'
+        + "\n</tools>\n\nTo call a function, write a JSON object with its name and arguments "
+        "between <tool_call></tool_call> tags, one block per call:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
     )
 
 

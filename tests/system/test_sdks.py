@@ -135,3 +135,39 @@ def test_messages_stream_non_stream_and_count_tokens(claude: anthropic.Anthropic
     )
     counted = claude.messages.count_tokens(model=MODEL, messages=messages)  # type: ignore[arg-type]
     assert counted.input_tokens == whole.usage.input_tokens
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_forced_tool_call_streams_as_it_completes(oai: openai.OpenAI) -> None:
+    """tool_choice=required: the prompt opens the call, the parser reads it; streamed fragments
+    concatenate to the non-streamed call. (Without a grammar the tiny model's arguments need not
+    be valid JSON; constrained decoding is what guarantees that.)"""
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    whole = oai.chat.completions.create(**ask)  # type: ignore[call-overload]
+    [call] = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason in ("tool_calls", "length") and call.function.name
+    names, arguments, ids = [], [], []
+    for chunk in oai.chat.completions.create(**ask, stream=True):  # type: ignore[call-overload]
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            assert delta.index == 0
+            ids += [delta.id] if delta.id else []
+            names += [delta.function.name] if delta.function.name else []
+            arguments.append(delta.function.arguments or "")
+    assert names == [call.function.name] and len(ids) == 1  # the name and id come once, first
+    assert "".join(arguments) == call.function.arguments

@@ -15,22 +15,22 @@ from typing import Any
 from libs.recipe.api.chat_messages import parse_messages
 from libs.recipe.api.common import (
     OutputFormat,
+    build_conversation,
     check_fields,
     include_usage,
     json_object,
     json_schema_format,
-    mentions_json,
     metadata,
     model_name,
     optional_dict,
     optional_str,
     regex_format,
     reject_present,
+    require_json_word,
     resolve_thinking,
     thinking_type,
-    without_reasoning,
 )
-from libs.recipe.api.tools import ToolChoiceSpec, resolve_tool_choice, tool_definition, unique_tools
+from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, ToolDefinition
 from libs.recipe.fields import ApiError, boolean
 from libs.recipe.sampling import Sampling, parse_sampling
@@ -66,27 +66,17 @@ class ChatRequest:
     service_tier: str | None = None
 
 
-def _tools(body: dict[str, Any]) -> tuple[ToolDefinition, ...]:
-    raw = body.get("tools")
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise ApiError(400, "'tools' must be an array", param="tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ApiError(400, f"'{where}.type' must be 'function'", param=f"{where}.type")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise ApiError(400, f"'{where}.function' must be an object", param=f"{where}.function")
-        get = function.get
-        tools.append(
-            tool_definition(
-                get("name"), get("description"), get("parameters"), get("strict"), f"{where}.function"
-            )
-        )
-    return unique_tools(tools)
+def _tool(tool: Any, where: str) -> ToolDefinition:
+    """One Chat tool: a function nested under ``function``."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ApiError(400, f"'{where}.type' must be 'function'", param=f"{where}.type")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise ApiError(400, f"'{where}.function' must be an object", param=f"{where}.function")
+    get = function.get
+    return tool_definition(
+        get("name"), get("description"), get("parameters"), get("strict"), f"{where}.function"
+    )
 
 
 def tool_choice_spec(choice: Any) -> ToolChoiceSpec:
@@ -151,25 +141,22 @@ def _conversation(body: dict[str, Any]) -> tuple[Conversation, OutputFormat]:
         thinking_type(body.get("thinking"), "thinking"), body.get("reasoning_effort"), "reasoning_effort"
     )
     tool_choice, tools = resolve_tool_choice(
-        tool_choice_spec(body.get("tool_choice")), _tools(body), thinking
+        tool_choice_spec(body.get("tool_choice")), parse_tools(body, _tool), thinking
     )
     output = _output_format(body)
-    if output.kind == "json_object" and not mentions_json(messages):
-        raise ApiError(
-            400,
-            "Prompt must contain the word 'json' in some form to use 'response_format' of type "
-            "'json_object'.",
-            param="messages",
-        )
-    conversation = Conversation(
-        messages=without_reasoning(messages, thinking),
+    require_json_word(
+        messages,
+        output,
+        "Prompt must contain the word 'json' in some form to use 'response_format' of type 'json_object'.",
+        "messages",
+    )
+    conversation = build_conversation(
+        messages,
         thinking=thinking,
-        tools=tools,
-        tool_choice=tool_choice,
         effort=effort,
-        response_format=output.kind,
-        response_schema=output.schema,
-        response_regex=output.regex,
+        tool_choice=tool_choice,
+        tools=tools,
+        output=output,
         extra=_extra(body),
     )
     return conversation, output

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.recipe.api.common import UNSUPPORTED_INPUT, ToolTurnWording, check_tool_turns, join_text
+from libs.recipe.api.common import ToolTurnWording, check_tool_turns
+from libs.recipe.api.openai_content import content_text, message_role
 from libs.recipe.conversation import Message, Role, ToolCall
 from libs.recipe.fields import ApiError
 
@@ -21,6 +22,7 @@ ROLES: dict[str, Role] = {
     "tool": "tool",
     "latest_reminder": "latest_reminder",
 }
+_TEXT_PARTS = ("text",)
 _MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
 
 WORDING = ToolTurnWording(
@@ -37,25 +39,6 @@ WORDING = ToolTurnWording(
     ),
     duplicate=lambda call_id: f"Duplicate value for 'tool_call_id' of {call_id}.",
 )
-
-
-def _part_text(part: Any, where: str) -> str:
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in _MEDIA:
-        raise ApiError(400, UNSUPPORTED_INPUT.format(kind=_MEDIA[kind]), param=where)
-    key = "refusal" if kind == "refusal" else "text"
-    if kind not in ("text", "refusal") or not isinstance(part.get(key), str):
-        raise ApiError(400, f"'{where}' must be a text content part", param=where)
-    return str(part[key])
-
-
-def content_text(content: Any, where: str) -> str | None:
-    """A string, or text parts joined; None stays None (the caller decides if that is allowed)."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return join_text([_part_text(part, f"{where}[{j}]") for j, part in enumerate(content)])
-    raise ApiError(400, f"'{where}' must be a string or an array of content parts", param=where)
 
 
 def _tool_call(raw: Any, where: str) -> ToolCall:
@@ -110,12 +93,10 @@ def _message(msg: Any, i: int, last: bool) -> Message:
     where = f"messages[{i}]"
     if not isinstance(msg, dict):
         raise ApiError(400, f"'{where}' must be an object", param=where)
-    role = ROLES.get(msg.get("role"))  # type: ignore[arg-type]
-    if role is None:
-        raise ApiError(
-            400, f"'{where}.role' must be one of {', '.join(map(repr, ROLES))}", param=f"{where}.role"
-        )
-    content = content_text(msg.get("content"), f"{where}.content")
+    role = message_role(msg, ROLES, where)
+    raw = msg.get("content")
+    # None stays None here: an assistant turn may carry only tool calls; the others refuse it below.
+    content = None if raw is None else content_text(raw, f"{where}.content", _TEXT_PARTS, _MEDIA)
     if role == "assistant":
         return _assistant(msg, where, content, last)
     if content is None:

@@ -1,4 +1,5 @@
-"""Request pieces every API shares: body and field checks, thinking/effort, output formats. Pure."""
+"""Request pieces every API shares: body and field checks, thinking/effort, output formats, and
+the Conversation they all end in. Pure."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from libs.recipe.api.tools import check_name
-from libs.recipe.conversation import Effort, Message, ResponseFormat
-from libs.recipe.fields import ApiError
+from libs.recipe.conversation import (
+    Conversation,
+    Effort,
+    Message,
+    ResponseFormat,
+    ToolChoice,
+    ToolDefinition,
+)
+from libs.recipe.fields import ApiError, check_depth, shown
 
 # Client effort names -> the formats' levels (the wheel's table; "none" means thinking off).
 EFFORTS: dict[str, Effort | None] = {
@@ -92,9 +100,9 @@ def metadata(body: dict[str, Any]) -> dict[str, str]:
 
 def effort(value: Any, param: str) -> tuple[bool, Effort | None]:
     """(thinking wanted, effort) for a client's effort name; "none" asks for no thinking."""
-    if value not in EFFORTS:
+    if not isinstance(value, str) or value not in EFFORTS:
         raise ApiError(
-            400, f"'{param}' must be one of {', '.join(map(repr, EFFORTS))}, got {value!r}", param=param
+            400, f"'{param}' must be one of {', '.join(map(repr, EFFORTS))}, got {shown(value)}", param=param
         )
     return value != "none", EFFORTS[value]
 
@@ -150,6 +158,7 @@ def json_schema_format(spec: dict[str, Any], param: str) -> OutputFormat:
         raise ApiError(
             400, f"'{param}.schema' is required and must be a JSON Schema object", param=f"{param}.schema"
         )
+    check_depth(schema, f"{param}.schema")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise ApiError(400, f"'{param}.strict' must be a boolean", param=f"{param}.strict")
@@ -163,9 +172,11 @@ def regex_format(spec: dict[str, Any], param: str) -> OutputFormat:
     return OutputFormat("regex", regex=regex)
 
 
-def mentions_json(messages: Iterable[Message]) -> bool:
-    # OpenAI's json_object guard: the word must appear somewhere in the prompt, any case.
-    return any("json" in message.content.lower() for message in messages)
+def require_json_word(messages: Iterable[Message], output: OutputFormat, message: str, param: str) -> None:
+    """OpenAI's json_object guard: the word must appear somewhere in the prompt, any case.
+    ``message`` and ``param`` are the endpoint's own wording of the 400."""
+    if output.kind == "json_object" and not any("json" in m.content.lower() for m in messages):
+        raise ApiError(400, message, param=param)
 
 
 def without_reasoning(messages: tuple[Message, ...], thinking: bool | None) -> tuple[Message, ...]:
@@ -173,6 +184,31 @@ def without_reasoning(messages: tuple[Message, ...], thinking: bool | None) -> t
     if thinking is not False:
         return messages
     return tuple(replace(m, reasoning=None) if m.reasoning is not None else m for m in messages)
+
+
+def build_conversation(
+    messages: tuple[Message, ...],
+    *,
+    thinking: bool | None,
+    effort: Effort | None,
+    tool_choice: ToolChoice,
+    tools: tuple[ToolDefinition, ...],
+    output: OutputFormat,
+    extra: dict[str, Any] | None = None,
+) -> Conversation:
+    """The validated pieces as one Conversation: reasoning dropped when thinking is off (as the
+    wheel does) and the output format spelled out as the Conversation's response_* fields."""
+    return Conversation(
+        messages=without_reasoning(messages, thinking),
+        thinking=thinking,
+        tools=tools,
+        tool_choice=tool_choice,
+        effort=effort,
+        response_format=output.kind,
+        response_schema=output.schema,
+        response_regex=output.regex,
+        extra={} if extra is None else extra,
+    )
 
 
 def join_text(parts: list[str]) -> str:

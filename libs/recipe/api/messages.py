@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libs.recipe.api.common import (
+    OutputFormat,
+    build_conversation,
     check_fields,
     json_object,
     model_name,
@@ -21,12 +23,11 @@ from libs.recipe.api.common import (
     reject_present,
     resolve_thinking,
     thinking_type,
-    without_reasoning,
 )
 from libs.recipe.api.messages_content import parse_messages, system_text
-from libs.recipe.api.tools import ToolChoiceSpec, resolve_tool_choice, tool_definition, unique_tools
+from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, Message, ToolDefinition
-from libs.recipe.fields import ApiError, boolean, number, optional_int
+from libs.recipe.fields import ApiError, boolean, check_depth, number, optional_int
 from libs.recipe.sampling import Sampling, parse_sampling
 
 FIELDS = (
@@ -50,28 +51,19 @@ class MessagesRequest:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def _tools(body: dict[str, Any]) -> tuple[ToolDefinition, ...]:
-    raw = body.get("tools")
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise ApiError(400, "tools: Input should be a valid list", param="tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise ApiError(400, f"{where}: Input should be an object", param=where)
-        if tool.get("type", "custom") != "custom":  # web_search_20250305, bash_..., text_editor_...
-            raise ApiError(400, f"{where}: server tools are not supported", param=f"{where}.type")
-        if not isinstance(tool.get("input_schema"), dict):
-            raise ApiError(400, f"{where}.input_schema: Field required", param=f"{where}.input_schema")
-        get = tool.get
-        # Anthropic's strict only closes objects; optional properties stay optional.
-        definition = tool_definition(
-            get("name"), get("description"), get("input_schema"), get("strict"), where, "input_schema", False
-        )
-        tools.append(definition)
-    return unique_tools(tools)
+def _tool(tool: Any, where: str) -> ToolDefinition:
+    """One Messages tool: a custom tool with an ``input_schema`` (server tools are refused)."""
+    if not isinstance(tool, dict):
+        raise ApiError(400, f"{where}: Input should be an object", param=where)
+    if tool.get("type", "custom") != "custom":  # web_search_20250305, bash_..., text_editor_...
+        raise ApiError(400, f"{where}: server tools are not supported", param=f"{where}.type")
+    if not isinstance(tool.get("input_schema"), dict):
+        raise ApiError(400, f"{where}.input_schema: Field required", param=f"{where}.input_schema")
+    get = tool.get
+    # Anthropic's strict only closes objects; optional properties stay optional.
+    return tool_definition(
+        get("name"), get("description"), get("input_schema"), get("strict"), where, "input_schema", False
+    )
 
 
 def _tool_choice(body: dict[str, Any]) -> ToolChoiceSpec:
@@ -129,21 +121,22 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
     return dataclasses.replace(sampling, stop=[s for s in stop or [] if s])
 
 
-def _output_config(body: dict[str, Any]) -> tuple[Any, Any]:
-    """(effort, json schema) from output_config."""
+def _output_config(body: dict[str, Any]) -> tuple[Any, OutputFormat]:
+    """(effort, output format) from output_config: text, or a json_schema."""
     config = optional_dict(body, "output_config") or {}
     allowed = ("effort", "format")
     check_fields(config, allowed, lambda key: f"{key}: Extra inputs are not permitted", "output_config.")
     fmt = optional_dict(config, "format", "output_config.format")
     if fmt is None:
-        return config.get("effort"), None
+        return config.get("effort"), OutputFormat()
     if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise ApiError(
             400,
             "output_config.format: must be {type: json_schema, schema: {...}}",
             param="output_config.format",
         )
-    return config.get("effort"), fmt["schema"]
+    check_depth(fmt["schema"], "output_config.format.schema")
+    return config.get("effort"), OutputFormat("json_schema", schema=fmt["schema"])
 
 
 def _request(body: Any, max_tokens_required: bool) -> MessagesRequest:
@@ -156,21 +149,17 @@ def _request(body: Any, max_tokens_required: bool) -> MessagesRequest:
     messages: tuple[Message, ...] = ((Message("system", system),) if system else ()) + parse_messages(
         body.get("messages")
     )
-    effort_value, schema = _output_config(body)
+    effort_value, output = _output_config(body)
     # Anthropic's effort shapes all output, thinking or not: it does not switch thinking on.
     thinking, effort = resolve_thinking(
         _thinking(body, max_tokens), effort_value, "output_config.effort", effort_implies_thinking=False
     )
-    tool_choice, tools = resolve_tool_choice(_tool_choice(body), _tools(body), thinking)
+    tool_choice, tools = resolve_tool_choice(
+        _tool_choice(body), parse_tools(body, _tool, "tools: Input should be a valid list"), thinking
+    )
     meta = optional_dict(body, "metadata") or {}
-    conversation = Conversation(
-        messages=without_reasoning(messages, thinking),
-        thinking=thinking,
-        tools=tools,
-        tool_choice=tool_choice,
-        effort=effort,
-        response_format="text" if schema is None else "json_schema",
-        response_schema=schema,
+    conversation = build_conversation(
+        messages, thinking=thinking, effort=effort, tool_choice=tool_choice, tools=tools, output=output
     )
     return MessagesRequest(
         model=model,

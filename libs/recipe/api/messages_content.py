@@ -9,11 +9,12 @@ assistant turn is a prefill: ``prefix`` is set and the model continues it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from libs.recipe.api.common import UNSUPPORTED_INPUT, ToolTurnWording, check_tool_turns, join_text
 from libs.recipe.conversation import Message, ToolCall
-from libs.recipe.fields import ApiError
+from libs.recipe.fields import ApiError, check_depth, lookup, shown
 
 _MEDIA = {"image": "image", "document": "document", "search_result": "search result"}
 
@@ -38,8 +39,9 @@ def _block_type(block: Any, where: str) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if not isinstance(kind, str):
         raise ApiError(400, f"{where}.type: Field required", param=f"{where}.type")
-    if kind in _MEDIA:
-        raise ApiError(400, UNSUPPORTED_INPUT.format(kind=_MEDIA[kind]), param=where)
+    medium = lookup(_MEDIA, kind)
+    if medium is not None:
+        raise ApiError(400, UNSUPPORTED_INPUT.format(kind=medium), param=where)
     return kind
 
 
@@ -70,12 +72,18 @@ def system_text(system: Any) -> str | None:
     return None if system is None else _texts(system, "system")
 
 
+def _blocks(content: list[Any], where: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(path, type, block) for each block of message ``where``'s content (untyped and media
+    blocks are refused)."""
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        yield at, _block_type(block, at), block
+
+
 def _user(content: list[Any], where: str) -> list[Message]:
     results: list[Message] = []
     texts: list[str] = []
-    for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _blocks(content, where):
         if kind == "text":
             texts.append(_string(block, "text", at))
         elif kind == "tool_result":
@@ -89,7 +97,9 @@ def _user(content: list[Any], where: str) -> list[Message]:
             results.append(Message("tool", output, tool_call_id=_string(block, "tool_use_id", at)))
         else:
             raise ApiError(
-                400, f"{at}: blocks of type {kind!r} are not supported in user messages", param=f"{at}.type"
+                400,
+                f"{at}: blocks of type {shown(kind)} are not supported in user messages",
+                param=f"{at}.type",
             )
     return results + ([Message("user", join_text(texts))] if texts else [])
 
@@ -98,9 +108,7 @@ def _assistant(content: list[Any], where: str, last: bool) -> Message:
     reasoning: list[str] | None = None
     texts: list[str] = []
     calls: list[ToolCall] = []
-    for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _blocks(content, where):
         if kind == "text":
             texts.append(_string(block, "text", at))
         elif kind == "thinking":
@@ -109,11 +117,12 @@ def _assistant(content: list[Any], where: str, last: bool) -> Message:
             arguments = block.get("input")
             if not isinstance(arguments, dict):
                 raise ApiError(400, f"{at}.input: Input should be a valid dictionary", param=f"{at}.input")
+            check_depth(arguments, f"{at}.input")  # json.dumps recurses
             # The wheel's spelling of the arguments (", " and ": " separators, UTF-8 kept).
             text = json.dumps(arguments, ensure_ascii=False)
             calls.append(ToolCall(_string(block, "id", at), _string(block, "name", at), text))
         else:  # redacted_thinking (encrypted: nothing to render), server_tool_use, ...
-            raise ApiError(400, f"{at}: blocks of type {kind!r} are not supported", param=f"{at}.type")
+            raise ApiError(400, f"{at}: blocks of type {shown(kind)} are not supported", param=f"{at}.type")
     return Message(
         "assistant",
         join_text(texts),

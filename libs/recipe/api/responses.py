@@ -13,24 +13,24 @@ from typing import Any
 
 from libs.recipe.api.common import (
     OutputFormat,
+    build_conversation,
     check_fields,
     check_tool_turns,
     json_object,
     json_schema_format,
-    mentions_json,
     metadata,
     model_name,
     optional_dict,
     optional_str,
     regex_format,
     reject_present,
+    require_json_word,
     resolve_thinking,
-    without_reasoning,
 )
 from libs.recipe.api.responses_input import WORDING, parse_input
-from libs.recipe.api.tools import ToolChoiceSpec, resolve_tool_choice, tool_definition, unique_tools
+from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, Effort, Message, ToolChoice, ToolDefinition
-from libs.recipe.fields import ApiError, boolean, optional_int
+from libs.recipe.fields import ApiError, boolean, optional_int, shown
 from libs.recipe.sampling import MAX_TOP_LOGPROBS, Sampling, parse_sampling
 
 FIELDS = (
@@ -79,22 +79,20 @@ class ResponsesRequest:
             return f"input[{self.input_origins[i - offset]}]"
 
         check_tool_turns(messages, where, WORDING)
-        if self.output_format.kind == "json_object" and not mentions_json(messages):
-            raise ApiError(
-                400,
-                "Response input messages must contain the word 'json' in some form to use 'text.format' "
-                "of type 'json_object'.",
-                param="text.format",
-            )
-        return Conversation(
-            messages=without_reasoning(messages, self.thinking),
+        require_json_word(
+            messages,
+            self.output_format,
+            "Response input messages must contain the word 'json' in some form to use 'text.format' "
+            "of type 'json_object'.",
+            "text.format",
+        )
+        return build_conversation(
+            messages,
             thinking=self.thinking,
-            tools=self.tools,
-            tool_choice=self.tool_choice,
             effort=self.effort,
-            response_format=self.output_format.kind,
-            response_schema=self.output_format.schema,
-            response_regex=self.output_format.regex,
+            tool_choice=self.tool_choice,
+            tools=self.tools,
+            output=self.output_format,
         )
 
     def echo(self) -> dict[str, Any]:
@@ -102,28 +100,22 @@ class ResponsesRequest:
         return dict(self.echoed)
 
 
-def _tools(body: dict[str, Any]) -> tuple[ToolDefinition, ...]:
-    raw = body.get("tools")
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise ApiError(400, "'tools' must be an array", param="tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise ApiError(
-                400,
-                f"tools of type {kind!r} are not supported",
-                param=f"{where}.type",
-                code="unsupported_parameter",
-            )
-        get = tool.get
-        tools.append(
-            tool_definition(get("name"), get("description"), get("parameters"), get("strict"), where)
+def _tool(tool: Any, where: str) -> ToolDefinition:
+    """One Responses tool: a flat function (built-in tools such as web_search are refused)."""
+    if not isinstance(tool, dict):
+        raise ApiError(400, f"'{where}' must be an object", param=where)
+    kind = tool.get("type")
+    if not isinstance(kind, str):
+        raise ApiError(400, f"'{where}.type' is required and must be a string", param=f"{where}.type")
+    if kind != "function":
+        raise ApiError(
+            400,
+            f"tools of type {shown(kind)} are not supported",
+            param=f"{where}.type",
+            code="unsupported_parameter",
         )
-    return unique_tools(tools)
+    get = tool.get
+    return tool_definition(get("name"), get("description"), get("parameters"), get("strict"), where)
 
 
 def _tool_choice(choice: Any) -> ToolChoiceSpec:
@@ -246,7 +238,9 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     _check_types(body)
     messages, origins = parse_input(body.get("input"))
     reasoning, thinking, effort = _reasoning(body)
-    tool_choice, tools = resolve_tool_choice(_tool_choice(body.get("tool_choice")), _tools(body), thinking)
+    tool_choice, tools = resolve_tool_choice(
+        _tool_choice(body.get("tool_choice")), parse_tools(body, _tool), thinking
+    )
     text = optional_dict(body, "text") or {}
     include = _strings(body, "include")
     sampling = _sampling(body, include)

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.recipe.api.common import UNSUPPORTED_INPUT, ToolTurnWording, join_text
+from libs.recipe.api.common import ToolTurnWording, join_text
+from libs.recipe.api.openai_content import content_text, message_role
 from libs.recipe.conversation import Message, Role, ToolCall
-from libs.recipe.fields import ApiError
+from libs.recipe.fields import ApiError, shown
 
 # A developer message stays one: where it goes is the format's choice (the wheel: V4 user, V4.1 system).
 ROLES: dict[str, Role] = {
@@ -50,21 +51,8 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"'{where}' must be a string or an array of content parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _MEDIA_PARTS:
-            raise ApiError(400, UNSUPPORTED_INPUT.format(kind=_MEDIA_PARTS[kind]), param=f"{where}[{j}]")
-        key = "refusal" if kind == "refusal" else "text"
-        if kind not in (*_TEXT_PARTS, "refusal") or not isinstance(part.get(key), str):
-            raise ApiError(400, f"'{where}[{j}]' must be a text content part", param=f"{where}[{j}]")
-        texts.append(part[key])
-    return join_text(texts)
+def _content(content: Any, where: str) -> str:
+    return content_text(content, where, _TEXT_PARTS, _MEDIA_PARTS)
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> list[str]:
@@ -109,12 +97,8 @@ class _Builder:
         return self.turn
 
     def message(self, item: dict[str, Any], i: int, where: str) -> None:
-        role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            raise ApiError(
-                400, f"'{where}.role' must be one of {', '.join(map(repr, ROLES))}", param=f"{where}.role"
-            )
-        text = content_text(item.get("content"), f"{where}.content")
+        role = message_role(item, ROLES, where)
+        text = _content(item.get("content"), f"{where}.content")
         if role == "assistant":
             turn = self.open(i, fresh=bool(self.turn and self.turn.calls))
             turn.texts.append(text)
@@ -139,7 +123,7 @@ class _Builder:
 
     def function_call_output(self, item: dict[str, Any], i: int, where: str) -> None:
         call_id = _string(item, "call_id", where)
-        output = content_text(item.get("output"), f"{where}.output")
+        output = _content(item.get("output"), f"{where}.output")
         self.close()
         self.emit(Message("tool", output, tool_call_id=call_id), i)
 
@@ -156,6 +140,8 @@ def parse_input(raw: Any) -> tuple[tuple[Message, ...], tuple[int, ...]]:
         if not isinstance(item, dict):
             raise ApiError(400, f"'{where}' must be an object", param=where)
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise ApiError(400, f"'{where}.type' must be a string", param=f"{where}.type")
         handler = {
             "message": builder.message,
             "reasoning": builder.reasoning,
@@ -165,7 +151,7 @@ def parse_input(raw: Any) -> tuple[tuple[Message, ...], tuple[int, ...]]:
         if handler is None:
             raise ApiError(
                 400,
-                f"input items of type {kind!r} are not supported",
+                f"input items of type {shown(kind)} are not supported",
                 param=f"{where}.type",
                 code="unsupported_parameter",
             )

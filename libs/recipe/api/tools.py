@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from libs.recipe.conversation import ToolChoice, ToolDefinition
-from libs.recipe.fields import ApiError
+from libs.recipe.fields import ApiError, check_depth, shown
 
 NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and json_schema) names
 _NAME = re.compile(NAME_PATTERN)
@@ -35,7 +36,7 @@ class ToolChoiceSpec:
 
 
 def check_name(name: Any, param: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ApiError(
             400,
             f"Invalid '{param}': string does not match pattern. "
@@ -93,6 +94,7 @@ def strict_schema(schema: Any, param: str, require_all: bool = True) -> dict[str
     Anthropic's strict tools only close objects: their optional properties stay optional.
     An explicit ``additionalProperties`` other than false is a 400, not silently overridden.
     """
+    check_depth(schema, param)  # deepcopy and _normalise recurse
     out: dict[str, Any] = {"type": "object"} if schema is None else copy.deepcopy(schema)
     if not isinstance(out, dict):
         raise ApiError(400, f"'{param}' must be a JSON Schema object", param=param)
@@ -120,13 +122,14 @@ def tool_definition(
     if parameters is not None:
         kind = parameters.get("type", "object") if isinstance(parameters, dict) else None
         if kind != "object":
-            got = f"'type: {kind!r}'" if isinstance(parameters, dict) else type(parameters).__name__
+            got = f"'type: {shown(kind)}'" if isinstance(parameters, dict) else shown(parameters)
             raise ApiError(
                 400,
                 f"Invalid schema for function '{name}': schema must be a JSON Schema of "
                 f"'type: \"object\"', got {got}.",
                 param=param,
             )
+        check_depth(parameters, param)  # rendered into the prompt and compiled into constraints
     if strict:
         parameters = strict_schema(parameters, param, require_all)
     return ToolDefinition(name=name, description=description, parameters=parameters, strict=strict)
@@ -137,6 +140,21 @@ def unique_tools(tools: list[ToolDefinition], param: str = "tools") -> tuple[Too
     if len(set(names)) != len(names):
         raise ApiError(400, "Tool names must be unique.", param=param)
     return tuple(tools)
+
+
+def parse_tools(
+    body: dict[str, Any],
+    tool: Callable[[Any, str], ToolDefinition],
+    not_a_list: str = "'tools' must be an array",
+) -> tuple[ToolDefinition, ...]:
+    """``body["tools"]``, each item read by ``tool(item, "tools[i]")`` (one API's spelling of a
+    tool), then checked for unique names. ``not_a_list`` words the error in the API's own voice."""
+    raw = body.get("tools")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ApiError(400, not_a_list, param="tools")
+    return unique_tools([tool(item, f"tools[{i}]") for i, item in enumerate(raw)])
 
 
 def resolve_tool_choice(

@@ -8,11 +8,10 @@ import pytest
 
 from libs.recipe.api import parse_chat_request
 from libs.recipe.fields import ApiError
+from tests.unit.recipe.api_helpers import MODEL, USER, assert_names_field, rejected
 
 dr = pytest.importorskip("deepseek_recipe")
 
-MODEL = "DeepSeek-V4.1-Flash"
-USER = [{"role": "user", "content": "Hi"}]
 OBJ = {"type": "object", "properties": {"a": {"type": "string"}}}
 
 
@@ -29,10 +28,7 @@ def call(call_id: str = "c1", name: str = "f") -> dict[str, Any]:
 
 
 def error(request: dict[str, Any]) -> ApiError:
-    with pytest.raises(ApiError) as info:
-        parse_chat_request(request)
-    assert info.value.status == 400
-    return info.value
+    return rejected(parse_chat_request, request)
 
 
 # --- deliberate differences from the wheel ---------------------------------------------------
@@ -260,7 +256,4 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input_is_a_400_naming_the_field(name: str) -> None:
-    request, param, fragment = BAD[name]
-    err = error(request)
-    assert err.param == param
-    assert fragment in err.message
+    assert_names_field(parse_chat_request, *BAD[name])

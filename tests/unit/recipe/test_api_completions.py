@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from libs.recipe.api import parse_completion_request
-from libs.recipe.fields import ApiError
+from tests.unit.recipe.api_helpers import assert_names_field
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -58,7 +58,4 @@ def test_best_of_equal_to_n() -> None:
     ],
 )
 def test_bad_input(request_body: dict[str, Any], param: str, fragment: str) -> None:
-    with pytest.raises(ApiError) as info:
-        parse_completion_request(request_body)
-    assert (info.value.status, info.value.param) == (400, param)
-    assert fragment in info.value.message
+    assert_names_field(parse_completion_request, request_body, param, fragment)

@@ -8,11 +8,10 @@ import pytest
 
 from libs.recipe.api import parse_count_tokens_request, parse_messages_request
 from libs.recipe.fields import ApiError
+from tests.unit.recipe.api_helpers import MODEL, USER, assert_names_field, rejected
 
 dr = pytest.importorskip("deepseek_recipe")
 
-MODEL = "DeepSeek-V4.1-Flash"
-USER = [{"role": "user", "content": "Hi"}]
 TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string"}}}}
 
 
@@ -25,10 +24,7 @@ def wheel(request: dict[str, Any]) -> Any:
 
 
 def error(request: dict[str, Any]) -> ApiError:
-    with pytest.raises(ApiError) as info:
-        parse_messages_request(request)
-    assert info.value.status == 400
-    return info.value
+    return rejected(parse_messages_request, request)
 
 
 def test_any_means_required_where_the_wheel_says_auto() -> None:
@@ -207,7 +203,4 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input_is_a_400_naming_the_field(name: str) -> None:
-    request, param, fragment = BAD[name]
-    err = error(request)
-    assert err.param == param
-    assert fragment in err.message
+    assert_names_field(parse_messages_request, *BAD[name])

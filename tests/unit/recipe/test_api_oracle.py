@@ -9,7 +9,7 @@ Normalisations, each a documented representation choice rather than a behaviour 
   drop every turn's reasoning.
 - a non-strict tool without parameters is ``None`` here, ``{}`` in the wheel; the format renders ``{}``.
 - a Responses developer message keeps the role "developer" here; the wheel converts it per model
-  version (V4.1, MODEL below: system; V4: user), as the DeepSeek format renders it.
+  version (V4.1, MODEL here: system; V4: user), as the DeepSeek format renders it.
 - a strict tool's objects get the wheel's key order (type, properties, additionalProperties,
   required); the wheel also re-serialises other keywords in its own order and drops those it does not
   model ($defs, title, ...), where we keep the client's schema (test_api_chat: strict keeps $defs).
@@ -23,10 +23,10 @@ import pytest
 
 from libs.recipe.api import parse_chat_request, parse_messages_request, parse_responses_request
 from libs.recipe.conversation import Conversation
+from tests.unit.recipe.api_helpers import MODEL, USER
 
 dr = pytest.importorskip("deepseek_recipe")
 
-MODEL = "DeepSeek-V4.1-Flash"
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
@@ -79,13 +79,8 @@ def _wheel(kind: Any, body: dict[str, Any]) -> Any:
 def _tool(
     name: str, parameters: Any = None, strict: bool | None = None, description: str | None = None
 ) -> Any:
-    function: dict[str, Any] = {"name": name}
-    if parameters is not None:
-        function["parameters"] = parameters
-    if strict is not None:
-        function["strict"] = strict
-    if description is not None:
-        function["description"] = description
+    given = {"parameters": parameters, "strict": strict, "description": description}
+    function = {"name": name, **{key: value for key, value in given.items() if value is not None}}
     return {"type": "function", "function": function}
 
 
@@ -115,7 +110,7 @@ TOOL_LOOP = [
     {"role": "user", "content": "Thanks"},
 ]
 CHAT = {
-    "plain": {"messages": [{"role": "user", "content": "Hi"}]},
+    "plain": {"messages": USER},
     "system_parts": {
         "messages": [
             {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},

@@ -9,10 +9,10 @@ import pytest
 from libs.recipe.api import parse_responses_request
 from libs.recipe.conversation import Message, ToolCall
 from libs.recipe.fields import ApiError
+from tests.unit.recipe.api_helpers import MODEL, assert_names_field, rejected
 
 dr = pytest.importorskip("deepseek_recipe")
 
-MODEL = "DeepSeek-V4.1-Flash"
 FN = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
 
 
@@ -21,10 +21,7 @@ def body(**fields: Any) -> dict[str, Any]:
 
 
 def error(request: dict[str, Any]) -> ApiError:
-    with pytest.raises(ApiError) as info:
-        parse_responses_request(request)
-    assert info.value.status == 400
-    return info.value
+    return rejected(parse_responses_request, request)
 
 
 def test_instructions_lead_but_are_not_history() -> None:
@@ -153,7 +150,4 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input_is_a_400_naming_the_field(name: str) -> None:
-    request, param, fragment = BAD[name]
-    err = error(request)
-    assert err.param == param
-    assert fragment in err.message
+    assert_names_field(parse_responses_request, *BAD[name])

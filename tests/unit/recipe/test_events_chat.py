@@ -8,9 +8,9 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from libs.recipe.events_chat import ChatAccumulator, ChatEncoder, chat_finish_reason
-from libs.recipe.segments import Content, Finish, Reasoning, Segment, ToolCallArgs, ToolCallStart, Usage
+from libs.recipe.segments import Content, Finish, Reasoning, Segment, ToolCallArgs, ToolCallStart
+from tests.unit.recipe.events_helpers import USAGE
 
-USAGE = Usage(prompt_tokens=12, completion_tokens=7, cached_tokens=5, reasoning_tokens=3)
 THINK_TOOL: list[Segment] = [
     Reasoning("Let me"),
     Reasoning(" think"),

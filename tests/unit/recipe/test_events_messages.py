@@ -9,21 +9,11 @@ from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
 from libs.recipe.events_messages import MessagesAccumulator, MessagesEncoder, stop_reason, tool_input
-from libs.recipe.segments import Content, Finish, Reasoning, Segment, ToolCallArgs, ToolCallStart, Usage
+from libs.recipe.segments import Content, Finish, Segment, ToolCallArgs, ToolCallStart, Usage
+from tests.unit.recipe.events_helpers import THINK_SAY_CALL, USAGE
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
-USAGE = Usage(prompt_tokens=12, completion_tokens=7, cached_tokens=5, reasoning_tokens=3)
-FULL: list[Segment] = [
-    Reasoning("Let me"),
-    Reasoning(" think"),
-    Content("It is "),
-    Content("sunny."),
-    ToolCallStart(0, "call_a", "get_weather"),
-    ToolCallArgs(0, '{"city": '),
-    ToolCallArgs(0, '"Paris"}'),
-    ToolCallStart(1, "call_b", "get_time"),
-    ToolCallArgs(1, ""),
-]
+FULL: list[Segment] = [*THINK_SAY_CALL, ToolCallArgs(1, "")]
 SCRIPTS: dict[str, tuple[list[Segment], Finish, str]] = {
     "full": (FULL, Finish("eos"), "tool_use"),
     "stop_sequence": ([Content("Hel"), Content("lo ")], Finish("stop_sequence", "END"), "stop_sequence"),

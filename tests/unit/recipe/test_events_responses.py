@@ -10,10 +10,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from libs.recipe.events_responses import ResponsesAccumulator, ResponsesEncoder
-from libs.recipe.segments import Content, Finish, Reasoning, Segment, ToolCallArgs, ToolCallStart, Usage
+from libs.recipe.segments import Content, Finish, Reasoning, Segment, ToolCallArgs, ToolCallStart
+from tests.unit.recipe.events_helpers import THINK_SAY_CALL, USAGE
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
-USAGE = Usage(prompt_tokens=12, completion_tokens=7, cached_tokens=5, reasoning_tokens=3)
 SKELETON: dict[str, Any] = {
     "id": "resp_abc",
     "created_at": 1700000000,
@@ -27,18 +27,7 @@ SKELETON: dict[str, Any] = {
     "store": False,
     "metadata": {},
 }
-FULL: list[Segment] = [
-    Reasoning("Let me"),
-    Reasoning(" think"),
-    Content("It is "),
-    Content("sunny."),
-    ToolCallStart(0, "call_a", "get_weather"),
-    ToolCallArgs(0, '{"city": '),
-    ToolCallArgs(0, '"Paris"}'),
-    ToolCallStart(1, "call_b", "get_time"),
-    ToolCallArgs(1, "{}"),
-    Content("Done."),
-]
+FULL: list[Segment] = [*THINK_SAY_CALL, ToolCallArgs(1, "{}"), Content("Done.")]
 SCRIPTS: dict[str, tuple[list[Segment], Finish, str, str]] = {
     "full": (FULL, Finish("eos"), "response.completed", "completed"),
     "length": ([Reasoning("r"), Content("Hel")], Finish("length"), "response.incomplete", "incomplete"),
