@@ -125,7 +125,7 @@ def _json_value(text: str) -> str:
     return text
 
 
-def _merge(segments: list[Segment]) -> list[Segment]:
+def merge_segments(segments: list[Segment]) -> list[Segment]:
     """Drop empty texts and join neighbours of the same kind (and the same call)."""
     out: list[Segment] = []
     for seg in segments:
@@ -198,6 +198,16 @@ class OutputParser:
         return self._stop_offset
 
     @property
+    def reasoning(self) -> bool:
+        """Inside the reasoning now."""
+        return self._stage is _Stage.REASONING
+
+    @property
+    def may_reason(self) -> bool:
+        """Inside the reasoning, or at a start that may still open it (hermes ``<think>``)."""
+        return self._stage in (_Stage.REASONING, _Stage.CONTENT_START)
+
+    @property
     def num_tool_calls(self) -> int:
         return self._calls
 
@@ -233,7 +243,7 @@ class OutputParser:
         return self._take()
 
     def _take(self) -> list[Segment]:
-        out, self._out = _merge(self._out), []
+        out, self._out = merge_segments(self._out), []
         return out
 
     # -- the stage machine -------------------------------------------------------------------

@@ -112,6 +112,7 @@ class Generation:
             self._num_prompt_tokens,
             sum(c.num_output_tokens for c in self._choices),
             self._num_cached_tokens,
+            sum(c.num_reasoning_tokens for c in self._choices),
         )
         if not opened:  # failed before any output
             for event in self.renderer.open(self.usage):

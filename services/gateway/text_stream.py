@@ -16,12 +16,13 @@ held back as a possible marker). Logprobs follow the text by these rules:
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from libs.protocol.messages import FinishReason
-from libs.recipe.output_parser import OutputParser
+from libs.recipe.output_parser import OutputParser, merge_segments
 from libs.recipe.segments import EndReason, Finish, Segment
 from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.logprobs import TokenLogprob
@@ -55,18 +56,19 @@ class ChoiceText:
         self.finish: Finish | None = None
         self.stopped = False
         self.num_output_tokens = 0
+        self.num_reasoning_tokens = 0
 
     def feed(self, delta: Delta) -> Piece:
         if self.finish is not None:
             return Piece([])
         self.num_output_tokens = delta.num_output_tokens
-        decoded = self._decode(delta)
+        texts = self._decode(delta)
         if delta.finish_reason is not None:
             tail = self._detokenizer.flush()  # an incomplete character at the end becomes U+FFFD
             self._num_decoded += len(tail)
-            decoded += tail
+            texts.append(tail)
+        segments = self._parse(texts)
         parser = self.parser
-        segments = parser.feed(decoded)
         if delta.finish_reason is not None and not parser.finished:
             segments += parser.finish()
         if parser.finished:
@@ -82,21 +84,29 @@ class ChoiceText:
         else:
             consumed = parser.num_consumed
             records = self._release(lambda start, end: start < consumed and end <= consumed)
-        return Piece(segments, records)
+        return Piece(merge_segments(segments), records)
 
-    def _decode(self, delta: Delta) -> str:
-        """Decode token by token so that each token's span is known (the text is the same)."""
-        if not delta.logprobs:
-            text = self._detokenizer.add(delta.token_ids)
-            self._num_decoded += len(text)
-            return text
-        parts = []
-        for record in delta.logprobs:
-            text = self._detokenizer.add((record.token_id,))
+    def _parse(self, texts: list[str]) -> list[Segment]:
+        """Token by token while the output may be reasoning (to count its tokens), then at once."""
+        parser = self.parser
+        segments: list[Segment] = []
+        i = 0
+        while i < len(texts) and parser.may_reason:
+            segments += parser.feed(texts[i])
+            self.num_reasoning_tokens += parser.reasoning  # the token that closes it is not
+            i += 1
+        return segments + parser.feed("".join(texts[i:]))
+
+    def _decode(self, delta: Delta) -> list[str]:
+        """Each token's text (the same text as decoding them at once), its span kept for logprobs."""
+        texts = []
+        for token_id, record in itertools.zip_longest(delta.token_ids, delta.logprobs):
+            text = self._detokenizer.add((token_id,))
             start, self._num_decoded = self._num_decoded, self._num_decoded + len(text)
-            self._spans.append((start, self._num_decoded, record))
-            parts.append(text)
-        return "".join(parts)
+            if record is not None:
+                self._spans.append((start, self._num_decoded, record))
+            texts.append(text)
+        return texts
 
     def _release(self, ready: Callable[[int, int], bool]) -> tuple[TokenLogprob, ...]:
         # ready(start, end): may that token's record go out now. Spans are in text order and each

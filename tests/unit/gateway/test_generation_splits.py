@@ -167,7 +167,10 @@ def test_every_split_gives_the_same_message(cases: dict[str, Any], syntax: str, 
 
 def test_the_final_messages_carry_the_parsed_calls(cases: dict[str, Any]) -> None:
     tokenizer, ids, record, keep = cases["deepseek"]
-    message = run(tokenizer, ids, record, keep, "chat", [])["choices"][0]
+    chat = run(tokenizer, ids, record, keep, "chat", [])
+    reasoning_ids = tokenizer.encode("Weather for 日本 🙂, so I call.")  # </think> itself not counted
+    assert chat["usage"]["completion_tokens_details"]["reasoning_tokens"] == len(reasoning_ids)
+    message = chat["choices"][0]
     assert message["finish_reason"] == "tool_calls"
     assert message["message"]["reasoning_content"] == "Weather for 日本 🙂, so I call."
     assert message["message"]["content"] == 'Checking "now".'
