@@ -18,10 +18,15 @@ from services.gateway.serving import Server
 
 
 def build_app(
-    service: GatewayService, served: ServedModel, store: ResponseStore, retry_after_s: int = 1
+    service: GatewayService,
+    served: ServedModel,
+    store: ResponseStore,
+    retry_after_s: int = 1,
+    keepalive_s: float = 15.0,
 ) -> Starlette:
-    """``retry_after_s``: the Retry-After of a 429 (the scheduler's queue is full)."""
-    server = Server(service, served, retry_after_s)
+    """``retry_after_s``: the Retry-After of a 429 (the scheduler's queue is full);
+    ``keepalive_s``: the longest silence on an SSE stream before a keep-alive comment."""
+    server = Server(service, served, retry_after_s, keepalive_s)
     admission = Admission(service, served)
     openai = OpenAIRoutes(server, admission)
     responses = ResponsesRoutes(server, admission, store)

@@ -39,6 +39,9 @@ class Config:
         default=10.0,
         metadata={"help": "how long a streaming request outlives its client's disconnect, for a resume"},
     )
+    keepalive_s: float = field(
+        default=15.0, metadata={"help": "longest silence on an SSE stream before a keep-alive comment"}
+    )
     stream_retention_s: float = field(
         default=600.0, metadata={"help": "how long step outputs stay replayable (stream resume)"}
     )
@@ -58,7 +61,7 @@ class Config:
             raise ValueError(f"submit_timeout_s must be > 0, got {self.submit_timeout_s}")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
-        if self.stream_retention_s <= 0 or self.responses_ttl_s <= 0:
-            raise ValueError("stream_retention_s and responses_ttl_s must be > 0")
+        if self.stream_retention_s <= 0 or self.responses_ttl_s <= 0 or self.keepalive_s <= 0:
+            raise ValueError("stream_retention_s, responses_ttl_s and keepalive_s must be > 0")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")

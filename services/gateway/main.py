@@ -59,7 +59,7 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         await store.start()
         server = _Server(
             uvicorn.Config(
-                build_app(service, served, store, config.retry_after_s),
+                build_app(service, served, store, config.retry_after_s, config.keepalive_s),
                 host=config.host,
                 port=config.port,
                 log_level=config.log_level,

@@ -67,36 +67,67 @@ class ChatRenderer:
 
 
 class CompletionsRenderer:
-    """Legacy Completions (``text_completion``): text only; reasoning and tools do not apply."""
+    """Legacy Completions (``text_completion``): text only (reasoning and tools do not apply), and
+    the legacy logprobs shape (tokens, token_logprobs, top_logprobs as {token: logprob} maps,
+    text_offset in characters of the choice's text, echo included)."""
 
     def __init__(self, request_id: str, model: str, created: int, *, n: int, echo: str, include_usage: bool):
         self._head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
         self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._logprobs: list[dict[str, list[Any]] | None] = [None] * n
+        self._offsets = [len(echo)] * n
         self._finish: list[str | None] = [None] * n
         self._echo = echo
         self._include_usage = include_usage
         self._usage = Usage(0, 0)
         self.failed = False
 
-    def _chunk(self, index: int, text: str, finish_reason: str | None = None) -> Event:
+    def _chunk(
+        self, index: int, text: str, entries: list[dict[str, Any]] | None, finish_reason: str | None = None
+    ) -> Event:
         self._texts[index].append(text)
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": None if entries is None else self._legacy(index, entries),
+            "finish_reason": finish_reason,
+        }
         body: dict[str, Any] = {**self._head, "choices": [choice]}
         if self._include_usage:
             body["usage"] = None
         return Event(None, body)
 
+    def _legacy(self, index: int, entries: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        part: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for entry in entries:
+            part["tokens"].append(entry["token"])
+            part["token_logprobs"].append(entry["logprob"])
+            part["top_logprobs"].append({top["token"]: top["logprob"] for top in entry["top_logprobs"]})
+            part["text_offset"].append(self._offsets[index])
+            self._offsets[index] += len(entry["token"])
+        whole = self._logprobs[index]
+        if whole is None:
+            whole = self._logprobs[index] = {key: [] for key in part}
+        for key, values in part.items():
+            whole[key] += values
+        return part
+
     def open(self, usage: Usage) -> list[Event]:
-        return [self._chunk(i, self._echo) for i in range(len(self._texts)) if self._echo]
+        return [self._chunk(i, self._echo, None) for i in range(len(self._texts)) if self._echo]
 
     def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
         text = "".join(s.text for s in segments if isinstance(s, Content | Reasoning | ToolCallArgs))
-        return [self._chunk(index, text)] if text else []
+        return [self._chunk(index, text, logprobs)] if text or logprobs else []
 
     def end_choice(self, index: int, finish: Finish, num_tool_calls: int) -> list[Event]:
         reason = "length" if finish.reason == "length" else "stop"
         self._finish[index] = reason
-        return [self._chunk(index, "", reason)]
+        return [self._chunk(index, "", None, reason)]
 
     def close(self, usage: Usage, error: str) -> list[Event]:
         self._usage = usage
@@ -109,7 +140,7 @@ class CompletionsRenderer:
 
     def body(self) -> dict[str, Any]:
         choices = [
-            {"index": i, "text": "".join(t), "logprobs": None, "finish_reason": self._finish[i]}
+            {"index": i, "text": "".join(t), "logprobs": self._logprobs[i], "finish_reason": self._finish[i]}
             for i, t in enumerate(self._texts)
         ]
         return {**self._head, "choices": choices, "usage": chat_usage(self._usage)}

@@ -20,7 +20,7 @@ from services.gateway.renderers import renderer_for
 from services.gateway.request_stream import RequestStream
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
-from services.gateway.sse import EventStreamResponse, frame, until_disconnect
+from services.gateway.sse import EventStreamResponse, frame, until_disconnect, with_keepalive
 
 Shape = Literal["openai", "anthropic"]
 MAX_BODY_BYTES = 32 << 20  # a 1M-token prompt is ~4 MB of text; anything far past that is a mistake
@@ -83,10 +83,13 @@ def last_event_id(request: Request, query_key: str = "") -> int:
 class Server:
     """What every API route needs to turn a stream of deltas into a response."""
 
-    def __init__(self, service: GatewayService, served: ServedModel, retry_after_s: int) -> None:
+    def __init__(
+        self, service: GatewayService, served: ServedModel, retry_after_s: int, keepalive_s: float = 15.0
+    ) -> None:
         self.service = service
         self.served = served
         self.retry_after_s = retry_after_s
+        self.keepalive_s = keepalive_s
 
     def generation(self, record: StreamRecord) -> Generation:
         return Generation(record, self.served.tokenizer, renderer_for(record), self.served.keep_token_ids)
@@ -106,7 +109,7 @@ class Server:
             if on_done is not None:
                 await on_done(generation)
 
-        return EventStreamResponse(frames(), on_close=stream.close)
+        return EventStreamResponse(with_keepalive(frames(), self.keepalive_s), on_close=stream.close)
 
     async def body(
         self, request: Request, generation: Generation, stream: RequestStream, shape: Shape = "openai"

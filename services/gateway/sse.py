@@ -26,6 +26,30 @@ def frame(event: Event, event_id: int | None = None) -> str:
     return f"{head}data: {data}\n\n"
 
 
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see the line is alive
+
+
+async def with_keepalive(frames: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+    """``frames``, plus a keep-alive comment whenever none came for ``interval_s`` (a request
+    waiting in the queue, or a long prefill, must not look like a dead connection)."""
+    source = frames.__aiter__()
+    pending: asyncio.Future[str] = asyncio.ensure_future(anext(source))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield KEEPALIVE
+                continue
+            try:
+                frame = pending.result()
+            except StopAsyncIteration:
+                return
+            yield frame
+            pending = asyncio.ensure_future(anext(source))
+    finally:
+        pending.cancel()
+
+
 def dumps(payload: Any) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 

@@ -310,3 +310,71 @@ def test_bad_sampling_fields_get_400_and_the_service_goes_on(
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param
     assert fake.submitted == []
     assert client.post("/v1/chat/completions", json=BODY).status_code == 200
+
+
+MODEL = BODY["model"]
+LONG = "word " * 9000  # past SmolLM2's 8192-token context
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "fragment"),
+    [
+        ("/v1/chat/completions", {**BODY, "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+        ("/v1/chat/completions", {**BODY, "messages": [{"role": "tool", "content": "x"}]}, 400, "tool"),
+        (
+            "/v1/chat/completions",
+            {**BODY, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+            400,
+            "",
+        ),
+        ("/v1/chat/completions", {**BODY, "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/chat/completions", {**BODY, "messages": [{"role": "user", "content": LONG}]}, 400, "context"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+        (
+            "/v1/responses",
+            {"model": MODEL, "input": "x", "previous_response_id": "resp_nope"},
+            400,
+            "resp_nope",
+        ),
+        (
+            "/v1/responses",
+            {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c"}]},
+            400,
+            "",
+        ),
+        ("/v1/responses", {"model": "other", "input": "x"}, 404, "other"),
+        ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens"),
+        (
+            "/v1/messages",
+            {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": LONG}]},
+            400,
+            "",
+        ),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": [], "x": 1}, 400, ""),
+        ("/v1/messages/count_tokens", {"model": MODEL, "messages": "nope"}, 400, "messages"),
+    ],
+)
+def test_bad_input_gets_the_apis_error_shape_and_loses_nothing(
+    client_with: Make, path: str, body: dict[str, Any], status: int, fragment: str
+) -> None:
+    client, fake = client_with("run")
+    resp = client.post(path, json=body)
+    assert resp.status_code == status
+    if path.startswith("/v1/messages"):
+        error = resp.json()
+        assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+        message = error["error"]["message"]
+    else:
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        message = resp.json()["error"]["message"]
+    assert fragment in message
+    assert fake.submitted == []
+    assert client.post("/v1/chat/completions", json=BODY).status_code == 200  # still serving
+
+
+def test_a_body_over_the_limit_is_a_413(client_with: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("services.gateway.serving.MAX_BODY_BYTES", 1000)
+    client, fake = client_with("run")
+    resp = client.post("/v1/chat/completions", json={**BODY, "messages": [{"role": "user", "content": LONG}]})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    assert fake.submitted == []

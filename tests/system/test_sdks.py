@@ -43,12 +43,20 @@ def test_chat_stream_equals_non_stream(oai: openai.OpenAI) -> None:
 
 
 def test_completions(oai: openai.OpenAI) -> None:
-    done = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
-    streamed = oai.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
-    )
-    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    ask = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    done = oai.completions.create(**ask, logprobs=2, echo=True)  # type: ignore[call-overload]
+    streamed = list(oai.completions.create(**ask, logprobs=2, stream=True))  # type: ignore[call-overload]
+    choice = done.choices[0]
+    assert choice.text == ask["prompt"] + "".join(c.choices[0].text for c in streamed)
     assert done.usage is not None and done.usage.completion_tokens == 8
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == 8 and all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset is not None and lp.text_offset[0] == len(ask["prompt"])  # after the echo
+    streamed_tokens = [
+        t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []
+    ]
+    assert streamed_tokens == lp.tokens
 
 
 def test_responses_create_stream_retrieve_and_chain(oai: openai.OpenAI) -> None:
