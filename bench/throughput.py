@@ -52,6 +52,7 @@ from deepinfer.settings import resolve_cache_dir
 from libs.bus.nats_server import free_port
 from libs.models.registry import resolve_model_path
 from libs.protocol.messages import SamplingParams
+from libs.recipe.conversation import Conversation, Message
 from services.gateway.served_model import ServedModel
 from services.scheduler.config import Config as SchedulerConfig
 from services.scheduler.scheduler import Limits
@@ -98,7 +99,7 @@ def bench_prompts(count: int) -> list[str]:
 
 def chat_prompts(served: ServedModel, count: int) -> list[list[int]]:
     """Token ids exactly as the gateway makes them from one user message."""
-    return [served.render([{"role": "user", "content": p}]) for p in bench_prompts(count)]
+    return [served.prompt(Conversation((Message("user", p),))).token_ids for p in bench_prompts(count)]
 
 
 @dataclass(frozen=True, slots=True)
