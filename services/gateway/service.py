@@ -127,7 +127,9 @@ class GatewayService:
             self._pending.pop(request_id, None)
             raise SubmitRejected(reply.status, reply.message)
         pending.scheduler_id = reply.scheduler_id
-        return RequestStream(request_id, pending, self.cancel_soon, self._closed)
+        # Only a resumable stream is worth keeping for a while once its client is gone.
+        on_close = self._closed if record is not None else self._closed_for_good
+        return RequestStream(request_id, pending, self.cancel_soon, on_close)
 
     async def stream_record(self, request_id: str) -> StreamRecord | None:
         raw = await self.bus.kv_get(self.subjects.streams_bucket, request_id)
@@ -169,6 +171,11 @@ class GatewayService:
         self._pending.pop(stream.request_id, None)
         if not stream.finished:
             self._cancel_after_grace(stream.request_id)
+
+    def _closed_for_good(self, stream: RequestStream) -> None:
+        self._pending.pop(stream.request_id, None)
+        if not stream.finished:
+            self.cancel_soon(stream.request_id)
 
     def _cancel_after_grace(self, request_id: str) -> None:
         if self.resume_grace_s <= 0:

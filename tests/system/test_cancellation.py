@@ -1,9 +1,12 @@
-"""A client that disconnects mid-stream: its sequence leaves the worker once the resume grace is over."""
+"""A client that disconnects: its sequence leaves the worker. A stream is kept for the resume grace
+period first; a non-streaming request, which cannot be resumed, is cancelled at once."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import nats
@@ -14,9 +17,19 @@ from libs.protocol.subjects import Subjects
 from tests.system.stack import RESUME_GRACE_S, Stack
 
 MODEL = "SmolLM2-135M-Instruct"
+BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Write a very long story."}],
+    "max_tokens": 2000,
+    "temperature": 0.7,
+    "seed": 1,
+}
 
 
-def test_disconnect_frees_the_sequence_on_the_worker(stack: Stack) -> None:
+def seconds_until_freed(stack: Stack, leave: Callable[[httpx.AsyncClient], Awaitable[None]]) -> float:
+    """Run ``leave`` (a request the client abandons while its sequence runs); return how long after
+    it returned the worker reported no running sequence."""
+
     async def run() -> float:
         nc = await nats.connect(stack.nats.url)
         loads: asyncio.Queue[tuple[float, WorkerLoad]] = asyncio.Queue()
@@ -25,31 +38,36 @@ def test_disconnect_frees_the_sequence_on_the_worker(stack: Stack) -> None:
             loads.put_nowait((time.monotonic(), decode(WorkerLoad, msg.data)))
 
         await nc.subscribe(Subjects().load(stack.worker_id), cb=on_load)
-        body = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Write a very long story."}],
-            "max_tokens": 2000,
-            "stream": True,
-            "temperature": 0.7,
-            "seed": 1,
-        }
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
-            async with http.stream("POST", "/chat/completions", json=body) as resp:
-                assert resp.status_code == 200
-                num_chunks = 0
-                async for line in resp.aiter_lines():
-                    num_chunks += line.startswith("data: ")
-                    if num_chunks >= 5:
-                        break
-                # the sequence is running on the worker right now
-                while (await asyncio.wait_for(loads.get(), 5))[1].num_running_seqs == 0:
-                    pass
-            closed_at = time.monotonic()  # leaving the block closes the connection
+            await leave(http)
+        left_at = time.monotonic()
         while True:  # fails by timeout if the count never returns to zero
             seen_at, load = await asyncio.wait_for(loads.get(), 10)
-            if load.num_running_seqs == 0:
+            if load.num_running_seqs == 0 and seen_at > left_at:
                 await nc.close()
-                return seen_at - closed_at
+                return seen_at - left_at
+
+    return asyncio.run(run())
+
+
+def test_a_stream_is_kept_for_the_grace_period_then_cancelled(stack: Stack) -> None:
+    async def leave(http: httpx.AsyncClient) -> None:
+        async with http.stream("POST", "/chat/completions", json={**BODY, "stream": True}) as resp:
+            assert resp.status_code == 200
+            num_chunks = 0
+            async for line in resp.aiter_lines():
+                num_chunks += line.startswith("data: ")
+                if num_chunks >= 5:
+                    break  # leaving the block closes the connection
 
     # Kept for a resume during the grace period, then cancelled everywhere.
-    assert RESUME_GRACE_S <= asyncio.run(run()) < RESUME_GRACE_S + 10
+    assert RESUME_GRACE_S <= seconds_until_freed(stack, leave) < RESUME_GRACE_S + 10
+
+
+def test_a_non_streaming_request_is_cancelled_at_once(stack: Stack) -> None:
+    async def leave(http: httpx.AsyncClient) -> None:
+        with contextlib.suppress(httpx.ReadTimeout):  # the client gives up while it generates
+            await http.post("/chat/completions", json=BODY, timeout=httpx.Timeout(60, read=2.0))
+            raise AssertionError("2000 tokens came back within 2 s")
+
+    assert seconds_until_freed(stack, leave) < RESUME_GRACE_S

@@ -179,3 +179,20 @@ def test_forced_tool_call_streams_as_it_completes(oai: openai.OpenAI) -> None:
             arguments.append(delta.function.arguments or "")
     assert names == [call.function.name] and len(ids) == 1  # the name and id come once, first
     assert "".join(arguments) == call.function.arguments
+
+
+def test_responses_background_stream_resumes_with_starting_after(oai: openai.OpenAI) -> None:
+    ask = {"model": MODEL, "input": ASK, "temperature": 0, "max_output_tokens": 24, "background": True}
+    first = []
+    with oai.responses.create(**ask, stream=True) as stream:  # type: ignore[call-overload]
+        for event in stream:
+            first.append(event)
+            if len(first) == 5:
+                break  # the client goes away; a background response runs on
+    response_id = first[0].response.id
+    rest = list(oai.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    whole = list(oai.responses.retrieve(response_id, stream=True))
+    assert [e.sequence_number for e in first + rest] == list(range(len(whole)))
+    assert [e.type for e in first + rest] == [e.type for e in whole]
+    assert whole[0].type == "response.created" and whole[1].type == "response.queued"
+    assert whole[-1].type in ("response.completed", "response.incomplete")
