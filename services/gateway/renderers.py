@@ -24,6 +24,13 @@ def openai_error(message: str, type_: str = "server_error") -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": None, "code": None}}
 
 
+def openai_close(usage_chunk: dict[str, Any], error: str, include_usage: bool) -> list[Event]:
+    """An OpenAI stream's end: an error (a mid-stream failure) or the usage chunk if asked, then [DONE]."""
+    if error:
+        return [Event(None, openai_error(error)), DONE]
+    return [Event(None, usage_chunk), DONE] if include_usage else [DONE]
+
+
 class ChatRenderer:
     def __init__(
         self, request_id: str, model: str, created: int, *, n: int, thinking: bool, include_usage: bool
@@ -53,12 +60,8 @@ class ChatRenderer:
 
     def close(self, usage: Usage, error: str) -> list[Event]:
         self._usage = usage
-        if error:
-            self.failed = True
-            return [Event(None, openai_error(error)), DONE]
-        if self._include_usage:
-            return [Event(None, self._encoder.usage_chunk(usage)), DONE]
-        return [DONE]
+        self.failed = bool(error)
+        return openai_close(self._encoder.usage_chunk(usage), error, self._include_usage)
 
     def body(self) -> dict[str, Any]:
         body = self._accumulator.result()
@@ -131,12 +134,9 @@ class CompletionsRenderer:
 
     def close(self, usage: Usage, error: str) -> list[Event]:
         self._usage = usage
-        if error:
-            self.failed = True
-            return [Event(None, openai_error(error)), DONE]
-        if self._include_usage:
-            return [Event(None, {**self._head, "choices": [], "usage": chat_usage(usage)}), DONE]
-        return [DONE]
+        self.failed = bool(error)
+        usage_chunk = {**self._head, "choices": [], "usage": chat_usage(usage)}
+        return openai_close(usage_chunk, error, self._include_usage)
 
     def body(self) -> dict[str, Any]:
         choices = [

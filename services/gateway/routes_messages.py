@@ -34,11 +34,7 @@ class MessagesRoutes:
             )
         except ApiError as err:
             return error_response(err, "anthropic", self.server.retry_after_s)
-        generation = self.server.generation(admitted.record)
-        if req.stream:
-            return self.server.sse(generation, admitted.stream)
-        response = await self.server.body(request, generation, admitted.stream, "anthropic")
-        return response or Response(status_code=499)
+        return await self.server.respond(request, admitted, req.stream, "anthropic")
 
     async def count_tokens(self, request: Request) -> Response:
         try:

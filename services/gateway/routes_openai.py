@@ -38,10 +38,7 @@ class OpenAIRoutes:
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)
-        generation = self.server.generation(admitted.record)
-        if chat.stream:
-            return self.server.sse(generation, admitted.stream)
-        return await self.server.body(request, generation, admitted.stream) or Response(status_code=499)
+        return await self.server.respond(request, admitted, chat.stream)
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -69,10 +66,7 @@ class OpenAIRoutes:
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)
-        generation = self.server.generation(admitted.record)
-        if req.stream:
-            return self.server.sse(generation, admitted.stream)
-        return await self.server.body(request, generation, admitted.stream) or Response(status_code=499)
+        return await self.server.respond(request, admitted, req.stream)
 
     async def resume_chat(self, request: Request) -> Response:
         return await self._resume(request, "chat")

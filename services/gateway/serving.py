@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from libs.protocol.messages import StreamRecord
 from libs.recipe.fields import ApiError
+from services.gateway.admission import Admitted
 from services.gateway.generation import Generation, numbered
 from services.gateway.renderers import renderer_for
 from services.gateway.request_stream import RequestStream
@@ -130,6 +131,15 @@ class Server:
         if generation.error:
             return error_response(ApiError(500, generation.error, type_="server_error"), shape)
         return JSONResponse(generation.renderer.body())
+
+    async def respond(
+        self, request: Request, admitted: Admitted, stream: bool, shape: Shape = "openai"
+    ) -> Response:
+        """An admitted request's answer: its SSE stream, or its body (499 if the client left)."""
+        generation = self.generation(admitted.record)
+        if stream:
+            return self.sse(generation, admitted.stream)
+        return await self.body(request, generation, admitted.stream, shape) or Response(status_code=499)
 
     async def resume(self, request_id: str, api: str, after: int) -> EventStreamResponse:
         record = await self.service.stream_record(request_id)

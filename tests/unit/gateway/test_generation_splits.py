@@ -63,29 +63,14 @@ def v4_tokenizer() -> Tokenizer:
 def cases(tokenizer: Tokenizer) -> dict[str, tuple[Tokenizer, list[int], StreamRecord, frozenset[int]]]:
     v4 = v4_tokenizer()
     keep = frozenset(v4.special_id(s) for s in ("</think>", "｜DSML｜"))
-    base = dict(gateway_id="gw", start_seq=1, created=1, model="m", n=1, logprobs=False, top_logprobs=0)
-    deepseek = StreamRecord(
-        "req-ds",
-        "chat",
-        **base,
-        include_usage=False,
-        stop=(),
-        syntax="deepseek",  # type: ignore[arg-type]
-        start="reasoning",
-        parse_tool_calls=True,
-        thinking=True,
-    )
-    hermes = StreamRecord(
-        "req-h",
-        "chat",
-        **base,
-        include_usage=False,
-        stop=(),
-        syntax="hermes",  # type: ignore[arg-type]
-        start="content",
-        parse_tool_calls=True,
-        thinking=False,
-    )
+
+    def record(request_id: str, syntax: str, start: str, thinking: bool) -> StreamRecord:
+        return StreamRecord(
+            request_id, "chat", "gw", 1, 1, "m", 1, False, 0, False, (), syntax, start, True, thinking
+        )
+
+    deepseek = record("req-ds", "deepseek", "reasoning", thinking=True)
+    hermes = record("req-h", "hermes", "content", thinking=False)
     return {
         "deepseek": (v4, [*v4.encode(DEEPSEEK_OUT), 1], deepseek, keep),
         "hermes": (
