@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +42,9 @@ class Run:
 
 def import_llama_cpp() -> ModuleType | None:
     try:
-        import llama_cpp
+        return importlib.import_module("llama_cpp")  # optional, benchmark-only
     except ImportError:
         return None
-    return llama_cpp
 
 
 def available() -> str | None:
