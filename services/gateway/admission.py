@@ -55,7 +55,8 @@ class Admission:
             request_id=request_id,
             api=api,
             gateway_id=self.service.gateway_id,
-            start_seq=0,
+            # Taken before the submit: the request's outputs all come after it in the out stream.
+            start_seq=await self.service.next_out_seq() if resumable else 0,
             created=created,
             model=served.name,
             n=params.n,

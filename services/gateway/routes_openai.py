@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -46,7 +47,7 @@ class OpenAIRoutes:
             served = self.server.served
             served.check_model(req.model)
             if isinstance(req.prompt, str):
-                token_ids = served.encode_text(req.prompt)
+                token_ids = await asyncio.to_thread(served.encode_text, req.prompt)  # CPU work
                 echo = req.prompt if req.echo else ""
             else:
                 token_ids = list(req.prompt)

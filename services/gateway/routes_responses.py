@@ -24,7 +24,7 @@ from libs.recipe.fields import ApiError
 from libs.recipe.segments import Usage
 from services.gateway.admission import Admission, Admitted
 from services.gateway.generation import Generation
-from services.gateway.renderers import ResponsesRenderer
+from services.gateway.renderers import ResponsesRenderer, renderer_for
 from services.gateway.request_stream import RequestStream
 from services.gateway.response_store import TERMINAL, ResponseStore
 from services.gateway.serving import Server, error_response, json_body, last_event_id
@@ -108,7 +108,7 @@ class ResponsesRoutes:
         self, req: ResponsesRequest, admitted: Admitted, input_items: list[Any]
     ) -> Response:
         """Run to the end in a task of this gateway, whoever listens; store as it starts and ends."""
-        queued = self.server.generation(admitted.record).renderer
+        queued = renderer_for(admitted.record)
         assert isinstance(queued, ResponsesRenderer)
         queued.open(Usage(0, 0))  # the queued object, before any output
         await self.store.put(queued.response, input_items, admitted.record.request_id)

@@ -18,7 +18,6 @@ and claims the request (``ResumeClaim``), so the cancel never comes.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -103,18 +102,19 @@ class GatewayService:
     ) -> RequestStream:
         """Admit the request (raises SubmitRejected) and return the stream of its deltas.
 
-        ``record`` (gateway id and start sequence filled in here) makes the stream resumable.
+        ``record`` (its ``start_seq`` from ``next_out_seq``) makes the stream resumable: it is
+        stored while the submit is under way, long before a client could ask to resume.
         """
         req = SubmitRequest(request_id, self.gateway_id, pack_tokens(prompt_token_ids), params, eos_token_id)
-        if record is not None:
-            # Before the submit: nothing of this request can be in the out stream before start_seq.
-            start_seq = await self.bus.stream_last_seq(self.subjects.out_stream) + 1
-            record = dataclasses.replace(record, gateway_id=self.gateway_id, start_seq=start_seq)
-            await self.bus.kv_put(self.subjects.streams_bucket, request_id, encode(record))
+        submit = self.bus.request(self.subjects.submit, encode(req), self.submit_timeout_s)
         # Registered before the submit goes out, so no output can arrive before its queue exists.
         pending = self._pending[request_id] = Pending(params.n, params.logprobs)
         try:
-            raw = await self.bus.request(self.subjects.submit, encode(req), self.submit_timeout_s)
+            if record is None:
+                raw = await submit
+            else:
+                store = self.bus.kv_put(self.subjects.streams_bucket, request_id, encode(record))
+                _, raw = await asyncio.gather(store, submit)
             reply = decode(SubmitReply, raw)
         except NoResponders as exc:
             self._pending.pop(request_id, None)
@@ -130,6 +130,10 @@ class GatewayService:
         # Only a resumable stream is worth keeping for a while once its client is gone.
         on_close = self._closed if record is not None else self._closed_for_good
         return RequestStream(request_id, pending, self.cancel_soon, on_close)
+
+    async def next_out_seq(self) -> int:
+        """Where the out stream will put its next message: nothing submitted later is before it."""
+        return await self.bus.stream_last_seq(self.subjects.out_stream) + 1
 
     async def stream_record(self, request_id: str) -> StreamRecord | None:
         raw = await self.bus.kv_get(self.subjects.streams_bucket, request_id)

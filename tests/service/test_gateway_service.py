@@ -18,6 +18,7 @@ from libs.protocol.messages import (
     RequestOutput,
     SamplingParams,
     StepOutputs,
+    StreamRecord,
     SubmitReply,
     SubmitRequest,
     SubmitStatus,
@@ -274,3 +275,36 @@ async def test_logprobs_not_asked_for_are_ignored(gateway) -> None:  # type: ign
     await scheduler.emit(out("a", [10], 1, FinishReason.STOP, logprobs=wire_logprobs([-1.0, -2.0], [], 0)))
     [delta] = await asyncio.wait_for(drain(a), 2)
     assert (delta.finish_reason, delta.logprobs, delta.token_ids) == (FinishReason.STOP, (), [10])
+
+
+def record_for(service: GatewayService, request_id: str, start_seq: int) -> StreamRecord:
+    return StreamRecord(
+        request_id, "chat", service.gateway_id, start_seq, 1, "m", 1, False, 0, False, (), "plain", "content",
+        False, False,
+    )  # fmt: skip
+
+
+async def test_a_replay_starts_at_the_requests_first_output_and_follows_it_live(
+    gateway: tuple[GatewayService, ScriptedScheduler],
+) -> None:
+    service, scheduler = gateway
+    await scheduler.emit(out("earlier", [9], 1, FinishReason.STOP))  # history the replay must skip
+    start = await service.next_out_seq()
+    assert start == 2
+    live = await service.submit("r1", [1, 2, 3], PARAMS, 0, record_for(service, "r1", start))
+    stored = await service.stream_record("r1")
+    assert stored is not None and stored.start_seq == start
+    await scheduler.emit(out("r1", [5, 6], 2))
+    replay = await service.replay(stored)
+    replayed = aiter(replay)
+    assert (await anext(replayed)).token_ids == [5, 6]  # from the stream
+    await scheduler.emit(out("other", [7], 1), out("r1", [8], 3, FinishReason.STOP))
+    assert [d.token_ids for d in await drain(replay_rest(replayed))] == [[8]]  # then live
+    assert [d.token_ids for d in await drain(live)] == [[5, 6], [8]]
+    replay.close()
+    live.close()
+
+
+async def replay_rest(it: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    async for delta in it:
+        yield delta
