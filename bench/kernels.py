@@ -34,7 +34,9 @@ from libs.kernels.rms_norm import (
 from libs.kernels.rotary import (
     apply_rotary_interleaved,
     apply_rotary_interleaved_reference,
+    apply_rotary_qk,
     rope_cos_sin_cache,
+    rotary_rotation,
 )
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, FFN = 576, 9, 3, 64, 1536
@@ -105,6 +107,7 @@ def bench_rotary(g: torch.Generator) -> None:
             # q as llama.py passes it: a strided view into the fused qkv projection output.
             qkv = torch.randn(n, q_size + 2 * kv_size, generator=g).to(dtype)
             q = qkv[:, :q_size].view(n, NUM_HEADS, HEAD_DIM)
+            k = qkv[:, q_size : q_size + kv_size].view(n, NUM_KV_HEADS, HEAD_DIM)
             positions = torch.randint(0, 8192, (n,), generator=g)
             report(
                 "rotary (q)",
@@ -112,6 +115,28 @@ def bench_rotary(g: torch.Generator) -> None:
                 dtype,
                 partial(apply_rotary_interleaved_reference, q, positions, cache),
                 partial(apply_rotary_interleaved, q, positions, cache),
+            )
+
+            def reference_qk(q: Tensor = q, k: Tensor = k, positions: Tensor = positions) -> object:
+                return (
+                    apply_rotary_interleaved_reference(q, positions, cache),
+                    apply_rotary_interleaved_reference(k, positions, cache),
+                )
+
+            report(
+                "rotary (q, k)",
+                f"[{n}, {NUM_HEADS}+{NUM_KV_HEADS}, {HEAD_DIM}]",
+                dtype,
+                reference_qk,
+                partial(apply_rotary_qk, q, k, positions, cache),
+            )
+            # As llama.py runs it: the rotation built once per step, shared by every layer.
+            report(
+                "rotary (q, k) per layer",
+                f"[{n}, {NUM_HEADS}+{NUM_KV_HEADS}, {HEAD_DIM}]",
+                dtype,
+                reference_qk,
+                partial(apply_rotary_qk, q, k, positions, cache, rotary_rotation(positions, cache)),
             )
 
 

@@ -177,7 +177,7 @@ def sweep(
 def main() -> None:
     import os
 
-    from throughput import chat_prompts  # the prompts every engine in bench/throughput.py gets
+    from prompts import chat_prompts  # the prompts every engine in bench/throughput.py gets
 
     from deepinfer.settings import resolve_cache_dir
     from libs.models.registry import resolve_model_path

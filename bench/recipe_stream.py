@@ -59,7 +59,7 @@ def run_generation(
         finish = FinishReason.LENGTH if i == len(ids) - 1 else None
         pending.accept(RequestOutput("req", pack_tokens([token_id]), i + 1, 10, finish))
     generation = Generation(r, tokenizer, renderer, keep)
-    stream = RequestStream("req", pending, lambda _: None, lambda _: None)
+    stream = RequestStream("req", pending, lambda _: None, lambda _s, _f: None)
 
     async def drain() -> None:
         async for _ in generation.events(stream):

@@ -57,7 +57,7 @@ def make_seqs(params: SamplingParams, num_rows: int, vocab: int, g: torch.Genera
     for i in range(num_rows):
         tokens = torch.randint(0, vocab, (512 + 64,), generator=g).tolist()
         row_params = params if params.greedy else dataclasses.replace(params, seed=1000 + i)
-        seqs.append(SequenceState(f"s{i}", tokens, 512, row_params, frozenset({0}), [], 0, "bench"))
+        seqs.append(SequenceState(f"s{i}", tokens, 512, row_params, frozenset({0}), [], 0))
     return seqs
 
 

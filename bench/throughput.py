@@ -45,14 +45,14 @@ from typing import Any
 import httpx
 import llamacpp_baseline
 import torch
+from prompts import bench_prompts, chat_prompts
 
 from deepinfer.local_engine import LocalEngine
-from deepinfer.serve import is_healthy
+from deepinfer.serve import ChildExited, wait_healthy
 from deepinfer.settings import resolve_cache_dir
 from libs.bus.nats_server import free_port
 from libs.models.registry import resolve_model_path
 from libs.protocol.messages import SamplingParams
-from libs.recipe.conversation import Conversation, Message
 from services.gateway.served_model import ServedModel
 from services.scheduler.config import Config as SchedulerConfig
 from services.scheduler.scheduler import Limits
@@ -60,46 +60,11 @@ from services.worker.config import Config as WorkerConfig
 from services.worker.main import build_runner
 
 PARTS = ("a", "b", "d", "bus")
-WEIGHT_FORMATS = ("bfloat16", "float32", "int8", "int4")  # those the worker's --dtype accepts are run
+WEIGHT_FORMATS = ("bfloat16", "float32", "int8", "int4")  # the worker's --dtype weight formats
 TARGET_VS_LLAMACPP = 1.5
 TARGET_BATCH1_VS_LLAMACPP = 1.0
 TARGET_STACK_VS_LOCAL = 0.95
 STACK_READY_TIMEOUT_S = 600.0
-ASKS = (
-    "Write a short story about",
-    "Explain in simple words",
-    "Give three facts about",
-    "Describe the history of",
-    "Write a poem about",
-    "List the pros and cons of",
-    "Tell a child about",
-    "Summarize what people know about",
-)
-TOPICS = (
-    "a robot learning to paint.",
-    "how rain forms.",
-    "the city of Paris.",
-    "friendship between neighbours.",
-    "tea and where it comes from.",
-    "how airplanes fly.",
-    "a walk in an old forest.",
-    "why the sky is blue.",
-)
-
-
-def bench_prompts(count: int) -> list[str]:
-    """`count` distinct user messages of similar length (so batched left padding stays small)."""
-    prompts = []
-    for i in range(count):
-        ask, topic = ASKS[i % len(ASKS)], TOPICS[(i // len(ASKS) + i) % len(TOPICS)]
-        suffix = f" (take {i // 64 + 1})" if i >= 64 else ""
-        prompts.append(f"{ask} {topic}{suffix}")
-    return prompts
-
-
-def chat_prompts(served: ServedModel, count: int) -> list[list[int]]:
-    """Token ids exactly as the gateway makes them from one user message."""
-    return [served.prompt(Conversation((Message("user", p),))).token_ids for p in bench_prompts(count)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,11 +242,10 @@ def running_stack(
     with log.open("wb") as out:
         proc = subprocess.Popen(stack_argv(setup, opts, port), stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + STACK_READY_TIMEOUT_S
-        while not is_healthy(f"http://127.0.0.1:{port}/health"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{setup.label} did not become ready:\n{log_tail(log)}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/health", [proc], STACK_READY_TIMEOUT_S, interval_s=0.2)
+        except (ChildExited, TimeoutError) as exc:
+            raise RuntimeError(f"{setup.label} did not become ready ({exc}):\n{log_tail(log)}") from exc
         yield f"http://127.0.0.1:{port}/v1", proc
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -446,17 +410,6 @@ def run_llamacpp(opts: Options, served: ServedModel, report: Report) -> None:
 # --- plan and tables ---------------------------------------------------------------------------
 
 
-def accepted_formats() -> list[str]:
-    formats = []
-    for fmt in WEIGHT_FORMATS:
-        try:
-            WorkerConfig(dtype=fmt)
-        except ValueError:
-            continue
-        formats.append(fmt)
-    return formats
-
-
 def plan_stacks(opts: Options, with_llamacpp: bool) -> dict[StackSetup, list[int]]:
     main = StackSetup(opts.dtype, overlap=True)
     plan: dict[StackSetup, set[int]] = {main: set()}
@@ -464,7 +417,7 @@ def plan_stacks(opts: Options, with_llamacpp: bool) -> dict[StackSetup, list[int
         plan[main] |= set(opts.concurrency)
     if "b" in opts.parts and with_llamacpp:
         plan[main] |= {1, opts.streams_vs_llamacpp}
-        for fmt in accepted_formats():
+        for fmt in WEIGHT_FORMATS:
             plan.setdefault(StackSetup(fmt, overlap=True), set()).add(1)
     if "d" in opts.parts:
         plan[main] |= set(opts.overlap_concurrency)
@@ -507,7 +460,7 @@ def target_row(name: str, value: float | None, goal: float | None) -> list[str]:
     return [name, f">= {goal}x", fmt_ratio(value), verdict]
 
 
-def report_part_b(report: Report, opts: Options, formats: list[str], summary: list[list[str]]) -> None:
+def report_part_b(report: Report, opts: Options, summary: list[list[str]]) -> None:
     llama = report.results.get("llama.cpp", {})
     at = opts.streams_vs_llamacpp
     if not llama:
@@ -524,7 +477,7 @@ def report_part_b(report: Report, opts: Options, formats: list[str], summary: li
     summary.append(
         target_row(f"(b) stack @{at} vs llama.cpp best (@{best_n})", ratio(ours, best), TARGET_VS_LLAMACPP)
     )
-    for fmt in formats:
+    for fmt in WEIGHT_FORMATS:
         label = StackSetup(fmt, overlap=True).label
         one = report.rate(label, 1)
         rows.append(
@@ -538,7 +491,7 @@ def report_part_b(report: Report, opts: Options, formats: list[str], summary: li
     print_table("(b) ours vs llama.cpp", ["ours", "tok/s", "llama.cpp tok/s", "ratio"], rows)
 
 
-def print_report(report: Report, opts: Options, formats: list[str]) -> None:
+def print_report(report: Report, opts: Options) -> None:
     main, off = StackSetup(opts.dtype, True).label, StackSetup(opts.dtype, False).label
     summary: list[list[str]] = []
     print(
@@ -567,7 +520,7 @@ def print_report(report: Report, opts: Options, formats: list[str]) -> None:
         if part not in opts.parts:
             continue
         if part == "b":
-            report_part_b(report, opts, formats, summary)
+            report_part_b(report, opts, summary)
             continue
         title, name, base, levels, goal = compared[part]
         vs_table(report, title, main, base, levels)
@@ -651,7 +604,6 @@ def main() -> None:
     no_llamacpp = llamacpp_baseline.available() if "b" in opts.parts else None
     if no_llamacpp is not None:
         report.problem(f"(b) skipped: {no_llamacpp}")
-    formats = accepted_formats()
     for setup, levels in plan_stacks(opts, no_llamacpp is None).items():
         run_stack(setup, levels, opts, served, report)
     if "bus" in opts.parts:
@@ -663,7 +615,7 @@ def main() -> None:
     if "b" in opts.parts and no_llamacpp is None:
         run_llamacpp(opts, served, report)
     report.notes.append(f"load average at end: {load_average()}")
-    print_report(report, opts, formats)
+    print_report(report, opts)
     report.progress("done")
 
 

@@ -29,14 +29,14 @@ from torch import Tensor, nn
 
 from deepinfer.settings import resolve_cache_dir
 from libs.models.attention import SingleSequenceCausalAttention, causal_attention
-from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from libs.models.quant import Int4Linear, Int8Linear, quantize_model
+from libs.models.quant import Int4Linear, Int8Linear
 from libs.models.registry import resolve_model_path
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
+from services.worker.main import load_model
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # label -> --dtype
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 FORWARD_TOKENS = (32, 512)
 
@@ -137,15 +137,6 @@ def weight_bytes_per_token(model: LlamaForCausalLM) -> int:
     return total + (model.embed_tokens.weight.nbytes if model.lm_head is None else 0)
 
 
-def load(fmt: str, path: Path, cache_dir: Path) -> LlamaForCausalLM:
-    if fmt == "fp32":
-        return load_llama(path, cache_dir, torch.float32)
-    model = load_llama(path, cache_dir, torch.bfloat16)
-    if fmt in ("int8", "int4"):
-        quantize_model(model, fmt)
-    return model
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -160,7 +151,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_gguf(path, cache_dir)
     assert tokenizer.chat_template is not None
     prompt = tokenizer.encode(render_chat(tokenizer.chat_template, QUESTION))
-    models = {fmt: load(fmt, path, cache_dir) for fmt in FORMATS}
+    models = {fmt: load_model(path, cache_dir, dtype) for fmt, dtype in FORMATS.items()}
     _, ref_logits = decode(models["fp32"], prompt, None, args.decode_tokens)
     feed = [int(step.argmax()) for step in ref_logits[:-1]]  # fp32's greedy tokens
 

@@ -2,25 +2,34 @@
 what the services cost, and the harness for engine tests.
 
 With ``overlap`` the loop makes plan N+1 before it postprocesses result N, exactly as the
-scheduler service does with two plans in flight (the runner executes plans in order).
+scheduler service does with two plans in flight (the runner executes plans in order): both take
+their send/wait decisions from ``Scheduler.next_plan``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Protocol
 
 from libs.protocol.codec import unpack_tokens
-from libs.protocol.messages import FinishReason, ModelRunnerOutput, SamplingParams
+from libs.protocol.messages import FinishReason, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
-from services.worker.model_runner import ModelRunner
+
+
+class Runner(Protocol):
+    """What the engine needs of a worker: services.worker.model_runner.ModelRunner, or a fake."""
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def check_integrity(self) -> None: ...
 
 
 class LocalEngine:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         limits: Limits,
         eos_token_id: int,
         overlap: bool = False,
@@ -37,28 +46,38 @@ class LocalEngine:
         self.num_preemptions = 0  # over finished sequences
         self._in_flight: deque[ModelRunnerOutput] = deque()
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def add(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
+    ) -> list[Sequence]:
+        """Queue a request; returns its choices (``params.n`` of them)."""
         seq = Sequence(request_id, "", list(prompt), params, self.eos_token_id, priority=priority)
-        self.core.add(seq)
+        return self.core.add(seq)
 
-    def abort(self, request_or_seq_id: str) -> None:
-        for seq in self.core.abort(request_or_seq_id):
+    def abort(self, request_or_seq_id: str) -> list[Sequence]:
+        """Finish a request, or one of its choices, as aborted; returns what was finished."""
+        aborted = self.core.abort(request_or_seq_id)
+        for seq in aborted:
             self._record(seq)
+        if self.check:
+            self.core.check_integrity()
+        return aborted
 
     def has_work(self) -> bool:
         return self.core.has_work() or bool(self._in_flight)
 
     def step(self) -> None:
-        """Send one plan (if there is work), then postprocess the oldest result when due."""
-        sent = False
-        if self.core.has_work():
-            plan = self.core.schedule()
-            if plan.num_scheduled_seqs or plan.finished_seq_ids:
-                self._in_flight.append(self.runner.execute(plan))
-                self.num_steps += 1
-                sent = True
-        # Like StepLoop: when nothing more could be sent, wait for the oldest result.
-        if self._in_flight and (len(self._in_flight) >= self.max_in_flight or not sent):
+        """Send one plan (if there is work), then postprocess the oldest result when due.
+
+        One StepLoop iteration, plus the wait its next one would do when this send filled the
+        pipeline: the same sequence of sends and waits.
+        """
+        plan = self.core.next_plan(len(self._in_flight), self.max_in_flight)
+        if plan is not None:
+            self._in_flight.append(self.runner.execute(plan))
+            self.num_steps += 1
+            if self.check:
+                self.core.check_integrity()
+        if self._in_flight and (plan is None or len(self._in_flight) >= self.max_in_flight):
             result = self._in_flight.popleft()
             sampled = unpack_tokens(result.sampled_token_ids)
             for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs):

@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
 from types import FrameType
 
 from deepinfer.runtime import setup_logging
@@ -53,12 +54,51 @@ def _spawn(command: str, argv: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "deepinfer", command, *argv], preexec_fn=preexec)
 
 
+class ChildExited(RuntimeError):
+    """A process that should be running has exited."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        super().__init__(f"{proc.args!r} exited with {proc.returncode}")
+        self.proc = proc
+
+
+def check_alive(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """Raises ChildExited for the first of ``procs`` that has exited."""
+    for proc in procs:
+        if proc.poll() is not None:
+            raise ChildExited(proc)
+
+
 def is_healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as resp:
             return resp.status == 200  # type: ignore[no-any-return]
     except (urllib.error.URLError, OSError):
         return False
+
+
+def wait_healthy(
+    url: str,
+    procs: Iterable[subprocess.Popen[bytes]],
+    timeout_s: float,
+    interval_s: float = 0.1,
+    stopped: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Poll ``url`` until it answers 200 (True), or until ``stopped()`` (False).
+
+    Raises ChildExited if one of ``procs`` (those that serve it) exits first, TimeoutError after
+    ``timeout_s``.
+    """
+    procs = list(procs)
+    deadline = time.monotonic() + timeout_s
+    while not stopped():
+        check_alive(procs)
+        if is_healthy(url):
+            return True
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+        time.sleep(interval_s)
+    return False
 
 
 def _stop_all(children: dict[str, subprocess.Popen[bytes]]) -> None:
@@ -99,24 +139,20 @@ def main(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     children = {name: _spawn(name, to_argv(config)) for name, config in configs.items()}
     health_url = f"http://{gateway.host}:{gateway.port}/health"
-    ready = False
-    started = time.monotonic()
     exit_code = 0
     try:
+        if wait_healthy(health_url, children.values(), READY_TIMEOUT_S, 0.2, lambda: stop):
+            log.info("deepinfer ready: http://%s:%d/v1 (nats %s)", gateway.host, gateway.port, nats_url)
         while not stop:
-            dead = [name for name, proc in children.items() if proc.poll() is not None]
-            if dead:
-                log.error("%s exited (code %s): stopping the stack", dead[0], children[dead[0]].returncode)
-                exit_code = 1
-                break
-            if not ready and is_healthy(health_url):
-                ready = True
-                log.info("deepinfer ready: http://%s:%d/v1 (nats %s)", gateway.host, gateway.port, nats_url)
-            elif not ready and time.monotonic() - started > READY_TIMEOUT_S:
-                log.error("not ready after %.0f s: stopping", READY_TIMEOUT_S)
-                exit_code = 1
-                break
+            check_alive(children.values())
             time.sleep(0.2)
+    except ChildExited as exc:
+        name = next(name for name, proc in children.items() if proc is exc.proc)
+        log.error("%s exited (code %s): stopping the stack", name, exc.proc.returncode)
+        exit_code = 1
+    except TimeoutError:
+        log.error("not ready after %.0f s: stopping", READY_TIMEOUT_S)
+        exit_code = 1
     finally:
         _stop_all(children)
         if nats is not None:

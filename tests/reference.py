@@ -7,6 +7,7 @@ from torch import Tensor
 
 from libs.models.attention import SingleSequenceCausalAttention, causal_attention
 from libs.models.llama import LlamaForCausalLM
+from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class GrowingCache:
@@ -31,3 +32,21 @@ def reference_greedy(model: LlamaForCausalLM, prompt: list[int], num_tokens: int
         hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), SingleSequenceCausalAttention())
         tokens.append(int(model.compute_logits(hidden[-1:]).argmax()))
     return tokens[len(prompt) :]
+
+
+@torch.inference_mode()
+def greedy_text(
+    model: LlamaForCausalLM, tokenizer: Tokenizer, prompt: list[int], max_tokens: int = 12
+) -> str:
+    """Greedy decode with a GrowingCache (prefill, then one token a step) up to EOS, detokenized."""
+    cache, detok, text = GrowingCache(), IncrementalDetokenizer(tokenizer), ""
+    step_ids, start = list(prompt), 0
+    for _ in range(max_tokens):
+        hidden = model(torch.tensor(step_ids), torch.arange(start, start + len(step_ids)), cache)
+        next_id = int(model.compute_logits(hidden[-1:])[0].argmax())
+        if next_id == tokenizer.eos_token_id:
+            break
+        text += detok.add([next_id])
+        start += len(step_ids)
+        step_ids = [next_id]
+    return text + detok.flush()

@@ -142,7 +142,9 @@ class InMemoryBus:
         self._kv[bucket].pop(key, None)
 
     async def kv_get(self, bucket: str, key: str) -> bytes | None:
-        return (await self.kv_items(bucket)).get(key)
+        value, put_at = self._kv[bucket].get(key, (None, 0.0))
+        ttl = self._kv_ttl[bucket]
+        return None if value is None or (ttl and put_at < time.monotonic() - ttl) else value
 
     async def kv_items(self, bucket: str) -> dict[str, bytes]:
         ttl = self._kv_ttl[bucket]

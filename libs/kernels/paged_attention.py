@@ -9,7 +9,8 @@ KV head h // (num_heads // num_kv_heads), with scale head_dim ** -0.5.
 
 Backends: `TorchAttentionBackend` here (the CPU path; plain torch, so it also serves fp32 on
 CUDA) and `FlashInferAttentionBackend` in paged_attention_flashinfer.py (CUDA, fp16/bf16).
-`paged_attention_reference` is the per-row loop both are tested against.
+`paged_attention_reference` is the per-row loop both are tested against: it gathers each row's
+keys and runs the cacheless `libs.models.attention.causal_attention` over them.
 """
 
 from __future__ import annotations
@@ -22,21 +23,33 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from libs.models.attention import causal_attention
+
 
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
     """One step's batch layout. Rows with query_len > 1 come first, then rows with query_len == 1
-    (decodes). A row computes `query_len` new tokens after `context_len` tokens already cached."""
+    (decodes). A row computes `query_len` new tokens after `context_len` tokens already cached.
 
-    query_start_loc: Tensor  # [num_seqs + 1] int32, cumulative query lengths
-    context_lens: Tensor  # [num_seqs] int32
-    seq_lens: Tensor  # [num_seqs] int32 = context + query
+    The layout arrays stay on the host (CPU, int32), computed once in build() from the host lists:
+    plan() reads only them, so planning never copies from the device (a sync per read on CUDA).
+    Only what forward() indexes with goes to the step's device.
+    """
+
+    # On the host, int32.
+    query_start_loc: Tensor  # [num_seqs + 1] cumulative query lengths
+    context_lens: Tensor  # [num_seqs]
+    seq_lens: Tensor  # [num_seqs] = context + query
+    # The pages in use (flashinfer's CSR form): row r uses pages kv_indices[kv_indptr[r] :
+    # kv_indptr[r + 1]] in position order and holds last_page_len[r] (1..block_size) tokens in the last.
+    kv_indptr: Tensor  # [num_seqs + 1]
+    kv_indices: Tensor  # [total pages in use]
+    last_page_len: Tensor  # [num_seqs]
+    # On the step's device.
     block_tables: Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
     slot_mapping: Tensor  # [num_tokens] int64: cache slot of every new token
     num_prefills: int  # leading rows with query_len > 1
     num_prefill_tokens: int
-    max_query_len: int
-    max_seq_len: int
     block_size: int
 
     @property
@@ -56,7 +69,7 @@ class PagedAttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> PagedAttentionMetadata:
-        """Validate one step's rows and lay them out as tensors on `device`.
+        """Validate one step's rows and lay them out: host arrays, and tensors on `device`.
 
         Raises ValueError when the lists disagree in length, a query_len is < 1, a context_len
         is < 0, a multi-token row follows a single-token row, or a block table is too short for
@@ -94,20 +107,31 @@ class PagedAttentionMetadata:
         token_row = np.repeat(np.arange(num_seqs), q_lens)
         positions = np.arange(num_tokens) - query_start[token_row] + ctx_lens[token_row]
         slots = tables[token_row, positions // block_size] * block_size + positions % block_size
+        # Pages in use: seq_len >= 1, so every row has at least one.
+        num_pages = (seq_lens + block_size - 1) // block_size
+        kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_pages, out=kv_indptr[1:])
+        # Boolean indexing is row-major: rows concatenated, each row's pages in position order.
+        kv_indices = tables[np.arange(max_blocks)[None, :] < num_pages[:, None]]
+        last_page_len = seq_lens - (num_pages - 1) * block_size
+
+        def on_host(a: np.ndarray[Any, Any]) -> Tensor:
+            return torch.from_numpy(a).to(torch.int32)
 
         def on_device(a: np.ndarray[Any, Any], dtype: torch.dtype) -> Tensor:
             return torch.from_numpy(a).to(device=device, dtype=dtype)
 
         return cls(
-            query_start_loc=on_device(query_start, torch.int32),
-            context_lens=on_device(ctx_lens, torch.int32),
-            seq_lens=on_device(seq_lens, torch.int32),
+            query_start_loc=on_host(query_start),
+            context_lens=on_host(ctx_lens),
+            seq_lens=on_host(seq_lens),
+            kv_indptr=on_host(kv_indptr),
+            kv_indices=on_host(kv_indices),
+            last_page_len=on_host(last_page_len),
             block_tables=on_device(tables, torch.int32),
             slot_mapping=on_device(slots, torch.int64),
             num_prefills=num_prefills,
             num_prefill_tokens=int(query_start[num_prefills]),
-            max_query_len=int(q_lens.max(initial=0)),
-            max_seq_len=int(seq_lens.max(initial=0)),
             block_size=block_size,
         )
 
@@ -154,32 +178,25 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 def paged_attention_reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata
 ) -> Tensor:
-    """Row by row, in fp32: gather the row's keys by position, mask causally with the context
-    offset, softmax, weigh the values. The caches must already hold the step's new k/v.
+    """Row by row, in fp32: gather the row's keys and values by position, then the cacheless
+    causal attention of libs.models.attention (its last query aligned with the last key: the
+    context-offset causal mask; KV head h // group serves query head h). The caches must already
+    hold the step's new k/v.
 
     q: [num_tokens, num_heads, head_dim]; returns [num_tokens, num_heads, head_dim] in q.dtype.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // k_cache.shape[2]
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     tables = meta.block_tables.tolist()
-    for row, (context_len, seq_len) in enumerate(
-        zip(meta.context_lens.tolist(), meta.seq_lens.tolist(), strict=True)
-    ):
+    for row, seq_len in enumerate(meta.seq_lens.tolist()):
         positions = torch.arange(seq_len, device=q.device)
         blocks = torch.tensor(tables[row], dtype=torch.long, device=q.device)[positions // meta.block_size]
         offsets = positions % meta.block_size
-        # [seq_len, num_heads, head_dim]: KV head h // group serves query head h.
-        keys = k_cache[blocks, offsets].float().repeat_interleave(group, dim=1)
-        values = v_cache[blocks, offsets].float().repeat_interleave(group, dim=1)
-        queries = q[starts[row] : starts[row + 1]].float()  # [query_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", queries, keys) * head_dim**-0.5
-        # New token i sits at position context_len + i and sees keys up to and including it.
-        query_pos = context_len + torch.arange(queries.shape[0], device=q.device)
-        scores.masked_fill_(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
-        weights = scores.softmax(dim=-1)
-        out[starts[row] : starts[row + 1]] = torch.einsum("hqk,khd->qhd", weights, values).to(q.dtype)
+        keys = k_cache[blocks, offsets]  # [seq_len, num_kv_heads, head_dim]
+        values = v_cache[blocks, offsets]
+        queries = q[starts[row] : starts[row + 1]]  # [query_len, num_heads, head_dim]
+        attended = causal_attention(queries.float(), keys.float(), values.float())
+        out[starts[row] : starts[row + 1]] = attended.to(q.dtype)
     return out
 
 
@@ -229,17 +246,18 @@ class TorchAttentionBackend:
     def plan(self, meta: PagedAttentionMetadata) -> None:
         device = meta.block_tables.device
         block_size = meta.block_size
+        # Row lengths come from the metadata's host arrays: no device read-back.
         starts = meta.query_start_loc.tolist()
         context_lens = meta.context_lens.tolist()
+        num_pages = meta.kv_indptr.diff().tolist()  # [num_seqs] blocks in use
         tables = meta.block_tables.long()
-        num_blocks = (meta.seq_lens.long() + block_size - 1) // block_size  # [num_seqs] blocks in use
         self._prefills = []
         for row in range(meta.num_prefills):
             start, end, context_len = starts[row], starts[row + 1], context_lens[row]
             if context_len == 0:
                 self._prefills.append(_PrefillRow(start, end, None, None))
                 continue
-            padded_len = int(num_blocks[row]) * block_size
+            padded_len = num_pages[row] * block_size
             key_pos = torch.arange(padded_len, device=device)
             query_pos = context_len + torch.arange(end - start, device=device)
             # Keys past seq_len are beyond every query position, so the causal test masks them too.
@@ -249,9 +267,9 @@ class TorchAttentionBackend:
         self._decode = None
         num_decodes = meta.num_seqs - meta.num_prefills
         if num_decodes > 0:
-            padded_len = int(num_blocks[meta.num_prefills :].max()) * block_size
+            padded_len = max(num_pages[meta.num_prefills :]) * block_size
             kv_index = self._kv_index(tables[meta.num_prefills :], padded_len, block_size)
-            seq_lens = meta.seq_lens[meta.num_prefills :].long()
+            seq_lens = meta.seq_lens[meta.num_prefills :].to(device=device, dtype=torch.long)
             valid = torch.arange(padded_len, device=device)[None, :] < seq_lens[:, None]
             mask = self._additive(valid).view(num_decodes, 1, 1, padded_len)
             self._decode = _DecodeBatch(meta.num_prefill_tokens, num_decodes, kv_index, mask)

@@ -1,7 +1,8 @@
 """The CUDA attention backend: flashinfer's paged prefill and decode kernels over the NHD cache.
 
 flashinfer is imported lazily, in the backend's constructor: it has no CPU path and is an
-optional dependency. The layout conversion (`paged_kv_csr`) is plain torch and testable anywhere.
+optional dependency. The layout it plans from (the pages in use, in CSR form) is built on the host
+by PagedAttentionMetadata.build, plain numpy and testable anywhere.
 """
 
 from __future__ import annotations
@@ -15,24 +16,6 @@ from libs.kernels.paged_attention import PagedAttentionMetadata, write_kv
 
 # flashinfer's recommended size for the float workspace of its batch wrappers (split-kv partials).
 _WORKSPACE_BYTES = 128 * 1024 * 1024
-
-
-def paged_kv_csr(meta: PagedAttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
-    """The rows' pages in flashinfer's CSR form, on the host, int32.
-
-    Returns (kv_indptr [num_seqs + 1], kv_indices [total pages in use], last_page_len [num_seqs]):
-    row r uses pages kv_indices[kv_indptr[r] : kv_indptr[r + 1]], in position order, and holds
-    last_page_len[r] (in 1..block_size) tokens in its last page.
-    """
-    seq_lens = meta.seq_lens.cpu()
-    tables = meta.block_tables.cpu()
-    num_pages = (seq_lens + meta.block_size - 1) // meta.block_size  # [num_seqs]
-    kv_indptr = torch.zeros(meta.num_seqs + 1, dtype=torch.int32)
-    kv_indptr[1:] = num_pages.cumsum(0)
-    in_use = torch.arange(tables.shape[1])[None, :] < num_pages[:, None]
-    kv_indices = tables[in_use]  # boolean indexing is row-major: rows concatenated, pages in order
-    last_page_len = seq_lens - (num_pages - 1) * meta.block_size
-    return kv_indptr, kv_indices.to(torch.int32), last_page_len.to(torch.int32)
 
 
 class FlashInferAttentionBackend:
@@ -61,8 +44,9 @@ class FlashInferAttentionBackend:
         self._meta: PagedAttentionMetadata | None = None
 
     def plan(self, meta: PagedAttentionMetadata) -> None:
-        # flashinfer's plan reads the layout on the host; one small copy per step, shared by all layers.
-        kv_indptr, kv_indices, last_page_len = paged_kv_csr(meta)
+        # flashinfer's plan reads the layout on the host: the metadata's host arrays, so planning
+        # copies nothing back from the device.
+        kv_indptr, kv_indices, last_page_len = meta.kv_indptr, meta.kv_indices, meta.last_page_len
         split = meta.num_prefills
         # The leading arguments go by position: their names changed across flashinfer releases.
         heads = (self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size)
@@ -74,7 +58,7 @@ class FlashInferAttentionBackend:
         if split > 0:
             prefill_pages = int(kv_indptr[split])
             self._prefill.plan(
-                meta.query_start_loc.cpu()[: split + 1],
+                meta.query_start_loc[: split + 1],
                 kv_indptr[: split + 1],
                 kv_indices[:prefill_pages],
                 last_page_len[:split],

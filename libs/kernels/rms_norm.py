@@ -1,7 +1,10 @@
 """RMSNorm, plain and fused with the residual add: plain-torch references and the dispatching ops.
 
-`rms_norm` / `fused_add_rms_norm` pick flashinfer's kernels for CUDA tensors where its semantics
-match (fp16/bf16, one dtype throughout), else the torch fast path, which runs on any device.
+`rms_norm` picks flashinfer's kernel for CUDA tensors where its semantics match (fp16/bf16, one
+dtype throughout), else the torch fast path, which runs on any device. `fused_add_rms_norm` always
+takes the torch fast path: flashinfer's fused add+norm keeps the sum in the input's half dtype, while
+llama.py carries the residual stream in fp32 (a design choice, see LlamaDecoderLayer), so its
+kernel would never apply to the model.
 
 The torch fast path computes what the reference computes, bit for bit, with fewer full-size
 temporaries (two where the reference makes up to four, the rest in place); fresh large temporaries
@@ -55,8 +58,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """fused_add_rms_norm_reference's result by the fastest route; the inputs are not modified."""
-    if x.is_cuda and x.dtype in _HALF and residual.dtype == x.dtype and weight.dtype == x.dtype:
-        return _fused_add_rms_norm_flashinfer(x, residual, weight, eps)
     if torch.result_type(x, residual) != residual.dtype:
         # e.g. an fp32 x onto a bf16 residual: the reference adds in fp32 then rounds; keep that.
         return fused_add_rms_norm_reference(x, residual, weight, eps)
@@ -84,17 +85,3 @@ def _rms_norm_flashinfer(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
     out: Tensor = rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps)  # fp32 math, one rounding
     return out.view(x.shape)
-
-
-def _fused_add_rms_norm_flashinfer(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
-) -> tuple[Tensor, Tensor]:
-    from flashinfer.norm import fused_add_rmsnorm
-
-    # flashinfer works in place (input becomes the normed output, residual the sum): copy first to
-    # keep this op pure. It normalises the fp32 sum before rounding it into residual, so its output
-    # can differ from the reference by one half-precision step.
-    normed = x.reshape(-1, x.shape[-1]).clone()
-    new_residual = residual.reshape(-1, residual.shape[-1]).clone()
-    fused_add_rmsnorm(normed, new_residual, weight, eps)
-    return normed.view(x.shape), new_residual.view(residual.shape)

@@ -4,10 +4,12 @@ llama.cpp's converter permutes the rows of Q and K so that ggml's rope, which ro
 pairs (x[2i], x[2i+1]) by angle pos * base^(-2i/head_dim), gives the same result as HF's
 rotate_half layout. Weights used as stored in the GGUF therefore need this interleaved rotation.
 
-`apply_rotary_interleaved` runs flashinfer's kernel for half-precision CUDA tensors and otherwise
-the complex-multiply fast path: each pair viewed as one complex number, one multiply by
-e^(i * angle) instead of the reference's six elementwise ops and a stack (same fp32 arithmetic,
-same result to the bit in our tests; bench/kernels.py has the speed-up).
+`apply_rotary_qk` (q and k together, what llama.py calls) and `apply_rotary_interleaved` (one
+tensor) run flashinfer's kernel for half-precision CUDA tensors and otherwise the complex-multiply
+fast path: each pair viewed as one complex number, one multiply by e^(i * angle) instead of the
+reference's six elementwise ops and a stack (same fp32 arithmetic, same result to the bit in our
+tests; bench/kernels.py has the speed-up). The complex rotation depends on positions only: built
+once per step (`prepare_rotation`), it serves q and k of every layer.
 """
 
 from __future__ import annotations
@@ -51,15 +53,69 @@ def apply_rotary_interleaved(x: Tensor, positions: Tensor, cos_sin_cache: Tensor
     """apply_rotary_interleaved_reference's result (fp32 math, x's shape and dtype), fast.
 
     x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] int64;
-    cos_sin_cache: [max_positions, head_dim] from rope_cos_sin_cache.
+    cos_sin_cache: [max_positions, head_dim] from rope_cos_sin_cache. To rotate a query and a key
+    at the same positions use apply_rotary_qk, which shares the work between them.
     """
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and cos_sin_cache.dtype == torch.float32:
-        return _rotary_flashinfer(x, positions, cos_sin_cache)
-    half = x.shape[-1] // 2
+    if _flashinfer_eligible(x.dtype, x.device, cos_sin_cache):
+        # The kernel takes a query and a key: x goes in as both and the second output is dropped.
+        rotated, _ = _rotary_flashinfer(x, x, positions, cos_sin_cache)
+        return rotated
+    return _rotate(x, rotary_rotation(positions, cos_sin_cache))
+
+
+def apply_rotary_qk(
+    q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, rotation: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """(apply_rotary_interleaved(q, ...), apply_rotary_interleaved(k, ...)), the two sharing the work.
+
+    q: [num_tokens, num_q_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], same dtype;
+    positions: [num_tokens] int64; cos_sin_cache: [max_positions, head_dim] from rope_cos_sin_cache.
+    On CUDA in half precision this is one flashinfer launch over both. Elsewhere the rotation of
+    each position is built once for both; pass `rotation` (from rotary_rotation, or
+    prepare_rotation for a whole step) to reuse one across layers. It is ignored on the
+    flashinfer route, which reads the cache itself.
+    """
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    if _flashinfer_eligible(q.dtype, q.device, cos_sin_cache):
+        return _rotary_flashinfer(q, k, positions, cos_sin_cache)
+    if rotation is None:
+        rotation = rotary_rotation(positions, cos_sin_cache)
+    return _rotate(q, rotation), _rotate(k, rotation)
+
+
+def rotary_rotation(positions: Tensor, cos_sin_cache: Tensor) -> Tensor:
+    """e^(i * angle) of every (token, pair): [num_tokens, 1, head_dim / 2] complex64.
+
+    The one per-step input of the torch route; it depends on positions only, so one serves q and k
+    of every layer. positions: [num_tokens] int64; cos_sin_cache: [max_positions, head_dim].
+    """
+    half = cos_sin_cache.shape[-1] // 2
     cos_sin = cos_sin_cache.index_select(0, positions).float()  # [num_tokens, head_dim]
-    rotation = torch.complex(
-        cos_sin[:, None, :half], cos_sin[:, None, half:]
-    )  # [num_tokens, 1, head_dim / 2]
+    return torch.complex(cos_sin[:, None, :half], cos_sin[:, None, half:])
+
+
+def prepare_rotation(positions: Tensor, cos_sin_cache: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """The rotation apply_rotary_qk will want for q/k in `dtype` on positions' device this step:
+    rotary_rotation's on the torch route, None where flashinfer runs (it needs none)."""
+    if _flashinfer_eligible(dtype, positions.device, cos_sin_cache):
+        return None
+    return rotary_rotation(positions, cos_sin_cache)
+
+
+def _flashinfer_eligible(dtype: torch.dtype, device: torch.device, cos_sin_cache: Tensor) -> bool:
+    """flashinfer's kernel: CUDA, half-precision q/k, the fp32 cache it requires."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and cos_sin_cache.dtype == torch.float32
+    )
+
+
+def _rotate(x: Tensor, rotation: Tensor) -> Tensor:
+    """x [num_tokens, num_heads, head_dim] times rotation [num_tokens, 1, head_dim / 2] pairwise, in
+    fp32; returns a new contiguous tensor in x.dtype."""
+    half = x.shape[-1] // 2
     pairs = x.float().reshape(*x.shape[:-1], half, 2)  # [num_tokens, num_heads, head_dim / 2, 2]
     if not _complex_viewable(pairs):
         pairs = pairs.clone(memory_format=torch.contiguous_format)  # fresh storage: offset 0
@@ -74,14 +130,17 @@ def _complex_viewable(pairs: Tensor) -> bool:
     return even and pairs.stride(-1) == 1
 
 
-def _rotary_flashinfer(x: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> Tensor:
+def _rotary_flashinfer(
+    q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor
+) -> tuple[Tensor, Tensor]:
     from flashinfer.rope import apply_rope_with_cos_sin_cache
 
     # Same cache layout (cos half then sin half, fp32); is_neox=False is the interleaved rotation.
-    # The kernel rotates a query and a key tensor in one launch: x goes in as both and the second
-    # output is dropped, an extra pass over a small tensor.
-    head_dim = x.shape[-1]
-    flat = x.reshape(x.shape[0], -1)  # [num_tokens, num_heads * head_dim]
-    rotated, _ = apply_rope_with_cos_sin_cache(positions, flat, flat, head_dim, cos_sin_cache, is_neox=False)
-    out: Tensor = rotated.view(x.shape)
-    return out
+    # The kernel takes [num_tokens, heads * head_dim] and returns new tensors of those shapes.
+    head_dim = q.shape[-1]
+    q_flat = q.reshape(q.shape[0], -1)  # a view for q/k views into the fused qkv output
+    k_flat = k.reshape(k.shape[0], -1)
+    q_out, k_out = apply_rope_with_cos_sin_cache(
+        positions, q_flat, k_flat, head_dim, cos_sin_cache, is_neox=False
+    )
+    return q_out.view(q.shape), k_out.view(k.shape)

@@ -96,14 +96,16 @@ def apply_penalties(
 
     Repeated pairs need no dedup: a gather-modify-write of a repeated position writes the same
     value each time, and ``index_add_`` sums the per-occurrence frequency term. logits must be
-    contiguous and every token id < vocab; returns logits.
+    contiguous and every token id < vocab; returns logits. Pass seen/output on the host (they are
+    moved to logits' device here): the vocab check then reads no device memory.
     """
     flat = logits.view(-1)
     vocab, device, dtype = logits.shape[1], logits.device, logits.dtype
+    # A token past the vocab would silently land in the next row's logits. Checked before the
+    # pairs move: on the host (as the sampler passes them) the max costs no device sync.
+    assert all(int(pairs[1].max()) < vocab for pairs in (seen, output) if pairs.shape[1]), "token id >= vocab"
     seen, output = seen.to(device), output.to(device)
     repetition, presence, frequency = (v.to(device, dtype) for v in (repetition, presence, frequency))
-    # A token past the vocab would silently land in the next row's logits.
-    assert all(int(pairs[1].max()) < vocab for pairs in (seen, output) if pairs.shape[1]), "token id >= vocab"
     if seen.shape[1]:
         index = seen[0] * vocab + seen[1]
         values = flat[index]

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from libs.kernels.activation import silu_and_mul
 from libs.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from libs.kernels.rotary import apply_rotary_interleaved, rope_cos_sin_cache
+from libs.kernels.rotary import apply_rotary_qk, prepare_rotation, rope_cos_sin_cache
 from libs.models.attention import AttentionFn
 from libs.models.config import LlamaConfig
 
@@ -53,16 +53,21 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: Tensor, hidden: Tensor, cos_sin_cache: Tensor, attention: AttentionFn
+        self,
+        positions: Tensor,
+        hidden: Tensor,
+        cos_sin_cache: Tensor,
+        rotation: Tensor | None,
+        attention: AttentionFn,
     ) -> Tensor:
+        """rotation: the step's rotary rotation from prepare_rotation (None: built here if needed)."""
         num_tokens = hidden.shape[0]
         qkv: Tensor = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rotary_interleaved(q, positions, cos_sin_cache)
-        k = apply_rotary_interleaved(k, positions, cos_sin_cache)
+        q, k = apply_rotary_qk(q, k, positions, cos_sin_cache, rotation)
         out = attention(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
         result: Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
         return result
@@ -101,13 +106,15 @@ class LlamaDecoderLayer(nn.Module):
         hidden: Tensor,
         residual: Tensor | None,
         cos_sin_cache: Tensor,
+        rotation: Tensor | None,
         attention: AttentionFn,
     ) -> tuple[Tensor, Tensor]:
         """One pre-norm block. The residual stream is carried separately so each norm fuses the add.
 
         hidden: [num_tokens, hidden_size] in the model dtype is the previous block's output, not yet
         added; residual: [num_tokens, hidden_size] in fp32 (None before the first block). Returns
-        (this block's output, residual stream before adding it). The residual stays fp32 even in
+        (this block's output, residual stream before adding it). rotation: the step's rotary
+        rotation from prepare_rotation, shared by every layer. The residual stays fp32 even in
         a bf16 model: SmolLM2's outlier channels reach ~25k, where bf16 rounds to multiples of 128
         and greedy decoding visibly drifts.
         """
@@ -116,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cos_sin_cache, attention)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache, rotation, attention)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         hidden = self.mlp(hidden)
         return hidden, residual
@@ -174,8 +181,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] int64 -> final-normed hidden [num_tokens, hidden_size]."""
         hidden: Tensor = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual: Tensor | None = None
+        # Rotary's per-position rotation depends on positions only: built once for all layers.
+        rotation = prepare_rotation(positions, self.cos_sin_cache, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, attention)
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, rotation, attention)
         assert residual is not None  # LlamaConfig guarantees at least one layer
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden

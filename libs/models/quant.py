@@ -119,6 +119,10 @@ class Int4Linear(_PackedLinear):
     dense_min_tokens = INT4_DENSE_MIN_TOKENS
     packed: Tensor
     scales_and_zeros: Tensor
+    # Derived from scales_and_zeros for `dequantize`, [N, groups] fp32 each, contiguous; not in the
+    # state dict (non-persistent), rebuilt whenever one is loaded.
+    dense_scale: Tensor
+    dense_offset: Tensor  # the value of code 0: zero - 8 * scale
 
     def __init__(self, packed: Tensor, scales_and_zeros: Tensor, group_size: int) -> None:
         super().__init__()
@@ -127,6 +131,11 @@ class Int4Linear(_PackedLinear):
         self.in_features = num_groups * group_size
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self._derive_dense_params()
+        # torch leaves the registration unannotated.
+        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            lambda module, _incompatible_keys: module._derive_dense_params()
+        )
 
     @classmethod
     def from_weight(
@@ -156,11 +165,16 @@ class Int4Linear(_PackedLinear):
         """The dense [N, K] weight in the compute dtype."""
         n, k, g = self.out_features, self.in_features, self.group_size
         codes = _unpack_int4(self.packed).float().view(n, k // g, g)
+        w = (codes * self.dense_scale[..., None]).add_(self.dense_offset[..., None])
+        return w.view(n, k).to(self.scales_and_zeros.dtype)
+
+    def _derive_dense_params(self) -> None:
+        """dense_scale / dense_offset from scales_and_zeros: once, not per dense call."""
         # [N, groups] each, made contiguous: broadcasting strided ones is ~20x slower on CPU.
         scale = self.scales_and_zeros[..., 0].t().float().contiguous()
         offset = (self.scales_and_zeros[..., 1].t().float() - 8 * scale).contiguous()  # code 0's value
-        w = (codes * scale[..., None]).add_(offset[..., None])
-        return w.view(n, k).to(self.scales_and_zeros.dtype)
+        self.register_buffer("dense_scale", scale, persistent=False)
+        self.register_buffer("dense_offset", offset, persistent=False)
 
     @property
     def compute_dtype(self) -> torch.dtype:

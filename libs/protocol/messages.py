@@ -158,7 +158,7 @@ class SchedulerOutput:
     num_scheduled_tokens: bytes = b""  # packed uint32, one per seq_ids
     new_block_ids: tuple[bytes, ...] = ()  # packed uint32 per seq_ids: appended to its block table
     finished_seq_ids: tuple[str, ...] = ()  # drop their state first (finished, aborted, preempted)
-    scheduler_id: str = ""  # the sender; a worker frees the sequences of a scheduler gone silent
+    scheduler_id: str = ""  # the sender; a worker serves one owner and drops all it holds if that goes
 
     @property
     def num_scheduled_seqs(self) -> int:
@@ -245,6 +245,7 @@ class StreamRecord:
     parse_tool_calls: bool
     thinking: bool
     context: bytes = b""  # the API's own JSON needed to render (e.g. the Responses skeleton)
+    background: bool = False  # a reader that leaves does not cancel it (Responses background)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,4 +260,4 @@ class StoredResponse:
 
     response_json: bytes  # the response object as the API shows it
     input_json: bytes  # the input items it answered, the chain before it included (JSON array)
-    request_id: str = ""  # the request that produces it (cancel); empty once it ended
+    owner: str = ""  # the gateway running a background response to its end; empty once it ended

@@ -10,7 +10,7 @@ from typing import Literal, Protocol
 
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.conversation import Conversation
-from libs.recipe.deepseek_v4 import DeepSeekV4Format
+from libs.recipe.deepseek_v4 import DeepSeekV4Format, encode_prompt
 from libs.recipe.template_format import Prompt, TemplateFormat
 from libs.recipe.tokenizer import Tokenizer
 
@@ -29,14 +29,9 @@ class DeepSeekChatFormat:
         self.tokenizer = tokenizer
 
     def prompt(self, conv: Conversation) -> Prompt:
-        token_ids = self.renderer.encode(conv, self.tokenizer)
-        return Prompt(
-            token_ids,
-            syntax="deepseek",
-            start=self.renderer.parser_start(conv),
-            parse_tool_calls=bool(conv.tools) and conv.tool_choice != "none",
-            thinking=conv.thinking is not False,  # None: DeepSeek's default, thinking on
-        )
+        layout = self.renderer.layout(conv)  # one rendering: the prompt and how to read the output
+        token_ids = encode_prompt(layout.prompt, self.tokenizer)
+        return Prompt(token_ids, "deepseek", layout.stage, layout.tools_on, layout.thinking)
 
 
 def make_chat_format(name: str, template: ChatTemplate | None, tokenizer: Tokenizer) -> ChatFormat:

@@ -13,16 +13,12 @@ behind ``<｜System｜>``, and sorts results by call order within one run of use
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from types import MappingProxyType
 from typing import Final, Literal, Protocol
 
-from tokenizers import Tokenizer as HFTokenizer
-
-from libs.recipe.conversation import Conversation, Message, RecipeError, Role
+from libs.recipe.conversation import Conversation, Message, Role
 from libs.recipe.dsml import (
     THINK_END,
     THINK_START,
@@ -35,9 +31,9 @@ from libs.recipe.dsml import (
     tool_calls_prefill,
     tools_section,
 )
+from libs.recipe.output_parser import Stage
 
 Version = Literal["v4", "v4.1"]
-ParserStage = Literal["content", "reasoning", "tool_calls"]
 
 BOS: Final = "<｜begin▁of▁sentence｜>"
 EOS: Final = "<｜end▁of▁sentence｜>"
@@ -77,6 +73,16 @@ class RenderedPrompt:
     special_ranges: tuple[tuple[int, int], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One rendering of a conversation, with what the output parser must know about it."""
+
+    prompt: RenderedPrompt
+    stage: Stage  # where the prompt leaves the model
+    thinking: bool
+    tools_on: bool  # tools declared and not switched off: the output may call them
+
+
 class PromptTokenizer(Protocol):
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` with added/special tokens NOT matched (they stay plain text)."""
@@ -87,29 +93,19 @@ class PromptTokenizer(Protocol):
         ...
 
 
-class HFPromptTokenizer:
-    """``PromptTokenizer`` over an HF ``tokenizers.Tokenizer`` (e.g. a model's tokenizer.json)."""
-
-    def __init__(self, backend: HFTokenizer) -> None:
-        spec = json.loads(backend.to_str())
-        self._added: dict[str, int] = {
-            token["content"]: token["id"] for token in spec.get("added_tokens", [])
-        }
-        # A copy without the added vocabulary: encoding with it can never produce a special token.
-        spec["added_tokens"] = []
-        self._plain = HFTokenizer.from_str(json.dumps(spec))
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> HFPromptTokenizer:
-        return cls(HFTokenizer.from_file(str(path)))
-
-    def encode_plain(self, text: str) -> list[int]:
-        return list(self._plain.encode(text, add_special_tokens=False).ids)
-
-    def special_id(self, spelling: str) -> int:
-        if spelling not in self._added:
-            raise RecipeError(f"special token {spelling!r} is not in the added vocabulary")
-        return self._added[spelling]
+def encode_prompt(prompt: RenderedPrompt, tokenizer: PromptTokenizer) -> list[int]:
+    """Token ids: each special range as its token, the text between with no added vocabulary (so
+    text that spells a special token stays text)."""
+    ids: list[int] = []
+    position = 0
+    for start, end in prompt.special_ranges:
+        if start > position:
+            ids += tokenizer.encode_plain(prompt.text[position:start])
+        ids.append(tokenizer.special_id(prompt.text[start:end]))
+        position = end
+    if position < len(prompt.text):
+        ids += tokenizer.encode_plain(prompt.text[position:])
+    return ids
 
 
 class _Builder:
@@ -181,27 +177,23 @@ class DeepSeekV4Format:
         )
 
     def render(self, conv: Conversation) -> RenderedPrompt:
-        return self._render(conv)[0]
+        return self.layout(conv).prompt
 
-    def parser_start(self, conv: Conversation) -> ParserStage:
-        return self._render(conv)[1]
+    def parser_start(self, conv: Conversation) -> Stage:
+        return self.layout(conv).stage
 
     def encode(self, conv: Conversation, tokenizer: PromptTokenizer) -> list[int]:
-        prompt = self.render(conv)
-        ids: list[int] = []
-        position = 0
-        for start, end in prompt.special_ranges:
-            if start > position:
-                ids += tokenizer.encode_plain(prompt.text[position:start])
-            ids.append(tokenizer.special_id(prompt.text[start:end]))
-            position = end
-        if position < len(prompt.text):
-            ids += tokenizer.encode_plain(prompt.text[position:])
-        return ids
+        return encode_prompt(self.render(conv), tokenizer)
+
+    def layout(self, conv: Conversation) -> Layout:
+        prompt, stage, ctx = self._render(conv)
+        return Layout(prompt, stage, ctx.thinking, ctx.tools_on)
 
     # ---- rendering ------------------------------------------------------------------------------------
 
-    def _render(self, conv: Conversation) -> tuple[RenderedPrompt, ParserStage]:
+    # ---- rendering ------------------------------------------------------------------------------------
+
+    def _render(self, conv: Conversation) -> tuple[RenderedPrompt, Stage, _Context]:
         # A developer message is a user turn in V4 (which hoists system turns) and a system turn in V4.1.
         developer: Role = "user" if self.version == "v4" else "system"
         messages = tuple(replace(m, role=developer) if m.role == "developer" else m for m in conv.messages)
@@ -223,10 +215,10 @@ class DeepSeekV4Format:
         forced = ctx.tools_on and conv.tool_choice == "required"
         if forced:
             out.pieces(tool_calls_prefill(self._dialect))
-        return out.build(), self._stage(forced, ctx, out)
+        return out.build(), self._stage(forced, ctx, out), ctx
 
     @staticmethod
-    def _stage(forced: bool, ctx: _Context, out: _Builder) -> ParserStage:
+    def _stage(forced: bool, ctx: _Context, out: _Builder) -> Stage:
         if forced:
             return "tool_calls"
         if out.last_stage_token == THINK_START:

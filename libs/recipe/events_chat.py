@@ -181,7 +181,8 @@ class ChatEncoder:
 class _Built:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] | None = None  # None until some delta carried reasoning_content
-    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # per call index: id, and the name and argument pieces (joined once, in ``_choice``)
+    tool_calls: dict[int, tuple[str | None, list[str], list[str]]] = field(default_factory=dict)
     logprobs: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
 
@@ -197,8 +198,6 @@ class ChatAccumulator:
     def add(self, chunk: dict[str, Any]) -> None:
         if self._head is None:
             self._head = {k: chunk[k] for k in ("id", "created", "model")}
-            if "system_fingerprint" in chunk:
-                self._head["system_fingerprint"] = chunk["system_fingerprint"]
         if chunk.get("usage") is not None:
             self._usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
@@ -216,8 +215,6 @@ class ChatAccumulator:
             "choices": choices,
             "usage": self._usage,
         }
-        if "system_fingerprint" in self._head:
-            body["system_fingerprint"] = self._head["system_fingerprint"]
         return body
 
     @staticmethod
@@ -230,22 +227,22 @@ class ChatAccumulator:
             built.reasoning.append(delta["reasoning_content"] or "")
         for fragment in delta.get("tool_calls") or []:
             function = fragment.get("function") or {}
-            call = built.tool_calls.get(fragment["index"])
-            if call is None:
-                function_body = {"name": "", "arguments": ""}
-                call = {"id": fragment.get("id"), "type": "function", "function": function_body}
-                built.tool_calls[fragment["index"]] = call
-            call["function"]["name"] += function.get("name") or ""
-            call["function"]["arguments"] += function.get("arguments") or ""
+            _, names, arguments = built.tool_calls.setdefault(fragment["index"], (fragment.get("id"), [], []))
+            names.append(function.get("name") or "")
+            arguments.append(function.get("arguments") or "")
         if choice.get("logprobs") is not None:
-            built.logprobs = (built.logprobs or []) + list(choice["logprobs"].get("content") or [])
+            built.logprobs = built.logprobs if built.logprobs is not None else []
+            built.logprobs.extend(choice["logprobs"].get("content") or [])
         if choice.get("finish_reason") is not None:
             built.finish_reason = choice["finish_reason"]
 
     @staticmethod
     def _choice(index: int, built: _Built) -> dict[str, Any]:
         content = "".join(built.content)
-        calls = [built.tool_calls[i] for i in sorted(built.tool_calls)]
+        calls = [
+            {"id": call_id, "type": "function", "function": {"name": "".join(n), "arguments": "".join(a)}}
+            for call_id, n, a in (built.tool_calls[i] for i in sorted(built.tool_calls))
+        ]
         # OpenAI's shape: a message that only calls tools has content null, not "".
         message: dict[str, Any] = {"role": "assistant", "content": None if calls and not content else content}
         if built.reasoning is not None:

@@ -181,6 +181,7 @@ class MessagesAccumulator:
     def __init__(self) -> None:
         self._message: dict[str, Any] | None = None
         self._blocks: list[dict[str, Any]] = []
+        self._pieces: list[dict[str, list[str]]] = []  # per block: delta texts per field, joined at stop
         self.error: dict[str, Any] | None = None
 
     def add(self, event: dict[str, Any]) -> None:
@@ -191,14 +192,12 @@ class MessagesAccumulator:
             if event["index"] != len(self._blocks):
                 raise ValueError(f"block {event['index']} started, expected {len(self._blocks)}")
             self._blocks.append(dict(event["content_block"]))
+            self._pieces.append({})
         elif type_ == "content_block_delta":
             source, target = _DELTA_FIELDS[event["delta"]["type"]]
-            block = self._blocks[event["index"]]
-            block[target] = block.get(target, "") + event["delta"][source]
+            self._pieces[event["index"]].setdefault(target, []).append(event["delta"][source])
         elif type_ == "content_block_stop":
-            block = self._blocks[event["index"]]
-            if block["type"] == "tool_use":
-                block["input"] = tool_input(block.pop("_json", ""))
+            self._close(event["index"])
         elif type_ == "message_delta":
             message = self._started()
             message.update(event["delta"])
@@ -207,7 +206,17 @@ class MessagesAccumulator:
             self.error = event["error"]
 
     def result(self) -> dict[str, Any]:
+        for index in range(len(self._blocks)):
+            self._close(index)  # a block a failed stream never stopped
         return {**self._started(), "content": [dict(block) for block in self._blocks]}
+
+    def _close(self, index: int) -> None:
+        block, pieces = self._blocks[index], self._pieces[index]
+        for target, texts in pieces.items():
+            block[target] = block.get(target, "") + "".join(texts)
+        pieces.clear()
+        if block["type"] == "tool_use" and "_json" in block:
+            block["input"] = tool_input(block.pop("_json"))
 
     def _started(self) -> dict[str, Any]:
         if self._message is None:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
 MAX_DEPTH = 100  # nesting levels of a JSON value the adapters copy or walk (schemas, tool inputs)
 _SHOWN_CHARS = 40
 _T = TypeVar("_T")
@@ -68,21 +69,47 @@ def optional_int(body: dict[str, Any], key: str, lo: int, hi: int = INT64_MAX) -
     return value
 
 
-def boolean(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{key}' must be a boolean", param=key)
+def optional_bool(
+    obj: dict[str, Any], key: str, param: str | None = None, message: str | None = None
+) -> bool | None:
+    """``obj[key]`` as a boolean, or None when absent; ``param`` names the field (``key`` by default)
+    and ``message`` words the 400 where an API has its own words for it."""
+    value = obj.get(key)
+    if value is not None and not isinstance(value, bool):
+        where = param or key
+        raise ApiError(400, message or f"'{where}' must be a boolean", param=where)
     return value
+
+
+def boolean(body: dict[str, Any], key: str) -> bool:
+    """An optional boolean that defaults to false."""
+    return optional_bool(body, key) or False
+
+
+def optional_str(obj: dict[str, Any], key: str, param: str | None = None) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"'{param or key}' must be a string", param=param or key)
+    return value
+
+
+def optional_dict(obj: dict[str, Any], key: str, param: str | None = None) -> dict[str, Any] | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ApiError(400, f"'{param or key}' must be an object", param=param or key)
+    return value
+
+
+def is_token_ids(value: Any) -> bool:
+    """A list of token ids: ints in [0, 2**32) (an empty list is one too)."""
+    return isinstance(value, list) and all(type(i) is int and 0 <= i < 2**32 for i in value)
 
 
 def token_ids(body: dict[str, Any], key: str) -> tuple[int, ...]:
     ids = body.get(key)
     if ids is None:
         return ()
-    valid = isinstance(ids, list) and all(type(i) is int and 0 <= i < 2**32 for i in ids)
-    if not valid:
+    if not is_token_ids(ids):
         raise ApiError(400, f"'{key}' must be a list of token ids", param=key)
     return tuple(ids)
 

@@ -28,22 +28,29 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Literal
 
+from libs.recipe.dsml import DSML, THINK_END, THINK_START
 from libs.recipe.hermes import HermesCall
 from libs.recipe.holdback import Finder, Hit, Marker, MarkerSet
 from libs.recipe.segments import Content, Reasoning, Segment, ToolCallArgs, ToolCallStart
 
-_DSML = "｜DSML｜"
+Syntax = Literal["deepseek", "hermes", "plain"]
+Stage = Literal["content", "reasoning", "tool_calls"]
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+# Every spelling a marker of any syntax is made of: a vocabulary that makes one of them a special
+# token must leave it in the decoded text, or the parser never sees it.
+MARKER_SPELLINGS = (THINK_START, THINK_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE, DSML)
+_DSML = DSML
 _ALPHANUMERIC = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 @dataclass(frozen=True, slots=True)
 class ParserSpec:
-    syntax: Literal["deepseek", "hermes", "plain"]
-    start: Literal["content", "reasoning", "tool_calls"]  # the stage the prompt leaves the model in
+    syntax: Syntax
+    start: Stage  # the stage the prompt leaves the model in
     parse_tool_calls: bool
     stop: tuple[str, ...] = ()  # matched in content only
     call_id_seed: str = ""  # tool-call ids are a function of (seed, call index)
-    reasoning_markers: tuple[str, str] = ("<think>", "</think>")
 
     def __post_init__(self) -> None:
         if self.start == "tool_calls" and (self.syntax == "plain" or not self.parse_tool_calls):
@@ -78,18 +85,18 @@ class _Stage(Enum):
 
 
 def _stage_markers(spec: ParserSpec) -> dict[_Stage, MarkerSet]:
-    think_end = Marker(spec.reasoning_markers[1], "think_end", newlines_before=True)
+    think_end = Marker(THINK_END, "think_end", newlines_before=True)
     leading = Marker("\n", "skip", only_leading=True)
-    stray_end = Marker(spec.reasoning_markers[1], "stray")
+    stray_end = Marker(THINK_END, "stray")
     stops = [Marker(s, "stop") for s in dict.fromkeys(spec.stop) if s]
     tools: list[Marker] = []
     if spec.parse_tool_calls and spec.syntax == "deepseek":
         tools = [Marker("<" + _DSML, "block", newlines_before=True)]
     elif spec.parse_tool_calls and spec.syntax == "hermes":
-        tools = [Marker("<tool_call>", "call", newlines_before=True)]
+        tools = [Marker(TOOL_CALL_OPEN, "call", newlines_before=True)]
     # Plain output keeps a stray </think> (it has no reasoning syntax to repair).
     content = [*stops, leading] if spec.syntax == "plain" else [*stops, *tools, leading, stray_end]
-    think = Marker(spec.reasoning_markers[0], "think", only_leading=True)
+    think = Marker(THINK_START, "think", only_leading=True)
     dsml_close = Marker("</" + _DSML, "close")
     return {
         _Stage.REASONING: MarkerSet([*tools, leading, think_end]),
@@ -108,7 +115,7 @@ def _stage_markers(spec: ParserSpec) -> dict[_Stage, MarkerSet]:
         _Stage.PARAM_TYPE: MarkerSet([Marker('true">', "string"), Marker('false">', "json")]),
         _Stage.VALUE_STR: MarkerSet([dsml_close]),
         _Stage.VALUE_RAW: MarkerSet([dsml_close]),
-        _Stage.AFTER_CALL: MarkerSet([Marker("</tool_call>", "call_end"), Marker("<tool_call>", "call")]),
+        _Stage.AFTER_CALL: MarkerSet([Marker(TOOL_CALL_CLOSE, "call_end"), Marker(TOOL_CALL_OPEN, "call")]),
     }
 
 

@@ -1,23 +1,25 @@
-"""Chat Completions sampling fields -> SamplingParams: OpenAI's ranges plus vLLM's extensions. Pure.
+"""Sampling fields -> SamplingParams: OpenAI's ranges plus vLLM's extensions. Pure.
 
-vLLM's extra body fields accepted here: top_k (-1 means off, as 0 does), min_p,
-repetition_penalty, min_tokens, stop_token_ids, ignore_eos. Stop strings stay in the gateway
-(they are matched on text), so they are returned beside the params, not inside them.
+``build_sampling`` takes values each API has already read and validated under its own names and
+ranges; ``read_sampling`` reads the fields Chat and Completions spell alike, and ``parse_sampling``
+is Chat's whole reader. vLLM's extra body fields read here: top_k (-1 means off, as 0 does), min_p,
+repetition_penalty, min_tokens, stop_token_ids, ignore_eos. Stop strings stay in the gateway (they
+are matched on text), so they are returned beside the params, not inside them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from libs.protocol.messages import SamplingParams
-from libs.recipe.fields import INT64_MIN, ApiError, boolean, number, optional_int, token_ids
+from libs.recipe.fields import INT32_MAX, INT64_MIN, ApiError, boolean, number, optional_int, token_ids
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16  # completions per request; each is a sequence with its own KV past the shared prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,49 @@ class Sampling:
                 param="min_tokens",
             )
         return dataclasses.replace(self.base, max_tokens=max_tokens)
+
+
+def build_sampling(
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    min_tokens: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
+    ignore_eos: bool = False,
+    seed: int | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    n: int = 1,
+    max_tokens: int | None = None,
+    stop: Sequence[str] = (),
+) -> Sampling:
+    """Validated values -> Sampling (top_k <= 0 means off). The one check left is between fields:
+    min_tokens > max_tokens fails here, before tokenizing, when max_tokens was asked for."""
+    base = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),  # vLLM's -1 and our 0 both mean off
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        seed=seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=n,
+    )
+    sampling = Sampling(base, max_tokens, list(stop))
+    if max_tokens is not None:
+        sampling.resolve(max_tokens)
+    return sampling
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -67,14 +112,15 @@ def _logprobs(body: dict[str, Any]) -> tuple[bool, int]:
     return logprobs, top_logprobs or 0
 
 
-def parse_sampling(body: dict[str, Any]) -> Sampling:
-    """Validate every sampling field of a request body (400 naming the field on a bad one)."""
-    logprobs, top_logprobs = _logprobs(body)
-    top_k = optional_int(body, "top_k", -1, _INT32_MAX)
-    base = SamplingParams(
+def read_sampling(
+    body: dict[str, Any], *, max_tokens: int | None, logprobs: bool, top_logprobs: int, n: int
+) -> Sampling:
+    """The sampling fields Chat and Completions spell alike, read from ``body`` (400 naming the
+    field on a bad one); the ones they spell differently come read already."""
+    return build_sampling(
         temperature=number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=max(top_k or 0, 0),  # vLLM's -1 and our 0 both mean off
+        top_k=optional_int(body, "top_k", -1, INT32_MAX) or 0,
         min_p=number(body, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -85,9 +131,19 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
         seed=optional_int(body, "seed", INT64_MIN),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        n=n,
+        max_tokens=max_tokens,
+        stop=_stop(body),
+    )
+
+
+def parse_sampling(body: dict[str, Any]) -> Sampling:
+    """Validate every sampling field of a Chat Completions body (400 naming the field on a bad one)."""
+    logprobs, top_logprobs = _logprobs(body)
+    return read_sampling(
+        body,
+        max_tokens=_max_tokens(body),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
         n=optional_int(body, "n", 1, MAX_N) or 1,
     )
-    sampling = Sampling(base, _max_tokens(body), _stop(body))
-    if sampling.max_tokens is not None:
-        sampling.resolve(sampling.max_tokens)  # min_tokens > max_tokens fails before tokenizing
-    return sampling

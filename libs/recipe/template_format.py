@@ -14,18 +14,16 @@ with the added vocabulary disabled (``Tokenizer.encode_plain``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.conversation import Conversation, Message, RecipeError, ToolCall, ToolDefinition
+from libs.recipe.output_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Stage, Syntax
 from libs.recipe.tokenizer import Tokenizer
 
-Syntax = Literal["deepseek", "hermes", "plain"]
-Stage = Literal["content", "reasoning", "tool_calls"]
-
-TOOL_CALL_OPEN = "<tool_call>"
 _PLACEHOLDER = "\x00{}\x00"  # no template invents NULs; each marks one message's text
 
 
@@ -69,13 +67,17 @@ def _format_section(conv: Conversation) -> str:
     return ""
 
 
-def _call_text(call: ToolCall) -> str:
+def _arguments(call: ToolCall) -> Any:
+    """A history call's arguments as JSON, or the client's text as a string when it is not JSON."""
     try:
-        arguments: Any = json.loads(call.arguments) if call.arguments.strip() else {}
+        return json.loads(call.arguments) if call.arguments.strip() else {}
     except json.JSONDecodeError:
-        arguments = call.arguments  # history as the client sent it; rendered as a string
-    body = json.dumps({"name": call.name, "arguments": arguments}, ensure_ascii=False)
-    return f"{TOOL_CALL_OPEN}\n{body}\n</tool_call>"
+        return call.arguments
+
+
+def _call_text(call: ToolCall) -> str:
+    body = json.dumps({"name": call.name, "arguments": _arguments(call)}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
 
 
 class TemplateFormat:
@@ -88,9 +90,10 @@ class TemplateFormat:
         self.tool_mode: Literal["native", "convention"] = (
             "native" if "tool_calls" in source and "tools" in source else "convention"
         )
-        self._special = sorted(
-            {tokenizer.id_to_token(i) for i in tokenizer.special_token_ids} - {""}, key=len, reverse=True
-        )
+        spellings = {tokenizer.id_to_token(i) for i in tokenizer.special_token_ids} - {""}
+        # One pass over each message finds any special-token spelling (compiled once, not per request).
+        alternatives = "|".join(map(re.escape, sorted(spellings, key=len, reverse=True)))
+        self._special = re.compile(alternatives or "(?!)")  # (?!) never matches: no special tokens
 
     def prompt(self, conv: Conversation) -> Prompt:
         tools = () if conv.tool_choice == "none" else conv.tools
@@ -175,7 +178,7 @@ class TemplateFormat:
     ) -> list[int]:
         suffix = TOOL_CALL_OPEN + "\n" if forced else ""
         texts = [m["content"] for m in messages]
-        if not any(s in t for t in texts for s in self._special):
+        if not any(self._special.search(t) for t in texts):
             return self.tokenizer.encode(self._render(messages, prefix, extra) + suffix)
         # Some message spells a special token: keep that text out of special-token matching.
         held = [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
@@ -199,8 +202,5 @@ def _tool_json(tool: ToolDefinition) -> dict[str, Any]:
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:
-    try:
-        arguments: Any = json.loads(call.arguments) if call.arguments.strip() else {}
-    except json.JSONDecodeError:
-        arguments = call.arguments
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+    function = {"name": call.name, "arguments": _arguments(call)}
+    return {"id": call.id, "type": "function", "function": function}

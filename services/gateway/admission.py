@@ -48,6 +48,7 @@ class Admission:
         resumable: bool,
         include_usage: bool = False,
         context: bytes = b"",
+        background: bool = False,
     ) -> Admitted:
         served = self.served
         params = sampling.resolve(served.check_length(len(prompt.token_ids), sampling.max_tokens))
@@ -56,7 +57,7 @@ class Admission:
             api=api,
             gateway_id=self.service.gateway_id,
             # Taken before the submit: the request's outputs all come after it in the out stream.
-            start_seq=await self.service.next_out_seq() if resumable else 0,
+            start_seq=self.service.next_out_seq() if resumable else 0,
             created=created,
             model=served.name,
             n=params.n,
@@ -69,6 +70,7 @@ class Admission:
             parse_tool_calls=prompt.parse_tool_calls,
             thinking=prompt.thinking,
             context=context,
+            background=background,
         )
         try:
             stream = await self.service.submit(

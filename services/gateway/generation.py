@@ -30,6 +30,9 @@ class Event:
     data: Any  # a JSON-ready dict, or a str sent as is ("[DONE]")
 
 
+KEEPALIVE = Event(None, "")  # nothing to say yet: the SSE side writes a comment line
+
+
 class ApiRenderer(Protocol):
     """One API's view of a generation. ``body()`` is the non-streaming response, built from the
     same events the stream sends, so the two cannot disagree."""
@@ -42,14 +45,11 @@ class ApiRenderer(Protocol):
         self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None
     ) -> list[Event]: ...
 
-    def end_choice(self, index: int, finish: Finish, num_tool_calls: int) -> list[Event]: ...
+    def end_choice(self, index: int, finish: Finish) -> list[Event]: ...
 
     def close(self, usage: Usage, error: str) -> list[Event]: ...
 
     def body(self) -> dict[str, Any]: ...
-
-    @property
-    def failed(self) -> bool: ...
 
 
 def parser_spec(record: StreamRecord, index: int) -> ParserSpec:
@@ -72,7 +72,6 @@ class Generation:
         renderer: ApiRenderer,
         keep_token_ids: frozenset[int] = frozenset(),
     ) -> None:
-        self.record = record
         self.renderer = renderer
         self._choices = [
             ChoiceText(tokenizer, OutputParser(parser_spec(record, i)), keep_token_ids)
@@ -84,10 +83,14 @@ class Generation:
         self.error = ""
         self.usage = Usage(0, 0)
 
-    async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
-        """Every event of the request, in order; ends when every choice has (or one failed)."""
+    async def events(self, stream: RequestStream, idle_s: float | None = None) -> AsyncIterator[Event]:
+        """Every event of the request, in order; ends when every choice has (or one failed).
+        ``KEEPALIVE`` whenever the request was silent for ``idle_s``."""
         opened = False
-        async for delta in stream:
+        async for delta in stream.deltas(idle_s):
+            if delta is None:
+                yield KEEPALIVE
+                continue
             self._num_prompt_tokens = delta.num_prompt_tokens or self._num_prompt_tokens
             self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)
             if not opened:
@@ -106,7 +109,7 @@ class Generation:
             if choice.finish.reason == "error":
                 self.error = choice.finish.error
                 break
-            for event in self.renderer.end_choice(delta.index, choice.finish, choice.parser.num_tool_calls):
+            for event in self.renderer.end_choice(delta.index, choice.finish):
                 yield event
         self.usage = Usage(
             self._num_prompt_tokens,
@@ -121,10 +124,16 @@ class Generation:
             yield event
 
 
-async def numbered(events: AsyncIterator[Event], after: int = -1) -> AsyncIterator[tuple[int, Event]]:
-    """Events with their ordinals (the SSE ids), skipping those up to ``after`` (a resume)."""
+async def numbered(
+    events: AsyncIterator[Event], after: int = -1
+) -> AsyncIterator[tuple[int | None, Event]]:
+    """Events with their ordinals (the SSE ids), skipping those up to ``after`` (a resume).
+    A keep-alive is not an event of the stream: it has no ordinal."""
     ordinal = -1
     async for event in events:
+        if event is KEEPALIVE:
+            yield None, event
+            continue
         ordinal += 1
         if ordinal > after:
             yield ordinal, event

@@ -1,7 +1,8 @@
 """One ApiRenderer per API over the recipe's event encoders: the SSE events and the non-stream body.
 
-Each renderer feeds every event it emits to its API's accumulator, so ``body()`` (the
-non-streaming response) is built from exactly what a stream would have carried.
+With ``collect`` (a non-streaming request) a renderer feeds every event it emits to its API's
+accumulator, so ``body()`` is built from exactly what a stream would have carried; a stream,
+which never asks for the body, skips that work. Responses keep the object in the encoder itself.
 """
 
 from __future__ import annotations
@@ -13,40 +14,45 @@ from typing import Any
 from libs.protocol.messages import StreamRecord
 from libs.recipe.events_chat import ChatAccumulator, ChatEncoder, chat_usage
 from libs.recipe.events_messages import MessagesAccumulator, MessagesEncoder
-from libs.recipe.events_responses import ResponsesAccumulator, ResponsesEncoder
+from libs.recipe.events_responses import ResponsesEncoder
+from libs.recipe.fields import ApiError
 from libs.recipe.segments import Content, Finish, Reasoning, Segment, ToolCallArgs, Usage
 from services.gateway.generation import ApiRenderer, Event
 
 DONE = Event(None, "[DONE]")
 
 
-def openai_error(message: str, type_: str = "server_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": None, "code": None}}
-
-
 def openai_close(usage_chunk: dict[str, Any], error: str, include_usage: bool) -> list[Event]:
     """An OpenAI stream's end: an error (a mid-stream failure) or the usage chunk if asked, then [DONE]."""
     if error:
-        return [Event(None, openai_error(error)), DONE]
+        return [Event(None, ApiError(500, error, type_="server_error").body()), DONE]
     return [Event(None, usage_chunk), DONE] if include_usage else [DONE]
 
 
 class ChatRenderer:
     def __init__(
-        self, request_id: str, model: str, created: int, *, n: int, thinking: bool, include_usage: bool
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        *,
+        n: int,
+        thinking: bool,
+        include_usage: bool,
+        collect: bool = False,
     ) -> None:
         self._encoder = ChatEncoder(
             request_id, model, created, reasoning=thinking, n=n, include_usage=include_usage
         )
-        self._accumulator = ChatAccumulator()
+        self._accumulator = ChatAccumulator() if collect else None
         self._n = n
         self._include_usage = include_usage
         self._usage = Usage(0, 0)
-        self.failed = False
 
     def _out(self, chunks: list[dict[str, Any]]) -> list[Event]:
-        for chunk in chunks:
-            self._accumulator.add(chunk)
+        if self._accumulator is not None:
+            for chunk in chunks:
+                self._accumulator.add(chunk)
         return [Event(None, chunk) for chunk in chunks]
 
     def open(self, usage: Usage) -> list[Event]:
@@ -55,15 +61,15 @@ class ChatRenderer:
     def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
         return self._out(self._encoder.feed(index, segments, logprobs))
 
-    def end_choice(self, index: int, finish: Finish, num_tool_calls: int) -> list[Event]:
-        return self._out(self._encoder.finish(index, finish, num_tool_calls > 0))
+    def end_choice(self, index: int, finish: Finish) -> list[Event]:
+        return self._out(self._encoder.finish(index, finish))
 
     def close(self, usage: Usage, error: str) -> list[Event]:
         self._usage = usage
-        self.failed = bool(error)
         return openai_close(self._encoder.usage_chunk(usage), error, self._include_usage)
 
     def body(self) -> dict[str, Any]:
+        assert self._accumulator is not None, "built without collect"
         body = self._accumulator.result()
         body["usage"] = chat_usage(self._usage)
         return body
@@ -83,7 +89,6 @@ class CompletionsRenderer:
         self._echo = echo
         self._include_usage = include_usage
         self._usage = Usage(0, 0)
-        self.failed = False
 
     def _chunk(
         self, index: int, text: str, entries: list[dict[str, Any]] | None, finish_reason: str | None = None
@@ -127,14 +132,13 @@ class CompletionsRenderer:
         text = "".join(s.text for s in segments if isinstance(s, Content | Reasoning | ToolCallArgs))
         return [self._chunk(index, text, logprobs)] if text or logprobs else []
 
-    def end_choice(self, index: int, finish: Finish, num_tool_calls: int) -> list[Event]:
+    def end_choice(self, index: int, finish: Finish) -> list[Event]:
         reason = "length" if finish.reason == "length" else "stop"
         self._finish[index] = reason
         return [self._chunk(index, "", None, reason)]
 
     def close(self, usage: Usage, error: str) -> list[Event]:
         self._usage = usage
-        self.failed = bool(error)
         usage_chunk = {**self._head, "choices": [], "usage": chat_usage(usage)}
         return openai_close(usage_chunk, error, self._include_usage)
 
@@ -146,45 +150,28 @@ class CompletionsRenderer:
         return {**self._head, "choices": choices, "usage": chat_usage(self._usage)}
 
 
-class _OneChoiceRenderer:
-    """Responses and Messages: one choice, each event named by its type; the finish is held until
-    ``close`` brings the usage."""
+class ResponsesRenderer:
+    """``skeleton``: the response object's echoed settings (id, created_at, model, tools, ...). The
+    encoder keeps the object as it stands, so the body needs no accumulator."""
 
-    def __init__(self, accumulator: ResponsesAccumulator | MessagesAccumulator) -> None:
-        self._accumulator = accumulator
-        self._finish = Finish("eos")
-        self.failed = False
+    def __init__(self, skeleton: dict[str, Any], *, queued: bool = False) -> None:
+        self._encoder = ResponsesEncoder(skeleton)
+        self._queued = queued
+        self._finish = Finish("eos")  # held until ``close`` brings the usage
 
-    def _out(self, events: list[dict[str, Any]]) -> list[Event]:
-        for event in events:
-            self._accumulator.add(event)
-        return [Event(event["type"], event) for event in events]
+    def open(self, usage: Usage) -> list[Event]:
+        return _named(self._encoder.start(queued=self._queued))
 
-    def end_choice(self, index: int, finish: Finish, num_tool_calls: int) -> list[Event]:
+    def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
+        return _named(self._encoder.feed(segments))
+
+    def end_choice(self, index: int, finish: Finish) -> list[Event]:
         self._finish = finish
         return []
 
-    def _final(self, error: str) -> Finish:
-        self.failed = bool(error)
-        return Finish("error", error=error) if error else self._finish
-
-
-class ResponsesRenderer(_OneChoiceRenderer):
-    """``skeleton``: the response object's echoed settings (id, created_at, model, tools, ...)."""
-
-    def __init__(self, skeleton: dict[str, Any], *, queued: bool = False) -> None:
-        super().__init__(ResponsesAccumulator())
-        self._encoder = ResponsesEncoder(skeleton)
-        self._queued = queued
-
-    def open(self, usage: Usage) -> list[Event]:
-        return self._out(self._encoder.start(queued=self._queued))
-
-    def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
-        return self._out(self._encoder.feed(segments))
-
     def close(self, usage: Usage, error: str) -> list[Event]:
-        return self._out(self._encoder.finish(self._final(error), usage, int(time.time())))
+        finish = Finish("error", error=error) if error else self._finish
+        return _named(self._encoder.finish(finish, usage, int(time.time())))
 
     @property
     def response(self) -> dict[str, Any]:
@@ -195,13 +182,19 @@ class ResponsesRenderer(_OneChoiceRenderer):
         return self._encoder.response
 
 
-class MessagesRenderer(_OneChoiceRenderer):
+class MessagesRenderer:
     """``message_start`` waits for the first output: it carries the prompt's (cached) token counts."""
 
-    def __init__(self, message_id: str, model: str) -> None:
-        self._messages = MessagesAccumulator()
-        super().__init__(self._messages)
+    def __init__(self, message_id: str, model: str, collect: bool = False) -> None:
         self._encoder = MessagesEncoder(message_id, model, signature=message_id)
+        self._accumulator = MessagesAccumulator() if collect else None
+        self._finish = Finish("eos")  # held until ``close`` brings the usage
+
+    def _out(self, events: list[dict[str, Any]]) -> list[Event]:
+        if self._accumulator is not None:
+            for event in events:
+                self._accumulator.add(event)
+        return _named(events)
 
     def open(self, usage: Usage) -> list[Event]:
         return self._out(self._encoder.start(usage))
@@ -209,15 +202,26 @@ class MessagesRenderer(_OneChoiceRenderer):
     def feed(self, index: int, segments: list[Segment], logprobs: list[dict[str, Any]] | None) -> list[Event]:
         return self._out(self._encoder.feed(segments))
 
+    def end_choice(self, index: int, finish: Finish) -> list[Event]:
+        self._finish = finish
+        return []
+
     def close(self, usage: Usage, error: str) -> list[Event]:
-        return self._out(self._encoder.finish(self._final(error), usage))
+        finish = Finish("error", error=error) if error else self._finish
+        return self._out(self._encoder.finish(finish, usage))
 
     def body(self) -> dict[str, Any]:
-        return self._messages.result()
+        assert self._accumulator is not None, "built without collect"
+        return self._accumulator.result()
 
 
-def renderer_for(record: StreamRecord) -> ApiRenderer:
-    """The renderer a request was streamed with, rebuilt from its record (a resume)."""
+def _named(events: list[dict[str, Any]]) -> list[Event]:
+    """Responses and Messages events: the SSE event name is the event's type."""
+    return [Event(event["type"], event) for event in events]
+
+
+def renderer_for(record: StreamRecord, collect: bool = False) -> ApiRenderer:
+    """The renderer of a request, from its record; ``collect``: the body will be asked for."""
     context: dict[str, Any] = json.loads(record.context) if record.context else {}
     if record.api == "chat":
         return ChatRenderer(
@@ -227,6 +231,7 @@ def renderer_for(record: StreamRecord) -> ApiRenderer:
             n=record.n,
             thinking=record.thinking,
             include_usage=record.include_usage,
+            collect=collect,
         )
     if record.api == "completions":
         return CompletionsRenderer(
@@ -240,5 +245,5 @@ def renderer_for(record: StreamRecord) -> ApiRenderer:
     if record.api == "responses":
         return ResponsesRenderer(context["skeleton"], queued=context.get("queued", False))
     if record.api == "messages":
-        return MessagesRenderer(record.request_id, record.model)
+        return MessagesRenderer(record.request_id, record.model, collect)
     raise ValueError(f"unknown api {record.api!r} in a stream record")

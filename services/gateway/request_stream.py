@@ -88,7 +88,7 @@ class RequestStream:
 
     Iteration ends once every choice is done. ``stop_choice`` ends one choice early (a stop
     string); ``close()`` before the end (disconnect, error) hands the request to ``on_close``
-    (which cancels it, at once or after the resume grace period).
+    (which cancels it at once, after the resume grace period, or not at all).
     """
 
     def __init__(
@@ -96,7 +96,7 @@ class RequestStream:
         request_id: str,
         pending: Pending,
         cancel: Callable[[str], None],
-        on_close: Callable[[RequestStream], None],
+        on_close: Callable[[RequestStream, bool], None],
     ) -> None:
         self.request_id = request_id
         self._pending = pending
@@ -112,9 +112,20 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Delta]:
-        done = self._pending.done
+        async for delta in self.deltas(None):
+            if delta is not None:
+                yield delta
+
+    async def deltas(self, idle_s: float | None) -> AsyncIterator[Delta | None]:
+        """The deltas, and None whenever none came for ``idle_s`` (a keep-alive is due)."""
+        done, queue = self._pending.done, self._pending.queue
         while not all(done):
-            delta = await self._pending.queue.get()
+            try:
+                async with asyncio.timeout(idle_s):  # Queue.get is cancel-safe: nothing is lost
+                    delta = await queue.get()
+            except TimeoutError:
+                yield None
+                continue
             if done[delta.index]:
                 continue  # tokens still in flight for a choice stopped here
             done[delta.index] = delta.finish_reason is not None
@@ -126,8 +137,10 @@ class RequestStream:
             self._pending.done[index] = True
             self._cancel(seq_id_of(self.request_id, index))
 
-    def close(self) -> None:
-        """Idempotent and synchronous, so it is safe in a finally block of a cancelled task."""
+    def close(self, failed: bool = False) -> None:
+        """Idempotent and synchronous, so it is safe in a finally block of a cancelled task.
+
+        ``failed``: the reader gave up on an error; what still runs is cancelled at once."""
         if not self._closed:
             self._closed = True
-            self._on_close(self)
+            self._on_close(self, failed)

@@ -7,13 +7,30 @@ before it, so a ``previous_response_id`` costs one lookup). Retention is the buc
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from libs.bus.base import Bus
 from libs.protocol.codec import decode, encode
 from libs.protocol.messages import StoredResponse
+from services.gateway.sse import dumps
 
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    response: dict[str, Any]
+    input_json: bytes  # the input items, kept encoded: a new version is written with the same bytes
+    owner: str  # the gateway running it to the end (background); empty once it ended
+
+    @property
+    def input_items(self) -> list[Any]:
+        return list(json.loads(self.input_json))
+
+
+def encode_items(input_items: list[Any]) -> bytes:
+    return dumps(input_items).encode()
 
 
 class ResponseStore:
@@ -25,25 +42,20 @@ class ResponseStore:
     async def start(self) -> None:
         await self.bus.ensure_kv(self.bucket, self.ttl_s)
 
-    async def put(self, response: dict[str, Any], input_items: list[Any], request_id: str = "") -> None:
-        stored = StoredResponse(_dumps(response), _dumps(input_items), request_id)
+    async def put(self, response: dict[str, Any], input_json: bytes, owner: str = "") -> None:
+        stored = StoredResponse(dumps(response).encode(), input_json, owner)
         await self.bus.kv_put(self.bucket, response["id"], encode(stored))
 
-    async def get(self, response_id: str) -> tuple[dict[str, Any], list[Any]] | None:
+    async def get(self, response_id: str) -> Stored | None:
         raw = await self.bus.kv_get(self.bucket, response_id)
         if raw is None:
             return None
         stored = decode(StoredResponse, raw)
-        return json.loads(stored.response_json), json.loads(stored.input_json)
+        return Stored(json.loads(stored.response_json), stored.input_json, stored.owner)
 
     async def history(self, response_id: str) -> list[Any] | None:
         """The input items a follow-up to ``response_id`` starts from: its input, then its output."""
         found = await self.get(response_id)
         if found is None:
             return None
-        response, input_items = found
-        return [*input_items, *response.get("output", [])]
-
-
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+        return [*found.input_items, *found.response.get("output", [])]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -26,9 +27,10 @@ from services.gateway.admission import Admission, Admitted
 from services.gateway.generation import Generation
 from services.gateway.renderers import ResponsesRenderer, renderer_for
 from services.gateway.request_stream import RequestStream
-from services.gateway.response_store import TERMINAL, ResponseStore
+from services.gateway.response_store import TERMINAL, ResponseStore, Stored, encode_items
 from services.gateway.serving import Server, error_response, json_body, last_event_id
 
+log = logging.getLogger(__name__)
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for the background task to store the final object
 
 
@@ -54,7 +56,7 @@ class ResponsesRoutes:
             req = parse_responses_request(body)
             self.server.served.check_model(req.model)
             history = await self._history(req)
-            input_items = [*history, *_input_items(body)]
+            input_json = encode_items([*history, *_input_items(body)])
             history_messages = parse_input(history)[0] if history else ()
             prompt = await self.admission.prompt(req.conversation(history_messages))
             response_id = "resp_" + uuid.uuid4().hex
@@ -74,23 +76,17 @@ class ResponsesRoutes:
                 created=created,
                 resumable=req.stream or req.background,
                 context=context,
+                background=req.background,
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)
         if req.background:
-            return await self._background(req, admitted, input_items)
-        generation = self.server.generation(admitted.record)
+            return await self._background(req, admitted, input_json)
 
         async def store(done: Generation) -> None:
-            if req.store:
-                await self.store.put(done.renderer.body(), input_items)
+            await self.store.put(done.renderer.body(), input_json)
 
-        if req.stream:
-            return self.server.sse(generation, admitted.stream, on_done=store)
-        response = await self.server.body(request, generation, admitted.stream)
-        if response is not None and response.status_code == 200:
-            await store(generation)
-        return response or Response(status_code=499)
+        return await self.server.respond(request, admitted, req.stream, on_done=store if req.store else None)
 
     async def _history(self, req: ResponsesRequest) -> list[Any]:
         if req.previous_response_id is None:
@@ -104,49 +100,70 @@ class ResponsesRoutes:
             )
         return history
 
-    async def _background(
-        self, req: ResponsesRequest, admitted: Admitted, input_items: list[Any]
-    ) -> Response:
+    async def _background(self, req: ResponsesRequest, admitted: Admitted, input_json: bytes) -> Response:
         """Run to the end in a task of this gateway, whoever listens; store as it starts and ends."""
         queued = renderer_for(admitted.record)
         assert isinstance(queued, ResponsesRenderer)
         queued.open(Usage(0, 0))  # the queued object, before any output
-        await self.store.put(queued.response, input_items, admitted.record.request_id)
-        self._run_to_end(admitted.record, admitted.stream, input_items)
+        try:
+            await self.store.put(queued.response, input_json, owner=self.server.service.gateway_id)
+        except BaseException:
+            admitted.stream.close(failed=True)  # nobody could ever see it: do not run it
+            raise
+        self._run_to_end(admitted.record, admitted.stream, input_json)
         if not req.stream:
             return JSONResponse(queued.response)
-        replay = await self.server.service.replay(admitted.record, cancel_on_close=False)
+        replay = await self.server.service.replay(admitted.record, "never")
         return self.server.sse(self.server.generation(admitted.record), replay)
 
-    def _run_to_end(self, record: StreamRecord, stream: RequestStream, input_items: list[Any]) -> None:
+    def _run_to_end(self, record: StreamRecord, stream: RequestStream, input_json: bytes) -> None:
+        self._track(record.request_id, asyncio.create_task(self._finish(record, stream, input_json)))
+
+    async def _finish(self, record: StreamRecord, stream: RequestStream, input_json: bytes) -> None:
+        """Read the response to its end, whoever else listens, and store the final object."""
         generation = self.server.generation(record)
+        try:
+            async for _ in generation.events(stream):
+                pass
+        finally:
+            stream.close()
+        final = generation.renderer
+        assert isinstance(final, ResponsesRenderer)
+        await self.store.put(final.response, input_json)
 
-        async def run() -> None:
-            try:
-                async for _ in generation.events(stream):
-                    pass
-            finally:
-                stream.close()
-            final = generation.renderer
-            assert isinstance(final, ResponsesRenderer)
-            await self.store.put(final.response, input_items)
+    def _track(self, response_id: str, task: asyncio.Task[None]) -> None:
+        self._running[response_id] = task
 
-        task = asyncio.create_task(run())
-        self._running[record.request_id] = task
-        task.add_done_callback(lambda _: self._running.pop(record.request_id, None))
+        def done(task: asyncio.Task[None]) -> None:
+            if self._running.get(response_id) is task:
+                del self._running[response_id]
+            if not task.cancelled() and task.exception() is not None:
+                log.error("background response %s: %s", response_id, task.exception())
 
-    async def _adopt(self, response: dict[str, Any], input_items: list[Any]) -> None:
+        task.add_done_callback(done)
+
+    def _adopt(self, stored: Stored) -> None:
         """A background response still running whose gateway is gone: finish (and store) it here.
 
-        Its step outputs are in the out stream; replaying them renders the same response."""
-        response_id = response["id"]
-        if response.get("status") in TERMINAL or response_id in self._running:
+        Its step outputs are in the out stream; replaying them renders the same response. The
+        owner is checked in a task (membership and the stream record are round trips)."""
+        response_id = stored.response["id"]
+        if stored.response.get("status") in TERMINAL or response_id in self._running:
             return
-        record = await self.server.service.stream_record(response_id)
-        if record is None or record.gateway_id in await self.server.service.live_gateways():
-            return  # expired, or its own gateway is still on it
-        stream = await self.server.service.replay(record, cancel_on_close=False)
-        self._run_to_end(record, stream, input_items)
+        self._track(response_id, asyncio.create_task(self._take_over(stored)))
+
+    async def _take_over(self, stored: Stored) -> None:
+        service, response = self.server.service, stored.response
+        mine = stored.owner == service.gateway_id  # we restarted under the same id: the run died
+        if not mine and await service.gateway_alive(stored.owner):
+            return
+        record = await service.stream_record(response["id"])
+        if record is None:
+            return  # past the out stream's retention: it cannot be finished
+        await self.store.put(response, stored.input_json, owner=service.gateway_id)
+        stream = await service.replay(record, "never")
+        log.info("adopted background response %s of gateway %s", response["id"], stored.owner)
+        await self._finish(record, stream, stored.input_json)
 
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -159,8 +176,8 @@ class ResponsesRoutes:
                 raise _not_found(response_id)
         except ApiError as err:
             return error_response(err)
-        await self._adopt(*found)
-        return JSONResponse(found[0])
+        self._adopt(found)
+        return JSONResponse(found.response)
 
     async def cancel(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -168,21 +185,33 @@ class ResponsesRoutes:
             found = await self.store.get(response_id)
             if found is None:
                 raise _not_found(response_id)
-            response, input_items = found
-            if not response.get("background"):
+            if not found.response.get("background"):
                 raise ApiError(400, "Only responses created with background=true can be cancelled.")
         except ApiError as err:
             return error_response(err)
-        if response.get("status") in TERMINAL:
-            return JSONResponse(response)
-        self.server.service.cancel_soon(response_id)
-        deadline = time.monotonic() + CANCEL_WAIT_S
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            found = await self.store.get(response_id)
-            if found is not None and found[0].get("status") in TERMINAL:
-                return JSONResponse(found[0])
-        # Nobody stored the end (the gateway running it is gone): the cancel is the end.
-        response = {**response, "status": "cancelled"}
-        await self.store.put(response, input_items)
+        if found.response.get("status") in TERMINAL:
+            return JSONResponse(found.response)
+        service = self.server.service
+        service.cancel_soon(response_id)
+        running = self._running.get(response_id)
+        if running is not None:  # ours: its task stores the cancelled object as it ends
+            await asyncio.wait({running}, timeout=CANCEL_WAIT_S)
+        elif await service.gateway_alive(found.owner):
+            await self._until_terminal(response_id)
+        after = await self.store.get(response_id)
+        if after is not None and after.response.get("status") in TERMINAL:
+            return JSONResponse(after.response)
+        # Nobody stores its end (the gateway running it is gone): the cancel is the end.
+        response = {**found.response, "status": "cancelled"}
+        await self.store.put(response, found.input_json)
         return JSONResponse(response)
+
+    async def _until_terminal(self, response_id: str) -> None:
+        """Another gateway runs it: wait (backing off) for it to store the end."""
+        delay, deadline = 0.05, time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            found = await self.store.get(response_id)
+            if found is not None and found.response.get("status") in TERMINAL:
+                return
+            delay = min(delay * 2, 0.5)

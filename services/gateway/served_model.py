@@ -13,12 +13,9 @@ from libs.recipe.chat_formats import ChatFormat, make_chat_format
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.conversation import Conversation, RecipeError
 from libs.recipe.fields import ApiError
+from libs.recipe.output_parser import MARKER_SPELLINGS
 from libs.recipe.template_format import Prompt
 from libs.recipe.tokenizer import Tokenizer
-
-# Spellings the output parsers read; when a vocabulary makes one a special token, the detokenizer
-# must keep it in the text (other special tokens are dropped from it).
-_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "｜DSML｜")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +45,8 @@ class ServedModel:
             )
         name = served_name or path.name.split(".")[0]
         aliases = frozenset({spec, path.name})
-        keep = frozenset(i for i in tokenizer.special_token_ids if tokenizer.id_to_token(i) in _MARKERS)
+        specials = tokenizer.special_token_ids
+        keep = frozenset(i for i in specials if tokenizer.id_to_token(i) in MARKER_SPELLINGS)
         speaks = make_chat_format(chat_format, template, tokenizer)
         return cls(name, aliases, tokenizer, speaks, max_model_len, tokenizer.eos_token_id, keep)
 

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from libs.bus.base import Bus, Message, NoResponders, Subscription
-from libs.bus.membership import live_members
+from libs.bus.membership import MEMBER_TTL_S, live_members, member_key
 from libs.protocol.codec import DecodeError, decode, encode, pack_tokens
 from libs.protocol.messages import (
     CancelRequest,
+    MemberInfo,
     MemberKind,
     ResumeClaim,
     SamplingParams,
@@ -37,6 +38,7 @@ from libs.protocol.messages import (
     SubmitStatus,
 )
 from libs.protocol.subjects import Subjects
+from services.gateway.grace import GracePeriods, OnLeave
 from services.gateway.request_stream import Pending, RequestStream
 
 log = logging.getLogger(__name__)
@@ -64,18 +66,20 @@ class GatewayService:
         self.subjects = subjects
         self.gateway_id = gateway_id
         self.submit_timeout_s = submit_timeout_s
-        self.resume_grace_s = resume_grace_s
         self.out_max_age_s = out_max_age_s
         self._pending: dict[str, Pending] = {}
         self._last_seq: dict[str, int] = {}  # scheduler id -> last StepOutputs.seq seen
         self._background: set[asyncio.Task[None]] = set()
-        self._grace: dict[str, asyncio.TimerHandle] = {}  # request id -> its pending cancel
+        self._grace = GracePeriods(resume_grace_s, self.cancel_soon)
+        self._out_seq_seen = 0  # the newest out stream sequence this gateway has seen
 
     async def start(self) -> None:
         subjects = self.subjects
         await self.bus.ensure_stream(subjects.out_stream, [subjects.out_all], self.out_max_age_s)
         await self.bus.ensure_kv(subjects.streams_bucket, self.out_max_age_s)
+        await self.bus.ensure_kv(subjects.members_bucket, MEMBER_TTL_S)
         await self.bus.subscribe(subjects.resume_claim, self._on_claim)
+        self._out_seq_seen = await self.bus.stream_last_seq(subjects.out_stream)
         await self.bus.subscribe_durable(subjects.out(self.gateway_id), self._on_step_outputs)
 
     @property
@@ -88,9 +92,11 @@ class GatewayService:
             await live_members(self.bus, bucket, MemberKind.SCHEDULER)
         )
 
-    async def live_gateways(self) -> set[str]:
-        members = await live_members(self.bus, self.subjects.members_bucket, MemberKind.GATEWAY)
-        return {m.member_id for m in members}
+    async def gateway_alive(self, gateway_id: str) -> bool:
+        if not gateway_id:
+            return False
+        key = member_key(MemberInfo(MemberKind.GATEWAY, gateway_id))
+        return await self.bus.kv_get(self.subjects.members_bucket, key) is not None
 
     async def submit(
         self,
@@ -128,24 +134,27 @@ class GatewayService:
             raise SubmitRejected(reply.status, reply.message)
         pending.scheduler_id = reply.scheduler_id
         # Only a resumable stream is worth keeping for a while once its client is gone.
-        on_close = self._closed if record is not None else self._closed_for_good
-        return RequestStream(request_id, pending, self.cancel_soon, on_close)
+        on_leave: OnLeave = "now" if record is None else "never" if record.background else "grace"
+        return self._stream(request_id, pending, on_leave)
 
-    async def next_out_seq(self) -> int:
-        """Where the out stream will put its next message: nothing submitted later is before it."""
-        return await self.bus.stream_last_seq(self.subjects.out_stream) + 1
+    def next_out_seq(self) -> int:
+        """A start for a request submitted now: nothing of it can be in the out stream before it.
+
+        One past the newest message this gateway has seen there (a lower bound, kept without a
+        round trip; a replay skips the other requests' outputs in between)."""
+        return self._out_seq_seen + 1
 
     async def stream_record(self, request_id: str) -> StreamRecord | None:
         raw = await self.bus.kv_get(self.subjects.streams_bucket, request_id)
         return None if raw is None else decode(StreamRecord, raw)
 
-    async def replay(self, record: StreamRecord, cancel_on_close: bool = True) -> RequestStream:
+    async def replay(self, record: StreamRecord, on_leave: OnLeave = "grace") -> RequestStream:
         """The request's deltas again from the first, then live: for a client that reconnects.
 
-        ``cancel_on_close``: a reader that leaves early cancels the request after the grace period
-        (a background response is not the reader's to cancel)."""
-        claim = ResumeClaim(record.request_id, self.gateway_id)
-        await self.bus.publish(self.subjects.resume_claim, encode(claim))
+        ``on_leave``: what a reader that leaves early does to the request ("never" for a
+        background response, which is not the reader's to cancel)."""
+        if record.start_seq < 1:
+            raise ValueError(f"stream record of {record.request_id} has no start sequence")
         pending = Pending(record.n, record.logprobs)
         request_id = record.request_id
 
@@ -159,47 +168,35 @@ class GatewayService:
                     pending.accept(out)
 
         sub = await self.bus.subscribe_durable(
-            self.subjects.out(record.gateway_id), on_message, start_seq=max(record.start_seq, 1)
+            self.subjects.out(record.gateway_id), on_message, start_seq=record.start_seq
         )
-        return RequestStream(request_id, pending, self.cancel_soon, self._closer(sub, cancel_on_close))
+        # Claimed once the replay runs: the gateway whose reader left must not cancel it now.
+        await self.bus.publish(self.subjects.resume_claim, encode(ResumeClaim(request_id, self.gateway_id)))
+        return self._stream(request_id, pending, on_leave, sub)
 
-    def _closer(self, sub: Subscription, cancel_on_close: bool) -> Callable[[RequestStream], None]:
-        def close(stream: RequestStream) -> None:
-            self._spawn(sub.unsubscribe())
-            if cancel_on_close and not stream.finished:
-                self._cancel_after_grace(stream.request_id)
+    def _stream(
+        self, request_id: str, pending: Pending, on_leave: OnLeave, sub: Subscription | None = None
+    ) -> RequestStream:
+        """A reader of the request: a live one (``sub`` None: fed by this gateway's consumer) or a
+        replay with its own subscription."""
+        self._grace.joined(request_id, on_leave)
 
-        return close
+        def close(stream: RequestStream, failed: bool) -> None:
+            if sub is None:
+                self._pending.pop(request_id, None)
+            else:
+                self._spawn(sub.unsubscribe())
+            self._grace.left(request_id, on_leave, stream.finished, failed)
 
-    def _closed(self, stream: RequestStream) -> None:
-        self._pending.pop(stream.request_id, None)
-        if not stream.finished:
-            self._cancel_after_grace(stream.request_id)
-
-    def _closed_for_good(self, stream: RequestStream) -> None:
-        self._pending.pop(stream.request_id, None)
-        if not stream.finished:
-            self.cancel_soon(stream.request_id)
-
-    def _cancel_after_grace(self, request_id: str) -> None:
-        if self.resume_grace_s <= 0:
-            self.cancel_soon(request_id)
-            return
-        loop = asyncio.get_running_loop()
-        self._grace[request_id] = loop.call_later(self.resume_grace_s, self._grace_over, request_id)
-
-    def _grace_over(self, request_id: str) -> None:
-        if self._grace.pop(request_id, None) is not None:
-            self.cancel_soon(request_id)
+        return RequestStream(request_id, pending, self.cancel_soon, close)
 
     async def _on_claim(self, msg: Message) -> None:
         try:
             claim = decode(ResumeClaim, msg.data)
         except DecodeError:
             return
-        handle = self._grace.pop(claim.request_id, None)
-        if handle is not None:
-            handle.cancel()
+        # A reader of ours joined already: its own claim has nothing to tell us.
+        if claim.gateway_id != self.gateway_id and self._grace.claimed(claim.request_id):
             log.info("request %s resumed at %s: not cancelled", claim.request_id, claim.gateway_id)
 
     def cancel_soon(self, request_id: str) -> None:
@@ -217,6 +214,7 @@ class GatewayService:
         except DecodeError as exc:
             log.error("undecodable step outputs at stream seq %d: %s", msg.seq, exc)
             return
+        self._out_seq_seen = max(self._out_seq_seen, msg.seq)
         last = self._last_seq.get(step.scheduler_id)
         self._last_seq[step.scheduler_id] = step.seq
         if last is not None and step.seq != last + 1:

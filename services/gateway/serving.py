@@ -21,9 +21,10 @@ from services.gateway.renderers import renderer_for
 from services.gateway.request_stream import RequestStream
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
-from services.gateway.sse import EventStreamResponse, frame, until_disconnect, with_keepalive
+from services.gateway.sse import EventStreamResponse, frame, until_disconnect
 
 Shape = Literal["openai", "anthropic"]
+OnDone = Callable[[Generation], Awaitable[None]]
 MAX_BODY_BYTES = 32 << 20  # a 1M-token prompt is ~4 MB of text; anything far past that is a mistake
 
 _ANTHROPIC_TYPES = {
@@ -64,20 +65,19 @@ async def json_body(request: Request) -> Any:
         raise ApiError(400, f"invalid JSON body: {exc}") from exc
 
 
-def last_event_id(request: Request, query_key: str = "") -> int:
-    """The last event a resuming client has: ``Last-Event-ID`` (or a query parameter); -1: none."""
-    raw = request.headers.get("last-event-id")
-    if raw is None and query_key:
-        raw = request.query_params.get(query_key)
-    if raw is None or raw == "":
+def last_event_id(request: Request, query_key: str) -> int:
+    """The last event a resuming client has: ``Last-Event-ID``, or the ``query_key`` parameter;
+    -1 (or absent): none, replay from the first event."""
+    raw = request.headers.get("last-event-id", request.query_params.get(query_key, ""))
+    if raw == "":
         return -1
     try:
         value = int(raw)
     except ValueError as exc:
         message = f"the last event id must be an integer, got {raw!r}"
-        raise ApiError(400, message, param=query_key or None) from exc
+        raise ApiError(400, message, param=query_key) from exc
     if value < -1:
-        raise ApiError(400, f"the last event id must be >= 0, got {value}", param=query_key or None)
+        raise ApiError(400, f"the last event id must be >= -1, got {value}", param=query_key)
     return value
 
 
@@ -92,30 +92,39 @@ class Server:
         self.retry_after_s = retry_after_s
         self.keepalive_s = keepalive_s
 
-    def generation(self, record: StreamRecord) -> Generation:
-        return Generation(record, self.served.tokenizer, renderer_for(record), self.served.keep_token_ids)
+    def generation(self, record: StreamRecord, collect: bool = False) -> Generation:
+        """``collect``: the non-streaming body will be asked for."""
+        renderer = renderer_for(record, collect)
+        return Generation(record, self.served.tokenizer, renderer, self.served.keep_token_ids)
 
     def sse(
         self,
         generation: Generation,
         stream: RequestStream,
         after: int = -1,
-        on_done: Callable[[Generation], Awaitable[None]] | None = None,
+        on_done: OnDone | None = None,
     ) -> EventStreamResponse:
         """The stream as SSE, event ids = ordinals; ``on_done`` runs after the last event."""
 
         async def frames() -> AsyncIterator[str]:
-            async for ordinal, event in numbered(generation.events(stream), after):
+            async for ordinal, event in numbered(generation.events(stream, self.keepalive_s), after):
                 yield frame(event, ordinal)
-            if on_done is not None:
+            if generation.error:
+                stream.close(failed=True)  # the other choices are cancelled at once
+            elif on_done is not None:
                 await on_done(generation)
 
-        return EventStreamResponse(with_keepalive(frames(), self.keepalive_s), on_close=stream.close)
+        return EventStreamResponse(frames(), on_close=stream.close)
 
     async def body(
-        self, request: Request, generation: Generation, stream: RequestStream, shape: Shape = "openai"
-    ) -> Response | None:
-        """The whole response at once; None if the client left first (the request is then cancelled)."""
+        self,
+        request: Request,
+        generation: Generation,
+        stream: RequestStream,
+        shape: Shape = "openai",
+        on_done: OnDone | None = None,
+    ) -> Response:
+        """The whole response at once; 499 if the client left first (the request is then cancelled)."""
 
         async def drain() -> bool:
             async for _ in generation.events(stream):
@@ -127,19 +136,27 @@ class Server:
         finally:
             stream.close()
         if done is None:
-            return None
+            return Response(status_code=499)  # nobody is listening any more
         if generation.error:
             return error_response(ApiError(500, generation.error, type_="server_error"), shape)
+        if on_done is not None:
+            await on_done(generation)
         return JSONResponse(generation.renderer.body())
 
     async def respond(
-        self, request: Request, admitted: Admitted, stream: bool, shape: Shape = "openai"
+        self,
+        request: Request,
+        admitted: Admitted,
+        stream: bool,
+        shape: Shape = "openai",
+        on_done: OnDone | None = None,
     ) -> Response:
-        """An admitted request's answer: its SSE stream, or its body (499 if the client left)."""
-        generation = self.generation(admitted.record)
+        """An admitted request's answer: its SSE stream, or its body. ``on_done`` runs once the
+        generation ended without error (Responses stores the object then)."""
+        generation = self.generation(admitted.record, collect=not stream)
         if stream:
-            return self.sse(generation, admitted.stream)
-        return await self.body(request, generation, admitted.stream, shape) or Response(status_code=499)
+            return self.sse(generation, admitted.stream, on_done=on_done)
+        return await self.body(request, generation, admitted.stream, shape, on_done)
 
     async def resume(self, request_id: str, api: str, after: int) -> EventStreamResponse:
         record = await self.service.stream_record(request_id)
@@ -147,5 +164,6 @@ class Server:
             raise ApiError(
                 404, f"no resumable stream with id {request_id!r} (it may have expired)", code="not_found"
             )
-        stream = await self.service.replay(record)
-        return self.sse(self.generation(record), stream, after)
+        generation = self.generation(record)
+        stream = await self.service.replay(record, "never" if record.background else "grace")
+        return self.sse(generation, stream, after)

@@ -12,42 +12,21 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.generation import Event
+from services.gateway.generation import KEEPALIVE, Event
 
 T = TypeVar("T")
 
 
 def frame(event: Event, event_id: int | None = None) -> str:
-    """One SSE event. ``id:`` is what a client sends back as Last-Event-ID to resume after it."""
+    """One SSE event. ``id:`` is what a client sends back as Last-Event-ID to resume after it.
+    A keep-alive is a comment line: clients skip it, proxies see the connection is alive."""
+    if event is KEEPALIVE:
+        return ": keep-alive\n\n"
     head = "" if event_id is None else f"id: {event_id}\n"
     if event.name is not None:
         head += f"event: {event.name}\n"
     data = event.data if isinstance(event.data, str) else dumps(event.data)
     return f"{head}data: {data}\n\n"
-
-
-KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see the line is alive
-
-
-async def with_keepalive(frames: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
-    """``frames``, plus a keep-alive comment whenever none came for ``interval_s`` (a request
-    waiting in the queue, or a long prefill, must not look like a dead connection)."""
-    source = frames.__aiter__()
-    pending: asyncio.Future[str] = asyncio.ensure_future(anext(source))
-    try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
-                yield KEEPALIVE
-                continue
-            try:
-                frame = pending.result()
-            except StopAsyncIteration:
-                return
-            yield frame
-            pending = asyncio.ensure_future(anext(source))
-    finally:
-        pending.cancel()
 
 
 def dumps(payload: Any) -> str:

@@ -36,8 +36,8 @@ class Limits:
     block_size: int
     max_num_seqs: int
     max_model_len: int
-    max_num_batched_tokens: int = 2048  # tokens computed per step, prefill chunks included
-    max_num_waiting: int = 256  # queued sequences before QueueFull
+    max_num_batched_tokens: int  # tokens computed per step, prefill chunks included
+    max_num_waiting: int  # queued sequences before QueueFull
     watermark: float = 0.01  # share of blocks admission leaves free, so decodes rarely preempt
 
     @property
@@ -116,6 +116,18 @@ class Scheduler:
         if not plan.preempted:
             self._admit_waiting(plan)
         return self._build_output(plan)
+
+    def next_plan(self, num_in_flight: int, max_in_flight: int) -> SchedulerOutput | None:
+        """The plan to send now, or None: then the caller waits for its oldest result in flight
+        (or, with none in flight, for work). The one send/wait policy of StepLoop and LocalEngine.
+
+        A plan is made while fewer than ``max_in_flight`` are out (1, or 2 with overlap) and there
+        is work; one with nothing to run and nothing for the worker to drop is not sent.
+        """
+        if num_in_flight >= max_in_flight or not self.has_work():
+            return None
+        plan = self.schedule()
+        return plan if plan.num_scheduled_seqs or plan.finished_seq_ids else None
 
     def postprocess(
         self, seq_ids: tuple[str, ...], sampled: list[int], logprobs: tuple[Logprobs | None, ...] = ()

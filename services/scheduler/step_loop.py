@@ -66,11 +66,10 @@ class StepLoop:
         core = self.handle.core
         try:
             while alive():
-                if core.has_work() and len(self._in_flight) < self.max_in_flight:
-                    plan = core.schedule()
-                    if plan.num_scheduled_seqs or plan.finished_seq_ids:
-                        self._in_flight.append(asyncio.ensure_future(self._send(plan)))
-                        continue
+                plan = core.next_plan(len(self._in_flight), self.max_in_flight)
+                if plan is not None:
+                    self._in_flight.append(asyncio.ensure_future(self._send(plan)))
+                    continue
                 if self._in_flight:
                     await self._finish_step(self._in_flight.popleft())
                     continue

@@ -14,10 +14,10 @@ from deepinfer.runtime import run_service, setup_logging
 from deepinfer.settings import build_config, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
 from libs.models.gguf_loader import load_llama
+from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
 from libs.models.registry import resolve_model_path
 from services.worker.config import Config
-from services.worker.kv_cache import KVLayout
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
 
@@ -34,20 +34,25 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+def load_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM:
+    """The model in weight format ``fmt`` (a --dtype value); activations in ``resolve_dtype(fmt)``."""
+    dtype = resolve_dtype(fmt)
+    model = load_llama(path, cache_dir, dtype=dtype)
+    if fmt in ("int8", "int4"):
+        quantize_model(model, fmt)  # weight-only: projections and LM head stay packed
+        log.info("weights quantized to %s (activations %s)", fmt, dtype)
+    return model
+
+
 def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]:
     """Load the model and size the KV pool; returns (runner, max_model_len, model name)."""
     path = resolve_model_path(config.model)
     dtype = resolve_dtype(config.dtype)
-    model = load_llama(path, Path(cache_dir), dtype=dtype)
-    if config.dtype in ("int8", "int4"):
-        quantize_model(model, config.dtype)  # weight-only: projections and LM head stay packed
-        log.info("weights quantized to %s (activations %s)", config.dtype, dtype)
-    mc = model.config
-    max_model_len = config.max_model_len or mc.max_position_embeddings
-    layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
-    num_blocks = int(config.kv_cache_gb * 2**30) // layout.bytes_per_block(config.block_size, dtype)
+    model = load_model(path, Path(cache_dir), config.dtype)
+    max_model_len = config.max_model_len or model.config.max_position_embeddings
+    shape = ModelShape.of(model.config)
+    num_blocks = int(config.kv_cache_gb * 2**30) // shape.layout.bytes_per_block(config.block_size, dtype)
     log.info("model %s dtype=%s, %d KV blocks of %d tokens", path.name, dtype, num_blocks, config.block_size)
-    shape = ModelShape(mc.num_attention_heads, layout)
     runner = ModelRunner(model, shape, num_blocks, config.block_size, dtype)
     return runner, max_model_len, path.name.split(".")[0]
 

@@ -17,6 +17,7 @@ import torch
 
 from libs.kernels.paged_attention import PagedAttentionMetadata, make_attention_backend
 from libs.models.attention import AttentionFn
+from libs.models.config import LlamaConfig
 from libs.protocol.codec import pack_tokens, unpack_tokens
 from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, SchedulerOutput
 from services.worker.kv_cache import KVCache, KVLayout, StepAttention
@@ -38,6 +39,11 @@ class CausalLM(Protocol):
 class ModelShape:
     num_heads: int
     layout: KVLayout
+
+    @classmethod
+    def of(cls, config: LlamaConfig) -> ModelShape:
+        layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        return cls(config.num_attention_heads, layout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +87,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
-        rows = [self._add(new, plan.scheduler_id) for new in plan.new_seqs]
+        rows = [self._add(new) for new in plan.new_seqs]
         counts = unpack_tokens(plan.num_scheduled_tokens)
         if not len(counts) == len(plan.seq_ids) == len(plan.new_block_ids):
             raise PlanError("seq_ids, num_scheduled_tokens and new_block_ids differ in length")
@@ -89,7 +95,9 @@ class ModelRunner:
             state = self.seqs.get(seq_id)
             if state is None:
                 raise PlanError(f"sequence {seq_id!r} is not held here")
-            state.block_table += unpack_tokens(blocks)
+            new_blocks = unpack_tokens(blocks)
+            self._check_blocks(seq_id, new_blocks)
+            state.block_table += new_blocks
             rows.append(_Row(state, num_tokens))
         for row in rows:
             self._check_row(row)
@@ -102,17 +110,18 @@ class ModelRunner:
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
         )
 
-    def _add(self, new: NewSequence, scheduler_id: str) -> _Row:
+    def _add(self, new: NewSequence) -> _Row:
         prompt = unpack_tokens(new.prompt_token_ids)
+        block_table = unpack_tokens(new.block_ids)
+        self._check_blocks(new.seq_id, block_table)
         state = SequenceState(
             seq_id=new.seq_id,
             token_ids=prompt + unpack_tokens(new.output_token_ids),
             num_prompt_tokens=len(prompt),
             sampling_params=new.sampling_params,
             stop_token_ids=frozenset(new.stop_token_ids),
-            block_table=unpack_tokens(new.block_ids),
+            block_table=block_table,
             num_computed_tokens=new.num_computed_tokens,
-            scheduler_id=scheduler_id,
         )
         self.seqs[new.seq_id] = state
         return _Row(state, new.num_scheduled_tokens)
@@ -126,8 +135,11 @@ class ModelRunner:
             )
         if len(state.block_table) * self.block_size < end:
             raise PlanError(f"{state.seq_id}: block table too short for {end} tokens")
-        if max(state.block_table, default=0) >= self.kv_cache.num_blocks:
-            raise PlanError(f"{state.seq_id}: block id beyond the pool")
+
+    def _check_blocks(self, seq_id: str, block_ids: list[int]) -> None:
+        """Only the ids a plan adds: those already in a table were checked when they came."""
+        if max(block_ids, default=0) >= self.kv_cache.num_blocks:
+            raise PlanError(f"{seq_id}: block id beyond the pool")
 
     def _run(self, rows: list[_Row]) -> tuple[list[_Row], list[int], list[Logprobs | None]]:
         # Multi-token rows (prefill chunks) first, then single-token rows (decodes): the layout
@@ -169,19 +181,9 @@ class ModelRunner:
             row.state.token_ids.append(token_id)
         return sampled_rows, out.token_ids, list(out.logprobs)
 
-    def schedulers(self) -> set[str]:
-        """Schedulers that own at least one sequence here."""
-        return {s.scheduler_id for s in self.seqs.values()}
-
-    def free_owned_by(self, scheduler_id: str) -> int:
-        """Drop every sequence of ``scheduler_id``; returns how many."""
-        owned = [seq_id for seq_id, s in self.seqs.items() if s.scheduler_id == scheduler_id]
-        for seq_id in owned:
-            del self.seqs[seq_id]
-        return len(owned)
-
     def reset(self) -> None:
-        """Drop every sequence (after a failed step the scheduler fails them all)."""
+        """Drop every sequence: after a failed step (the scheduler fails them all), or when the
+        owner is gone (every sequence here is the owner's)."""
         self.seqs.clear()
 
     def check_integrity(self) -> None:

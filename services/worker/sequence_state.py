@@ -16,7 +16,6 @@ class SequenceState:
     stop_token_ids: frozenset[int]  # masked while fewer than min_tokens outputs exist
     block_table: list[int]  # KV page ids, assigned by the scheduler
     num_computed_tokens: int  # tokens whose KV is in the cache
-    scheduler_id: str  # who scheduled it; its state goes if that scheduler goes
 
     @property
     def num_tokens(self) -> int:

@@ -289,7 +289,8 @@ async def test_a_replay_starts_at_the_requests_first_output_and_follows_it_live(
 ) -> None:
     service, scheduler = gateway
     await scheduler.emit(out("earlier", [9], 1, FinishReason.STOP))  # history the replay must skip
-    start = await service.next_out_seq()
+    await asyncio.sleep(0)  # the live consumer sees it
+    start = service.next_out_seq()
     assert start == 2
     live = await service.submit("r1", [1, 2, 3], PARAMS, 0, record_for(service, "r1", start))
     stored = await service.stream_record("r1")

@@ -13,7 +13,6 @@ from libs.protocol.codec import decode, encode, pack_tokens
 from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput, WorkerLoad
 from libs.protocol.subjects import Subjects
 from services.worker.config import Config
-from services.worker.kv_cache import KVLayout
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
 from tests.tiny_models import TINY_LLAMA
@@ -24,8 +23,7 @@ SUBJECTS = Subjects()
 def make_service(bus: InMemoryBus, orphan_timeout_s: float) -> WorkerService:
     torch.manual_seed(0)
     model = LlamaForCausalLM(TINY_LLAMA).eval()
-    layout = KVLayout(TINY_LLAMA.num_hidden_layers, TINY_LLAMA.num_key_value_heads, TINY_LLAMA.head_dim)
-    runner = ModelRunner(model, ModelShape(TINY_LLAMA.num_attention_heads, layout), 16, 4, torch.float32)
+    runner = ModelRunner(model, ModelShape.of(TINY_LLAMA), 16, 4, torch.float32)
     config = Config(worker_id="w1", orphan_timeout_s=orphan_timeout_s, load_interval_s=3600)
     return WorkerService(config, bus, runner, max_model_len=64, model_name="tiny")
 

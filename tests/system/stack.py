@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepinfer.serve import is_healthy
+from deepinfer import serve
 from libs.bus.nats_server import EmbeddedNatsServer, free_port
 
 READY_TIMEOUT_S = 180.0
@@ -27,15 +26,13 @@ def spawn(command: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
 
 
 def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        if is_healthy(url):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout_s}s:\n{log.read_text()[-4000:]}")
+    """deepinfer.serve.wait_healthy, with the end of ``log`` in the error."""
+    try:
+        serve.wait_healthy(url, procs, timeout_s)
+    except serve.ChildExited as exc:
+        raise RuntimeError(f"{exc}:\n{log.read_text()[-4000:]}") from exc
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}:\n{log.read_text()[-4000:]}") from exc
 
 
 @dataclass

@@ -20,7 +20,6 @@ from libs.protocol.messages import SamplingParams
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.scheduler import Limits
-from services.worker.kv_cache import KVLayout
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.reference import reference_greedy
 
@@ -57,10 +56,7 @@ def make_engine(
     model: LlamaForCausalLM, num_blocks: int, budget: int, overlap: bool, block_size: int = 16
 ) -> LocalEngine:
     cfg = model.config
-    layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    runner = ModelRunner(
-        model, ModelShape(cfg.num_attention_heads, layout), num_blocks, block_size, torch.float32
-    )
+    runner = ModelRunner(model, ModelShape.of(cfg), num_blocks, block_size, torch.float32)
     limits = Limits(num_blocks, block_size, 8, cfg.max_position_embeddings, budget, 64, 0.0)
     return LocalEngine(runner, limits, cfg.eos_token_id, overlap=overlap, check=True)
 

@@ -17,8 +17,8 @@ from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.recipe.chat_template import render_chat
-from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.reference import GrowingCache
+from libs.recipe.tokenizer import Tokenizer
+from tests.reference import greedy_text
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENIZER_SAMPLES = [
@@ -96,17 +96,5 @@ def test_greedy_answer_names_paris(
     smollm2_path: Path, model_cache_dir: Path, tokenizer: Tokenizer, prompt_ids: list[int], dtype: torch.dtype
 ) -> None:
     model = load_llama(smollm2_path, model_cache_dir, dtype=dtype)
-    cache, detok, text = GrowingCache(), IncrementalDetokenizer(tokenizer), ""
-    step_ids, start = list(prompt_ids), 0
-    with torch.inference_mode():
-        for _ in range(12):
-            positions = torch.arange(start, start + len(step_ids))
-            hidden = model(torch.tensor(step_ids), positions, cache)
-            next_id = int(model.compute_logits(hidden[-1:])[0].argmax())
-            if next_id == tokenizer.eos_token_id:
-                break
-            text += detok.add([next_id])
-            start += len(step_ids)
-            step_ids = [next_id]
-    text += detok.flush()
+    text = greedy_text(model, tokenizer, prompt_ids)
     assert "Paris" in text, text

@@ -2,22 +2,18 @@
 into one ``Conversation`` (or a prompt, for Completions). Pure: no I/O, no model knowledge."""
 
 from libs.recipe.api.chat import ChatRequest, parse_chat_request
-from libs.recipe.api.common import OutputFormat
 from libs.recipe.api.completions import CompletionRequest, parse_completion_request
 from libs.recipe.api.messages import MessagesRequest, parse_count_tokens_request, parse_messages_request
 from libs.recipe.api.responses import ResponsesRequest, parse_responses_request
-from libs.recipe.api.tools import strict_schema
 
 __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "MessagesRequest",
-    "OutputFormat",
     "ResponsesRequest",
     "parse_chat_request",
     "parse_completion_request",
     "parse_count_tokens_request",
     "parse_messages_request",
     "parse_responses_request",
-    "strict_schema",
 ]

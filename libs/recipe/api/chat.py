@@ -9,22 +9,18 @@ vLLM's ``guided_regex`` is not accepted). An unknown top-level field is a 400, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from libs.recipe.api.chat_messages import parse_messages
 from libs.recipe.api.common import (
-    OutputFormat,
     build_conversation,
     check_fields,
     include_usage,
     json_object,
-    json_schema_format,
     metadata,
     model_name,
-    optional_dict,
-    optional_str,
-    regex_format,
+    output_format,
     reject_present,
     require_json_word,
     resolve_thinking,
@@ -32,7 +28,7 @@ from libs.recipe.api.common import (
 )
 from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, ToolDefinition
-from libs.recipe.fields import ApiError, boolean
+from libs.recipe.fields import ApiError, boolean, optional_bool, optional_dict, optional_str
 from libs.recipe.sampling import Sampling, parse_sampling
 
 OPENAI_FIELDS = (
@@ -58,12 +54,6 @@ class ChatRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
-    output_format: OutputFormat  # the response_format in full (name, strict) for the constraint
-    parallel_tool_calls: bool = True
-    user: str | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
-    store: bool = False
-    service_tier: str | None = None
 
 
 def _tool(tool: Any, where: str) -> ToolDefinition:
@@ -73,10 +63,7 @@ def _tool(tool: Any, where: str) -> ToolDefinition:
     function = tool.get("function")
     if not isinstance(function, dict):
         raise ApiError(400, f"'{where}.function' must be an object", param=f"{where}.function")
-    get = function.get
-    return tool_definition(
-        get("name"), get("description"), get("parameters"), get("strict"), f"{where}.function"
-    )
+    return tool_definition(function, f"{where}.function")
 
 
 def tool_choice_spec(choice: Any) -> ToolChoiceSpec:
@@ -99,29 +86,6 @@ def tool_choice_spec(choice: Any) -> ToolChoiceSpec:
     return ToolChoiceSpec("required", name=function["name"])
 
 
-def _output_format(body: dict[str, Any]) -> OutputFormat:
-    spec = optional_dict(body, "response_format")
-    if spec is None:
-        return OutputFormat()
-    kind = spec.get("type")
-    if kind in ("text", "json_object"):
-        return OutputFormat(kind)
-    if kind == "json_schema":
-        nested = spec.get("json_schema")
-        if not isinstance(nested, dict):
-            raise ApiError(
-                400, "'response_format.json_schema' must be an object", param="response_format.json_schema"
-            )
-        return json_schema_format(nested, "response_format.json_schema")
-    if kind == "regex":
-        return regex_format(spec, "response_format")
-    raise ApiError(
-        400,
-        "'response_format.type' must be one of 'text', 'json_object', 'json_schema', 'regex'",
-        param="response_format.type",
-    )
-
-
 def _extra(body: dict[str, Any]) -> dict[str, Any]:
     kwargs = optional_dict(body, "chat_template_kwargs") or {}
     if not all(isinstance(key, str) for key in kwargs):
@@ -135,7 +99,7 @@ def _check_modalities(body: dict[str, Any]) -> None:
         raise ApiError(400, "only the 'text' output modality is supported", param="modalities")
 
 
-def _conversation(body: dict[str, Any]) -> tuple[Conversation, OutputFormat]:
+def _conversation(body: dict[str, Any]) -> Conversation:
     messages = parse_messages(body.get("messages"))
     thinking, effort = resolve_thinking(
         thinking_type(body.get("thinking"), "thinking"), body.get("reasoning_effort"), "reasoning_effort"
@@ -143,14 +107,14 @@ def _conversation(body: dict[str, Any]) -> tuple[Conversation, OutputFormat]:
     tool_choice, tools = resolve_tool_choice(
         tool_choice_spec(body.get("tool_choice")), parse_tools(body, _tool), thinking
     )
-    output = _output_format(body)
+    output = output_format(optional_dict(body, "response_format"), "response_format", nested=True)
     require_json_word(
         messages,
         output,
         "Prompt must contain the word 'json' in some form to use 'response_format' of type 'json_object'.",
         "messages",
     )
-    conversation = build_conversation(
+    return build_conversation(
         messages,
         thinking=thinking,
         effort=effort,
@@ -159,7 +123,15 @@ def _conversation(body: dict[str, Any]) -> tuple[Conversation, OutputFormat]:
         output=output,
         extra=_extra(body),
     )
-    return conversation, output
+
+
+def _check_unused(body: dict[str, Any]) -> None:
+    """Fields accepted and validated, though nothing here acts on them."""
+    optional_bool(body, "parallel_tool_calls")
+    optional_str(body, "user")
+    metadata(body)
+    boolean(body, "store")
+    optional_str(body, "service_tier")
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -171,20 +143,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = model_name(body)
     reject_present(body, UNSUPPORTED)
     _check_modalities(body)
-    conversation, output = _conversation(body)
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    conversation = _conversation(body)
+    _check_unused(body)
     return ChatRequest(
         model=model,
         conversation=conversation,
         sampling=parse_sampling(body),
         stream=boolean(body, "stream"),
         include_usage=include_usage(body),
-        output_format=output,
-        parallel_tool_calls=parallel is not False,
-        user=optional_str(body, "user"),
-        metadata=metadata(body),
-        store=boolean(body, "store"),
-        service_tier=optional_str(body, "service_tier"),
     )

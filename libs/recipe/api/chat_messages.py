@@ -12,7 +12,7 @@ from typing import Any
 from libs.recipe.api.common import ToolTurnWording, check_tool_turns
 from libs.recipe.api.openai_content import content_text, message_role
 from libs.recipe.conversation import Message, Role, ToolCall
-from libs.recipe.fields import ApiError
+from libs.recipe.fields import ApiError, optional_bool
 
 ROLES: dict[str, Role] = {
     "system": "system",
@@ -75,9 +75,7 @@ def _assistant(msg: dict[str, Any], where: str, content: str | None, last: bool)
         raise ApiError(
             400, f"'{where}.reasoning_content' must be a string", param=f"{where}.reasoning_content"
         )
-    prefix = msg.get("prefix", False)
-    if not isinstance(prefix, bool | None):
-        raise ApiError(400, f"'{where}.prefix' must be a boolean", param=f"{where}.prefix")
+    prefix = optional_bool(msg, "prefix", f"{where}.prefix")
     if prefix and not last:
         raise ApiError(400, "Only the last message may be an assistant 'prefix'", param=f"{where}.prefix")
     if prefix and calls:

@@ -16,7 +16,7 @@ from libs.recipe.conversation import (
     ToolChoice,
     ToolDefinition,
 )
-from libs.recipe.fields import ApiError, check_depth, shown
+from libs.recipe.fields import ApiError, check_depth, optional_bool, optional_dict, optional_str, shown
 
 # Client effort names -> the formats' levels (the wheel's table; "none" means thinking off).
 EFFORTS: dict[str, Effort | None] = {
@@ -71,20 +71,6 @@ def include_usage(body: dict[str, Any]) -> bool:
             400, "'stream_options' must be an object with a boolean include_usage", param="stream_options"
         )
     return bool(options.get("include_usage"))
-
-
-def optional_str(body: dict[str, Any], key: str, param: str | None = None) -> str | None:
-    value = body.get(key)
-    if value is not None and not isinstance(value, str):
-        raise ApiError(400, f"'{param or key}' must be a string", param=param or key)
-    return value
-
-
-def optional_dict(body: dict[str, Any], key: str, param: str | None = None) -> dict[str, Any] | None:
-    value = body.get(key)
-    if value is not None and not isinstance(value, dict):
-        raise ApiError(400, f"'{param or key}' must be an object", param=param or key)
-    return value
 
 
 def metadata(body: dict[str, Any]) -> dict[str, str]:
@@ -147,7 +133,7 @@ class OutputFormat:
     regex: str | None = None
 
 
-def json_schema_format(spec: dict[str, Any], param: str) -> OutputFormat:
+def _json_schema_format(spec: dict[str, Any], param: str) -> OutputFormat:
     """A json_schema format's body: Chat's nested ``json_schema`` object or Responses' flat one."""
     name = spec.get("name")
     if name is not None:
@@ -159,17 +145,40 @@ def json_schema_format(spec: dict[str, Any], param: str) -> OutputFormat:
             400, f"'{param}.schema' is required and must be a JSON Schema object", param=f"{param}.schema"
         )
     check_depth(schema, f"{param}.schema")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ApiError(400, f"'{param}.strict' must be a boolean", param=f"{param}.strict")
+    strict = optional_bool(spec, "strict", f"{param}.strict")
     return OutputFormat("json_schema", name=name, description=description, schema=schema, strict=strict)
 
 
-def regex_format(spec: dict[str, Any], param: str) -> OutputFormat:
+def _regex_format(spec: dict[str, Any], param: str) -> OutputFormat:
     regex = spec.get("regex")
     if not isinstance(regex, str) or not regex:
         raise ApiError(400, f"'{param}.regex' must be a non-empty string", param=f"{param}.regex")
     return OutputFormat("regex", regex=regex)
+
+
+def output_format(spec: Any, param: str, nested: bool = False) -> OutputFormat:
+    """Chat's ``response_format`` or Responses' ``text.format`` (``param``): text, json_object,
+    json_schema or regex. A json_schema's body is ``spec`` itself (Responses), or with ``nested``
+    the object under its ``json_schema`` key (Chat)."""
+    if spec is None:
+        return OutputFormat()
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind in ("text", "json_object"):
+        return OutputFormat(kind)
+    if kind == "json_schema" and not nested:
+        return _json_schema_format(spec, param)
+    if kind == "json_schema":
+        inner = spec.get("json_schema")
+        if not isinstance(inner, dict):
+            raise ApiError(400, f"'{param}.json_schema' must be an object", param=f"{param}.json_schema")
+        return _json_schema_format(inner, f"{param}.json_schema")
+    if kind == "regex":
+        return _regex_format(spec, param)
+    raise ApiError(
+        400,
+        f"'{param}.type' must be one of 'text', 'json_object', 'json_schema', 'regex'",
+        param=f"{param}.type",
+    )
 
 
 def require_json_word(messages: Iterable[Message], output: OutputFormat, message: str, param: str) -> None:
@@ -221,8 +230,9 @@ class ToolTurnWording:
 
     unanswered: Callable[[list[str]], str]
     orphan: Callable[[str], str]  # a result with no open tool-call turn
-    unknown_id: Callable[[str], str]  # a result whose id the open turn did not call
     duplicate: Callable[[str], str]
+    # A result whose id the open turn did not call: worded as ``orphan`` unless the API tells them apart.
+    unknown_id: Callable[[str], str] | None = None
 
 
 def check_tool_turns(
@@ -247,7 +257,8 @@ def check_tool_turns(
             if opened is None:
                 raise ApiError(400, wording.orphan(call_id), param=where(i))
             if call_id not in pending:
-                raise ApiError(400, wording.unknown_id(call_id), param=where(i))
+                unknown = wording.unknown_id or wording.orphan
+                raise ApiError(400, unknown(call_id), param=where(i))
             del pending[call_id]
         elif message.role in ("user", "assistant"):
             opened = None

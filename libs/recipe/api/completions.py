@@ -17,11 +17,10 @@ from libs.recipe.api.common import (
     include_usage,
     json_object,
     model_name,
-    optional_str,
     reject_present,
 )
-from libs.recipe.fields import ApiError, boolean, optional_int
-from libs.recipe.sampling import MAX_N, Sampling, parse_sampling
+from libs.recipe.fields import ApiError, boolean, is_token_ids, optional_int, optional_str
+from libs.recipe.sampling import MAX_N, Sampling, read_sampling
 
 FIELDS = (
     "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
@@ -42,22 +41,21 @@ class CompletionRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
-    user: str | None = None
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(type(i) is int and 0 <= i < 2**32 for i in value)
+def _is_one_prompt(value: Any) -> bool:
+    return isinstance(value, str) or is_token_ids(value)
 
 
 def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
-    if _is_ids(prompt) and prompt:
+    if is_token_ids(prompt) and prompt:
         return tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
+    if isinstance(prompt, list) and len(prompt) == 1 and _is_one_prompt(prompt[0]):
         return _prompt({"prompt": prompt[0]})
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+    if isinstance(prompt, list) and len(prompt) > 1 and all(map(_is_one_prompt, prompt)):
         raise ApiError(
             400,
             "several prompts in one request are not supported: send one request per prompt",
@@ -79,18 +77,20 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         # best_of > n means sampling extra sequences and ranking them: not implemented.
         raise ApiError(400, "'best_of' must be 1 or equal to 'n'", param="best_of")
     max_tokens = optional_int(body, "max_tokens", 1)
-    chat_body = {
-        **body,
-        "logprobs": logprobs is not None,
-        "top_logprobs": logprobs,
-        "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-    }
+    prompt, echo = _prompt(body), boolean(body, "echo")
+    sampling = read_sampling(
+        body,
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+        n=n,
+    )
+    optional_str(body, "user")  # accepted, and unused
     return CompletionRequest(
         model=model,
-        prompt=_prompt(body),
-        echo=boolean(body, "echo"),
-        sampling=parse_sampling(chat_body),
+        prompt=prompt,
+        echo=echo,
+        sampling=sampling,
         stream=boolean(body, "stream"),
         include_usage=include_usage(body),
-        user=optional_str(body, "user"),
     )

@@ -8,8 +8,7 @@ message is a prefill the model continues (``prefix``). ``/v1/messages/count_toke
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from libs.recipe.api.common import (
@@ -18,8 +17,6 @@ from libs.recipe.api.common import (
     check_fields,
     json_object,
     model_name,
-    optional_dict,
-    optional_str,
     reject_present,
     resolve_thinking,
     thinking_type,
@@ -27,8 +24,18 @@ from libs.recipe.api.common import (
 from libs.recipe.api.messages_content import parse_messages, system_text
 from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, Message, ToolDefinition
-from libs.recipe.fields import ApiError, boolean, check_depth, number, optional_int
-from libs.recipe.sampling import Sampling, parse_sampling
+from libs.recipe.fields import (
+    INT32_MAX,
+    ApiError,
+    boolean,
+    check_depth,
+    number,
+    optional_bool,
+    optional_dict,
+    optional_int,
+    optional_str,
+)
+from libs.recipe.sampling import Sampling, build_sampling
 
 FIELDS = (
     "model", "messages", "max_tokens", "system", "tools", "tool_choice", "thinking", "output_config",
@@ -36,19 +43,14 @@ FIELDS = (
     "container", "mcp_servers", "context_management",
 )  # fmt: skip
 UNSUPPORTED = ("container", "mcp_servers", "context_management")
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
 class MessagesRequest:
     model: str
     conversation: Conversation
-    sampling: Sampling
-    max_tokens: int | None  # required for /v1/messages; None only for count_tokens
+    sampling: Sampling  # its max_tokens is required for /v1/messages; None only for count_tokens
     stream: bool
-    user_id: str | None = None  # metadata.user_id
-    service_tier: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def _tool(tool: Any, where: str) -> ToolDefinition:
@@ -59,22 +61,20 @@ def _tool(tool: Any, where: str) -> ToolDefinition:
         raise ApiError(400, f"{where}: server tools are not supported", param=f"{where}.type")
     if not isinstance(tool.get("input_schema"), dict):
         raise ApiError(400, f"{where}.input_schema: Field required", param=f"{where}.input_schema")
-    get = tool.get
     # Anthropic's strict only closes objects; optional properties stay optional.
-    return tool_definition(
-        get("name"), get("description"), get("input_schema"), get("strict"), where, "input_schema", False
-    )
+    return tool_definition(tool, where, "input_schema", require_all=False)
 
 
 def _tool_choice(body: dict[str, Any]) -> ToolChoiceSpec:
     choice = optional_dict(body, "tool_choice")
     if choice is None:
         return ToolChoiceSpec("auto")
-    disable_parallel = choice.get("disable_parallel_tool_use")
-    if disable_parallel is not None and not isinstance(disable_parallel, bool):
-        raise ApiError(
-            400, "tool_choice.disable_parallel_tool_use: Input should be a valid boolean", param="tool_choice"
-        )
+    optional_bool(
+        choice,
+        "disable_parallel_tool_use",
+        "tool_choice",
+        "tool_choice.disable_parallel_tool_use: Input should be a valid boolean",
+    )
     kind = choice.get("type")
     if kind in ("auto", "none"):
         return ToolChoiceSpec(kind)
@@ -90,7 +90,7 @@ def _tool_choice(body: dict[str, Any]) -> ToolChoiceSpec:
 def _max_tokens(body: dict[str, Any], required: bool) -> int | None:
     if required and body.get("max_tokens") is None:
         raise ApiError(400, "max_tokens: Field required", param="max_tokens")
-    return optional_int(body, "max_tokens", 1, _INT32_MAX)
+    return optional_int(body, "max_tokens", 1, INT32_MAX)
 
 
 def _thinking(body: dict[str, Any], max_tokens: int | None) -> bool | None:
@@ -110,15 +110,20 @@ def _thinking(body: dict[str, Any], max_tokens: int | None) -> bool | None:
 
 
 def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
-    # Anthropic's ranges are checked under Anthropic's names, then Chat's reader builds the params.
-    number(body, "temperature", 1.0, 0.0, 1.0)
-    top_k = optional_int(body, "top_k", 0, _INT32_MAX)
+    """Anthropic's sampling fields, under Anthropic's names and ranges (temperature in [0, 1])."""
+    temperature = number(body, "temperature", 1.0, 0.0, 1.0)
+    top_p = number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = optional_int(body, "top_k", 0, INT32_MAX) or 0
     stop = body.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "stop_sequences: Input should be a valid list of strings", param="stop_sequences")
-    chat_body = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_k": top_k}
-    sampling = parse_sampling({**chat_body, "max_tokens": max_tokens})
-    return dataclasses.replace(sampling, stop=[s for s in stop or [] if s])
+    return build_sampling(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        stop=[s for s in stop or [] if s],
+    )
 
 
 def _output_config(body: dict[str, Any]) -> tuple[Any, OutputFormat]:
@@ -158,6 +163,8 @@ def _request(body: Any, max_tokens_required: bool) -> MessagesRequest:
         _tool_choice(body), parse_tools(body, _tool, "tools: Input should be a valid list"), thinking
     )
     meta = optional_dict(body, "metadata") or {}
+    optional_str(meta, "user_id", "metadata.user_id")  # accepted, and unused
+    optional_str(body, "service_tier")
     conversation = build_conversation(
         messages, thinking=thinking, effort=effort, tool_choice=tool_choice, tools=tools, output=output
     )
@@ -165,11 +172,7 @@ def _request(body: Any, max_tokens_required: bool) -> MessagesRequest:
         model=model,
         conversation=conversation,
         sampling=_sampling(body, max_tokens),
-        max_tokens=max_tokens,
         stream=boolean(body, "stream"),
-        user_id=optional_str(meta, "user_id", "metadata.user_id"),
-        service_tier=optional_str(body, "service_tier"),
-        metadata=dict(meta),
     )
 
 

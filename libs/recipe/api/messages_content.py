@@ -14,7 +14,7 @@ from typing import Any
 
 from libs.recipe.api.common import UNSUPPORTED_INPUT, ToolTurnWording, check_tool_turns, join_text
 from libs.recipe.conversation import Message, ToolCall
-from libs.recipe.fields import ApiError, check_depth, lookup, shown
+from libs.recipe.fields import ApiError, check_depth, lookup, optional_bool, shown
 
 _MEDIA = {"image": "image", "document": "document", "search_result": "search result"}
 
@@ -24,10 +24,6 @@ WORDING = ToolTurnWording(
         "Each `tool_use` block must have a corresponding `tool_result` block in the next message."
     ),
     orphan=lambda call_id: (
-        f"unexpected `tool_use_id` found in `tool_result` blocks: {call_id}. Each `tool_result` block "
-        "must have a corresponding `tool_use` block in the previous message."
-    ),
-    unknown_id=lambda call_id: (
         f"unexpected `tool_use_id` found in `tool_result` blocks: {call_id}. Each `tool_result` block "
         "must have a corresponding `tool_use` block in the previous message."
     ),
@@ -89,9 +85,9 @@ def _user(content: list[Any], where: str) -> list[Message]:
         elif kind == "tool_result":
             if texts:
                 raise ApiError(400, f"{at}: tool_result blocks must come before any other content", param=at)
-            is_error = block.get("is_error")
-            if is_error is not None and not isinstance(is_error, bool):
-                raise ApiError(400, f"{at}.is_error: Input should be a valid boolean", param=f"{at}.is_error")
+            optional_bool(
+                block, "is_error", f"{at}.is_error", f"{at}.is_error: Input should be a valid boolean"
+            )
             body = block.get("content")
             output = "" if body is None else _texts(body, f"{at}.content")
             results.append(Message("tool", output, tool_call_id=_string(block, "tool_use_id", at)))

@@ -8,7 +8,7 @@ leading system message of this request only, never part of the history it leaves
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from libs.recipe.api.common import (
@@ -17,12 +17,9 @@ from libs.recipe.api.common import (
     check_fields,
     check_tool_turns,
     json_object,
-    json_schema_format,
     metadata,
     model_name,
-    optional_dict,
-    optional_str,
-    regex_format,
+    output_format,
     reject_present,
     require_json_word,
     resolve_thinking,
@@ -30,8 +27,17 @@ from libs.recipe.api.common import (
 from libs.recipe.api.responses_input import WORDING, parse_input
 from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, Effort, Message, ToolChoice, ToolDefinition
-from libs.recipe.fields import ApiError, boolean, optional_int, shown
-from libs.recipe.sampling import MAX_TOP_LOGPROBS, Sampling, parse_sampling
+from libs.recipe.fields import (
+    ApiError,
+    boolean,
+    number,
+    optional_bool,
+    optional_dict,
+    optional_int,
+    optional_str,
+    shown,
+)
+from libs.recipe.sampling import MAX_TOP_LOGPROBS, Sampling, build_sampling
 
 FIELDS = (
     "model", "input", "instructions", "tools", "tool_choice", "text", "reasoning", "max_output_tokens",
@@ -59,16 +65,14 @@ class ResponsesRequest:
     background: bool
     store: bool
     previous_response_id: str | None
-    metadata: dict[str, str]
-    parallel_tool_calls: bool
-    include: tuple[str, ...]
-    truncation: str
-    user: str | None
-    max_output_tokens: int | None
     echoed: dict[str, Any] = field(default_factory=dict)  # what ``echo`` returns, as validated
+    # Without previous_response_id: the conversation, built (and so checked) as the body was parsed.
+    checked: Conversation | None = None
 
     def conversation(self, history: tuple[Message, ...] = ()) -> Conversation:
         """instructions (as system) + ``history`` + this input, checked as one conversation."""
+        if not history and self.checked is not None:
+            return self.checked
         lead = (Message("system", self.instructions),) if self.instructions is not None else ()
         messages = lead + history + self.input_messages
         offset = len(lead) + len(history)
@@ -114,8 +118,7 @@ def _tool(tool: Any, where: str) -> ToolDefinition:
             param=f"{where}.type",
             code="unsupported_parameter",
         )
-    get = tool.get
-    return tool_definition(get("name"), get("description"), get("parameters"), get("strict"), where)
+    return tool_definition(tool, where)
 
 
 def _tool_choice(choice: Any) -> ToolChoiceSpec:
@@ -132,36 +135,19 @@ def _tool_choice(choice: Any) -> ToolChoiceSpec:
     )
 
 
-def _output_format(text: dict[str, Any]) -> OutputFormat:
-    spec = text.get("format")
-    if spec is None:
-        return OutputFormat()
-    kind = spec.get("type") if isinstance(spec, dict) else None
-    if kind in ("text", "json_object"):
-        return OutputFormat(kind)
-    if kind == "json_schema":
-        return json_schema_format(spec, "text.format")  # type: ignore[arg-type]
-    if kind == "regex":
-        return regex_format(spec, "text.format")  # type: ignore[arg-type]
-    raise ApiError(
-        400,
-        "'text.format.type' must be one of 'text', 'json_object', 'json_schema'",
-        param="text.format.type",
-    )
-
-
 def _sampling(body: dict[str, Any], include: tuple[str, ...]) -> Sampling:
-    # Responses spells these differently; validate under their own names, then reuse Chat's reader.
+    """Responses' sampling fields, under their own names (max_output_tokens, include for logprobs)."""
     max_output_tokens = optional_int(body, "max_output_tokens", 1)
-    top_logprobs = optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    chat_body = {
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "max_tokens": max_output_tokens,
-        "logprobs": "message.output_text.logprobs" in include or bool(top_logprobs),
-        "top_logprobs": top_logprobs,
-    }
-    return parse_sampling(chat_body)
+    top_logprobs = optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    temperature = number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    return build_sampling(
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_output_tokens,
+        logprobs="message.output_text.logprobs" in include or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+    )
 
 
 def _strings(body: dict[str, Any], key: str) -> tuple[str, ...]:
@@ -172,7 +158,9 @@ def _strings(body: dict[str, Any], key: str) -> tuple[str, ...]:
 
 
 def _enum(body: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
-    value = body.get(key, default) if body.get(key) is not None else default
+    value = body.get(key)
+    if value is None:
+        return default
     if value not in allowed:
         raise ApiError(400, f"'{key}' must be one of {', '.join(map(repr, allowed))}", param=key)
     return str(value)
@@ -191,15 +179,37 @@ def _reasoning(body: dict[str, Any]) -> tuple[dict[str, Any], bool | None, Effor
     return {"effort": reasoning.get("effort"), "summary": summary}, thinking, effort
 
 
+def _settings(body: dict[str, Any]) -> dict[str, Any]:
+    """The top-level settings a Response repeats back, each validated once, with OpenAI's defaults
+    filled in; the fields accepted but unused are validated here too."""
+    for key in ("safety_identifier", "prompt_cache_key"):
+        optional_str(body, key)
+    optional_int(body, "max_tool_calls", 1)
+    return {
+        "instructions": optional_str(body, "instructions"),
+        "parallel_tool_calls": optional_bool(body, "parallel_tool_calls") is not False,
+        "store": optional_bool(body, "store") is not False,  # OpenAI stores responses unless told not to
+        "metadata": metadata(body),
+        "previous_response_id": optional_str(body, "previous_response_id"),
+        "truncation": _enum(body, "truncation", ("auto", "disabled"), "disabled"),
+        "background": boolean(body, "background"),
+        "user": optional_str(body, "user"),
+    }
+
+
 def _echo(
-    body: dict[str, Any], text: dict[str, Any], reasoning: dict[str, Any], sampling: Sampling
+    body: dict[str, Any],
+    settings: dict[str, Any],
+    text: dict[str, Any],
+    reasoning: dict[str, Any],
+    sampling: Sampling,
 ) -> dict[str, Any]:
     """The settings a Response object repeats back, as the client sent them or OpenAI's defaults."""
     text_echo: dict[str, Any] = {"format": text.get("format") or {"type": "text"}}
     if text.get("verbosity") is not None:
         text_echo["verbosity"] = text["verbosity"]
     return {
-        "instructions": body.get("instructions"),
+        "instructions": settings["instructions"],
         "tools": list(body.get("tools") or []),
         "tool_choice": body.get("tool_choice") or "auto",
         "text": text_echo,
@@ -207,66 +217,51 @@ def _echo(
         "temperature": sampling.base.temperature,
         "top_p": sampling.base.top_p,
         "top_logprobs": sampling.base.top_logprobs,
-        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-        "store": body.get("store") is not False,
-        "metadata": metadata(body),
+        "parallel_tool_calls": settings["parallel_tool_calls"],
+        "store": settings["store"],
+        "metadata": settings["metadata"],
         "max_output_tokens": sampling.max_tokens,
-        "previous_response_id": body.get("previous_response_id"),
-        "truncation": body.get("truncation") or "disabled",
-        "background": bool(body.get("background")),
-        "user": body.get("user"),
+        "previous_response_id": settings["previous_response_id"],
+        "truncation": settings["truncation"],
+        "background": settings["background"],
+        "user": settings["user"],
     }
-
-
-def _check_types(body: dict[str, Any]) -> None:
-    for key in ("parallel_tool_calls", "store"):
-        if body.get(key) is not None and not isinstance(body[key], bool):
-            raise ApiError(400, f"'{key}' must be a boolean", param=key)
-    for key in ("instructions", "previous_response_id", "user", "safety_identifier", "prompt_cache_key"):
-        optional_str(body, key)
-    optional_int(body, "max_tool_calls", 1)
-    _enum(body, "truncation", ("auto", "disabled"), "disabled")
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
     """Validate a Responses body. Without ``previous_response_id`` the input is checked as a whole
-    conversation here; with one, its tool results may answer history, so ``conversation`` checks."""
+    conversation here (and kept); with one, its tool results may answer history, so ``conversation``
+    checks."""
     body = json_object(body)
     check_fields(body, FIELDS, lambda key: f"Unknown parameter: '{key}'.")
     model = model_name(body)
     reject_present(body, UNSUPPORTED)
-    _check_types(body)
+    settings = _settings(body)
     messages, origins = parse_input(body.get("input"))
     reasoning, thinking, effort = _reasoning(body)
     tool_choice, tools = resolve_tool_choice(
         _tool_choice(body.get("tool_choice")), parse_tools(body, _tool), thinking
     )
     text = optional_dict(body, "text") or {}
-    include = _strings(body, "include")
-    sampling = _sampling(body, include)
+    sampling = _sampling(body, _strings(body, "include"))
     request = ResponsesRequest(
         model=model,
         input_messages=messages,
         input_origins=origins,
-        instructions=body.get("instructions"),
+        instructions=settings["instructions"],
         tools=tools,
         tool_choice=tool_choice,
         thinking=thinking,
         effort=effort,
-        output_format=_output_format(text),
+        output_format=output_format(text.get("format"), "text.format"),
         sampling=sampling,
         stream=boolean(body, "stream"),
-        background=boolean(body, "background"),
-        store=body.get("store") is not False,  # OpenAI stores responses unless told not to
-        previous_response_id=body.get("previous_response_id"),
-        metadata=metadata(body),
-        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-        include=include,
-        truncation=body.get("truncation") or "disabled",
-        user=body.get("user"),
-        max_output_tokens=sampling.max_tokens,
-        echoed=_echo(body, text, reasoning, sampling),
+        background=settings["background"],
+        store=settings["store"],
+        previous_response_id=settings["previous_response_id"],
+        echoed=_echo(body, settings, text, reasoning, sampling),
     )
     if request.previous_response_id is None:
-        request.conversation()  # fail fast: nothing earlier can answer or open a tool call
+        # Fail fast (nothing earlier can answer or open a tool call), and keep it for the gateway.
+        request = replace(request, checked=request.conversation())
     return request

@@ -27,7 +27,6 @@ _MEDIA_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "au
 WORDING = ToolTurnWording(
     unanswered=lambda ids: f"No tool output found for function call {', '.join(ids)}.",
     orphan=lambda call_id: f"No tool call found for function call output with call_id {call_id}.",
-    unknown_id=lambda call_id: f"No tool call found for function call output with call_id {call_id}.",
     duplicate=lambda call_id: f"Duplicate 'call_id': {call_id}.",
 )
 

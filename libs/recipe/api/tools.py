@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from libs.recipe.conversation import ToolChoice, ToolDefinition
-from libs.recipe.fields import ApiError, check_depth, shown
+from libs.recipe.fields import ApiError, check_depth, optional_bool, optional_str, shown
 
 NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and json_schema) names
 _NAME = re.compile(NAME_PATTERN)
@@ -103,21 +103,14 @@ def strict_schema(schema: Any, param: str, require_all: bool = True) -> dict[str
 
 
 def tool_definition(
-    name: Any,
-    description: Any,
-    parameters: Any,
-    strict: Any,
-    where: str,
-    schema_key: str = "parameters",
-    require_all: bool = True,
+    spec: dict[str, Any], where: str, schema_key: str = "parameters", require_all: bool = True
 ) -> ToolDefinition:
-    """Validate one function tool; ``where`` is the field path of its name's parent, and
-    ``schema_key`` what the API calls its parameters' schema (for error params)."""
-    check_name(name, f"{where}.name")
-    if description is not None and not isinstance(description, str):
-        raise ApiError(400, f"'{where}.description' must be a string", param=f"{where}.description")
-    if strict is not None and not isinstance(strict, bool):
-        raise ApiError(400, f"'{where}.strict' must be a boolean", param=f"{where}.strict")
+    """Validate one function tool from ``spec``, the object holding its name, description, strict
+    and parameters' schema (which the API calls ``schema_key``); ``where`` is that object's path."""
+    name = check_name(spec.get("name"), f"{where}.name")
+    description = optional_str(spec, "description", f"{where}.description")
+    strict = optional_bool(spec, "strict", f"{where}.strict")
+    parameters = spec.get(schema_key)
     param = f"{where}.{schema_key}"
     if parameters is not None:
         kind = parameters.get("type", "object") if isinstance(parameters, dict) else None

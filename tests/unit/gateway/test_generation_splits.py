@@ -85,7 +85,7 @@ def cases(tokenizer: Tokenizer) -> dict[str, tuple[Tokenizer, list[int], StreamR
 RENDERERS: dict[str, tuple[Callable[[StreamRecord], ApiRenderer], Callable[[dict[str, Any]], Any]]] = {
     "chat": (
         lambda r: ChatRenderer(
-            r.request_id, r.model, r.created, n=1, thinking=r.thinking, include_usage=True
+            r.request_id, r.model, r.created, n=1, thinking=r.thinking, include_usage=True, collect=True
         ),
         lambda e: CHAT_EVENT.validate_python(e) if "choices" in e else None,
     ),
@@ -96,7 +96,7 @@ RENDERERS: dict[str, tuple[Callable[[StreamRecord], ApiRenderer], Callable[[dict
         RESPONSES_EVENT.validate_python,
     ),
     "messages": (  # ping is an SSE keep-alive the SDK skips, not one of its stream event types
-        lambda r: MessagesRenderer("msg_" + r.request_id, r.model),
+        lambda r: MessagesRenderer("msg_" + r.request_id, r.model, collect=True),
         lambda e: MESSAGES_EVENT.validate_python(e) if e["type"] != "ping" else None,
     ),
 }
@@ -117,7 +117,7 @@ def run(
         finish = FinishReason.STOP if b == len(ids) else None
         pending.accept(RequestOutput(record.request_id, pack_tokens(ids[a:b]), b, 7, finish))
     generation = Generation(record, tokenizer, make(record), keep)
-    stream = RequestStream(record.request_id, pending, lambda _: None, lambda _: None)
+    stream = RequestStream(record.request_id, pending, lambda _: None, lambda _s, _f: None)
 
     async def events() -> list[Any]:
         return [e async for e in generation.events(stream)]

@@ -1,12 +1,14 @@
-"""SSE framing and keep-alive comments."""
+"""SSE framing, and keep-alives while a request is silent."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-from services.gateway.generation import Event
-from services.gateway.sse import KEEPALIVE, frame, with_keepalive
+from libs.protocol.codec import pack_tokens
+from libs.protocol.messages import FinishReason, RequestOutput
+from services.gateway.generation import KEEPALIVE, Event, numbered
+from services.gateway.request_stream import Pending, RequestStream
+from services.gateway.sse import frame
 
 
 def test_frames_carry_id_name_and_compact_json() -> None:
@@ -15,42 +17,30 @@ def test_frames_carry_id_name_and_compact_json() -> None:
     )
     assert frame(Event(None, "[DONE]"), 3) == "id: 3\ndata: [DONE]\n\n"
     assert frame(Event(None, {"a": "é"})) == 'data: {"a":"é"}\n\n'
+    assert frame(KEEPALIVE) == ": keep-alive\n\n"
 
 
-async def test_silence_gets_keepalive_comments_and_frames_keep_their_order() -> None:
-    gate = asyncio.Event()
+async def test_silence_gets_keepalives_and_nothing_is_lost() -> None:
+    pending = Pending(1, False)
+    stream = RequestStream("r", pending, lambda _: None, lambda _s, _f: None)
+    got: list[object] = []
 
-    async def source() -> AsyncIterator[str]:
-        yield "a"
-        await gate.wait()  # a request waiting in the queue
-        yield "b"
-        yield "c"
+    async def read() -> None:
+        async for delta in stream.deltas(0.01):
+            got.append(delta)
+            if got.count(None) == 3:
+                pending.accept(RequestOutput("r", pack_tokens([5]), 1, 2))
+                pending.accept(RequestOutput("r", pack_tokens([6]), 2, 2, FinishReason.STOP))
 
-    out: list[str] = []
-
-    async def consume() -> None:
-        async for piece in with_keepalive(source(), 0.01):
-            out.append(piece)
-            if out.count(KEEPALIVE) == 3:
-                gate.set()
-
-    await asyncio.wait_for(consume(), 5)
-    assert out[0] == "a" and out[-2:] == ["b", "c"]
-    assert set(out[1:-2]) == {KEEPALIVE} and len(out) >= 6
+    await asyncio.wait_for(read(), 5)
+    assert got[:3] == [None, None, None]
+    assert [d.token_ids for d in got[3:] if d is not None] == [[5], [6]]
 
 
-async def test_closing_early_stops_the_source() -> None:
-    closed = asyncio.Event()
+async def test_keepalives_have_no_ordinal() -> None:
+    async def events():  # type: ignore[no-untyped-def]
+        for event in (Event(None, "a"), KEEPALIVE, Event(None, "b")):
+            yield event
 
-    async def source() -> AsyncIterator[str]:
-        try:
-            while True:
-                yield "x"
-                await asyncio.sleep(0)
-        finally:
-            closed.set()
-
-    stream = with_keepalive(source(), 1.0)
-    assert await anext(stream) == "x"
-    await stream.aclose()  # the client went away
-    await asyncio.wait_for(closed.wait(), 1)
+    assert [(o, e.data) async for o, e in numbered(events())] == [(0, "a"), (None, ""), (1, "b")]
+    assert [(o, e.data) async for o, e in numbered(events(), after=0)] == [(None, ""), (1, "b")]

@@ -12,7 +12,6 @@ from libs.kernels.paged_attention import (
     make_attention_backend,
     paged_attention_reference,
 )
-from libs.kernels.paged_attention_flashinfer import paged_kv_csr
 
 Row = tuple[int, int]  # (query_len, context_len)
 
@@ -84,7 +83,16 @@ def test_build_lays_out_rows() -> None:
     assert meta.block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
     assert meta.slot_mapping.tolist() == naive_slots(rows, tables, 4)
     assert (meta.num_prefills, meta.num_prefill_tokens) == (2, 7)
-    assert (meta.max_query_len, meta.max_seq_len, meta.num_seqs, meta.num_tokens) == (4, 10, 4, 9)
+    assert (meta.num_seqs, meta.num_tokens) == (4, 9)
+
+
+def test_layout_arrays_stay_on_the_host() -> None:
+    # plan() reads these on every step: built on the host, whatever the step's device.
+    meta = PagedAttentionMetadata.build([3, 1], [2, 7], [[4, 1], [6, 2]], block_size=4, device="meta")
+    host = (meta.query_start_loc, meta.context_lens, meta.seq_lens)
+    csr = (meta.kv_indptr, meta.kv_indices, meta.last_page_len)
+    assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (*host, *csr))
+    assert meta.block_tables.device.type == "meta" and meta.slot_mapping.device.type == "meta"
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -112,9 +120,9 @@ def test_build_rejects_bad_layouts(
         PagedAttentionMetadata.build(query_lens, context_lens, tables, block_size=4)
 
 
-def test_paged_kv_csr_lists_pages_in_use() -> None:
+def test_build_lists_pages_in_use_as_csr() -> None:
     meta = PagedAttentionMetadata.build([5, 1, 1], [0, 8, 3], [[3, 8, 6], [1, 2, 4], [7]], block_size=4)
-    kv_indptr, kv_indices, last_page_len = paged_kv_csr(meta)
+    kv_indptr, kv_indices, last_page_len = meta.kv_indptr, meta.kv_indices, meta.last_page_len
     # seq_lens 5, 9, 4 -> 2, 3 and 1 pages; the spare page 6 of row 0 is not in use.
     assert kv_indptr.tolist() == [0, 2, 5, 6]
     assert kv_indices.tolist() == [3, 8, 1, 2, 4, 7]

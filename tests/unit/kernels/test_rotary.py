@@ -11,7 +11,10 @@ import torch
 from libs.kernels.rotary import (
     apply_rotary_interleaved,
     apply_rotary_interleaved_reference,
+    apply_rotary_qk,
+    prepare_rotation,
     rope_cos_sin_cache,
+    rotary_rotation,
 )
 
 
@@ -119,6 +122,46 @@ def test_fast_path_copes_with_odd_offsets_and_strides() -> None:
         torch.testing.assert_close(apply_rotary_interleaved(x, positions, cache), expected)
 
 
+# --- q and k together -----------------------------------------------------------------------
+
+
+def fused_qkv_views(num_tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, 9, 64] and k [n, 3, 64] as llama.py has them: strided views into one qkv output."""
+    qkv = torch.randn(num_tokens, 15 * 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return qkv[:, : 9 * 64].view(num_tokens, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(num_tokens, 3, 64)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_is_bitwise_the_single_tensor_path(num_tokens: int, dtype: torch.dtype) -> None:
+    q, k = fused_qkv_views(num_tokens, dtype, seed=num_tokens)
+    positions = torch.randint(0, 8192, (num_tokens,), generator=torch.Generator().manual_seed(1))
+    cache = rope_cos_sin_cache(64, 8192, 100000.0, torch.float32)
+    rotation = prepare_rotation(positions, cache, dtype)
+    assert rotation is not None and rotation.shape == (num_tokens, 1, 32)
+    for shared in (None, rotation):  # built inside, or once per step and passed down
+        rq, rk = apply_rotary_qk(q, k, positions, cache, shared)
+        assert torch.equal(rq, apply_rotary_interleaved(q, positions, cache))
+        assert torch.equal(rk, apply_rotary_interleaved(k, positions, cache))
+        assert rq.shape == q.shape and rk.shape == k.shape and rq.dtype == rk.dtype == dtype
+        torch.testing.assert_close(
+            rk, apply_rotary_interleaved_reference(k, positions, cache), atol=1e-6, rtol=0
+        )
+
+
+def test_qk_rejects_mixed_dtypes() -> None:
+    cache = rope_cos_sin_cache(8, 4, 10000.0, torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        apply_rotary_qk(torch.randn(2, 1, 8), torch.randn(2, 1, 8).bfloat16(), torch.tensor([0, 1]), cache)
+
+
+def test_rotation_is_the_cache_as_complex() -> None:
+    cache = rope_cos_sin_cache(8, 16, 10000.0, torch.float32)
+    rotation = rotary_rotation(torch.tensor([3, 0]), cache)
+    assert rotation.dtype == torch.complex64
+    assert torch.equal(torch.view_as_real(rotation[0, 0]), torch.stack([cache[3, :4], cache[3, 4:]], -1))
+
+
 # --- CUDA -----------------------------------------------------------------------------------
 
 
@@ -132,5 +175,20 @@ def test_flashinfer_rotary_matches_reference() -> None:
     cache = rope_cos_sin_cache(64, 4096, 100000.0, torch.float32).cuda()
     for x in (qkv[:, : 9 * 64].view(37, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)):
         out = apply_rotary_interleaved(x, positions, cache)
+        expected = apply_rotary_interleaved_reference(x, positions, cache)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flashinfer_rotary_qk_matches_reference() -> None:
+    pytest.importorskip("flashinfer")
+    q, k = (t.cuda() for t in fused_qkv_views(37, torch.bfloat16, seed=11))
+    positions = torch.randint(0, 4096, (37,), generator=torch.Generator().manual_seed(12)).cuda()
+    cache = rope_cos_sin_cache(64, 4096, 100000.0, torch.float32).cuda()
+    assert prepare_rotation(positions, cache, torch.bfloat16) is None  # flashinfer needs none
+    rq, rk = apply_rotary_qk(q, k, positions, cache)
+    assert rq.shape == q.shape and rk.shape == k.shape
+    for out, x in ((rq, q), (rk, k)):
         expected = apply_rotary_interleaved_reference(x, positions, cache)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=1e-2)

@@ -19,8 +19,8 @@ from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from libs.models.quant import Int4Linear, Int8Linear, quantize_model
 from libs.recipe.chat_template import render_chat
-from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.reference import GrowingCache
+from libs.recipe.tokenizer import Tokenizer
+from tests.reference import greedy_text
 from tests.tiny_models import TINY_LLAMA
 
 PROMPTS = [
@@ -256,16 +256,5 @@ def test_greedy_answer_names_paris(
     quantized: tuple[str, LlamaForCausalLM], tokenizer: Tokenizer, prompts: list[list[int]]
 ) -> None:
     _, model = quantized
-    cache, detok, text = GrowingCache(), IncrementalDetokenizer(tokenizer), ""
-    step_ids, start = list(prompts[0]), 0
-    with torch.inference_mode():
-        for _ in range(12):  # prefill, then one token a step
-            hidden = model(torch.tensor(step_ids), torch.arange(start, start + len(step_ids)), cache)
-            next_id = int(model.compute_logits(hidden[-1:])[0].argmax())
-            if next_id == tokenizer.eos_token_id:
-                break
-            text += detok.add([next_id])
-            start += len(step_ids)
-            step_ids = [next_id]
-    text += detok.flush()
+    text = greedy_text(model, tokenizer, prompts[0])
     assert "Paris" in text, text

@@ -95,7 +95,7 @@ def test_extensions() -> None:
              service_tier="auto", prompt_cache_key="p", parallel_tool_calls=False, seed=1)
     )  # fmt: skip
     assert request.conversation.extra == {"enable_thinking": False}
-    assert (request.stream, request.include_usage, request.parallel_tool_calls) == (True, True, False)
+    assert (request.stream, request.include_usage) == (True, True)
     assert request.sampling.base.top_k == 5
 
 
@@ -111,11 +111,10 @@ def test_named_tool_choice_restricts_tools_and_requires_a_call() -> None:
     assert conversation.tool_choice == "required" and [t.name for t in conversation.tools] == ["g"]
 
 
-def test_json_schema_output_format_keeps_name_and_strict() -> None:
+def test_json_schema_output_format_sets_the_schema() -> None:
     spec = {"type": "json_schema", "json_schema": {"name": "out", "schema": OBJ, "strict": True}}
-    request = parse_chat_request(body(response_format=spec))
-    assert (request.output_format.name, request.output_format.strict) == ("out", True)
-    assert request.conversation.response_schema == OBJ
+    conversation = parse_chat_request(body(response_format=spec)).conversation
+    assert (conversation.response_format, conversation.response_schema) == ("json_schema", OBJ)
 
 
 # --- bad inputs --------------------------------------------------------------------------------

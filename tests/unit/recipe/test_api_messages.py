@@ -43,7 +43,7 @@ def test_final_assistant_is_a_prefill_where_the_wheel_starts_a_new_turn() -> Non
 def test_max_tokens_is_required_where_the_wheel_accepts_none() -> None:
     request = {"model": MODEL, "messages": USER}
     assert error(request).param == "max_tokens"
-    assert parse_count_tokens_request(request).max_tokens is None
+    assert parse_count_tokens_request(request).sampling.max_tokens is None
     wheel(request)
 
 
@@ -85,12 +85,7 @@ def test_sampling_and_metadata() -> None:
         4,
         ["x"],
     )
-    assert (request.user_id, request.stream, request.max_tokens, request.sampling.max_tokens) == (
-        "u",
-        True,
-        2048,
-        2048,
-    )
+    assert (request.stream, request.sampling.max_tokens) == (True, 2048)
 
 
 USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}

