@@ -1,0 +1,324 @@
+"""The G3 on-disk block format: one file per KV block, a self-describing header, then the payload.
+
+Every worker can read the shared store, so a file must prove it is the block the reader asked for
+before a byte of it reaches attention: ``read_block_file`` checks the header's own checksum, the
+model fingerprint, the KV layout, the dtype, the block hash, the payload length and the payload
+checksum, and raises ``BlockFileError`` (with a ``BlockFileFault`` reason) on any mismatch. A caller
+treats every fault as a miss and recomputes.
+
+Layout (little-endian; ``header_len`` counts every byte before the payload):
+
+    magic 8s | version u16 | header_len u32                                  _PREFIX
+    block_hash 32s | num_layers u32 | num_kv_heads u32 | head_dim u32
+    | block_size u32 | payload_len u64 | payload_checksum 16s
+    | stored_at f64 | expires_at f64                                        _FIXED
+    fingerprint, dtype, retention_class: each u16 length + utf-8
+    header_crc u32: crc32 of every header byte before it
+    payload (payload_len bytes; the caller packs tensors)
+
+The header carries the retention class and stored/expiry times so that the kvcache index can be
+rebuilt from a scan of headers alone (``read_header``); it is written once, so a later use is
+recorded in the file's mtime (``touch_block_file``). Writes are atomic: a temp file in the target
+directory, then ``os.replace``, so a reader sees a whole file or none. Temp names start with "." and
+end with ".tmp"; a scan skips them and GC deletes stale ones (a writer that died mid-write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import os
+import re
+import secrets
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Final
+
+from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, block_hash_hex
+
+MAGIC: Final = b"DIKVBLK\x00"
+FORMAT_VERSION: Final = 1
+BLOCK_FILE_SUFFIX: Final = ".kvb"
+TEMP_FILE_SUFFIX: Final = ".tmp"
+MAX_HEADER_NUM_BYTES: Final = 4096  # a bigger header_len is corruption, not a long fingerprint
+_PREFIX: Final = struct.Struct("<8sHI")
+_FIXED: Final = struct.Struct(f"<{BLOCK_HASH_NUM_BYTES}sIIIIQ16sdd")
+_STR_LEN: Final = struct.Struct("<H")
+_CRC: Final = struct.Struct("<I")
+# a fingerprint names a directory of the store: no separators, no "..", no hidden names
+_FINGERPRINT: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class BlockFileFault(enum.Enum):
+    MISSING = "missing"
+    UNREADABLE = "unreadable"  # an I/O error other than a missing file
+    TRUNCATED = "truncated"  # shorter than its header says (a torn write, a copy cut short)
+    BAD_MAGIC = "bad magic"  # not a block file at all
+    BAD_VERSION = "bad version"  # a block file of a format this reader does not know
+    CORRUPT_HEADER = "corrupt header"  # header checksum or field encoding wrong, or trailing bytes
+    CORRUPT_PAYLOAD = "corrupt payload"  # payload checksum wrong
+    FOREIGN_MODEL = "foreign model"  # another model fingerprint
+    WRONG_LAYOUT = "wrong layout"  # num_layers / num_kv_heads / head_dim / block_size differ
+    WRONG_DTYPE = "wrong dtype"
+    WRONG_HASH = "wrong hash"  # a valid block, but not the one asked for
+
+
+class BlockFileError(Exception):
+    """A block file that must not be used; ``reason`` says why, ``detail`` gives the numbers."""
+
+    def __init__(self, path: Path | str, reason: BlockFileFault, detail: str = "") -> None:
+        super().__init__(f"{path}: {reason.value}" + (f" ({detail})" if detail else ""))
+        self.path = Path(path)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one block's KV; the payload packing for a layout is the caller's contract."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a writer knows about a block: identity, layout, retention. Unix times in seconds."""
+
+    block_hash: bytes
+    fingerprint: str
+    layout: KVLayout
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    retention_class: str
+    stored_at: float
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFileHeader:
+    """A parsed header: the writer's meta plus what the writer derived from the payload."""
+
+    meta: BlockMeta
+    payload_len: int
+    payload_checksum: bytes
+    header_len: int
+    version: int = FORMAT_VERSION
+
+    @property
+    def file_size(self) -> int:
+        """Bytes on disk: what a store's capacity is charged for this block."""
+        return self.header_len + self.payload_len
+
+
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    """What a reader needs the block to be; any difference is a fault, never a silent fallback."""
+
+    block_hash: bytes
+    fingerprint: str
+    layout: KVLayout
+    dtype: str
+
+
+def payload_checksum(payload: bytes | memoryview) -> bytes:
+    # sha256 (hardware-accelerated, ~1.6 GB/s here vs ~0.65 for blake2b): corruption of a
+    # 128-bit digest's input goes unnoticed with probability 2**-128, where crc32's is 2**-32.
+    return hashlib.sha256(payload).digest()[:16]
+
+
+def block_path(root: Path | str, fingerprint: str, block_hash: bytes) -> Path:
+    """``root/<fingerprint>/<ab>/<cd>/<hash hex>.kvb``: two levels of 256 directories per model
+    keep each directory small (10M blocks -> ~150 files per leaf)."""
+    if not _FINGERPRINT.fullmatch(fingerprint):
+        raise ValueError(f"fingerprint {fingerprint!r} is not a safe directory name")
+    name = block_hash_hex(block_hash)
+    return Path(root) / fingerprint / name[:2] / name[2:4] / f"{name}{BLOCK_FILE_SUFFIX}"
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_FILE_SUFFIX)
+
+
+def _encode_str(text: str) -> bytes:
+    data = text.encode()
+    return _STR_LEN.pack(len(data)) + data
+
+
+def encode_header(meta: BlockMeta, payload_len: int, checksum: bytes) -> bytes:
+    """Header bytes for a payload of ``payload_len`` bytes whose ``payload_checksum`` is ``checksum``."""
+    if len(meta.block_hash) != BLOCK_HASH_NUM_BYTES:
+        raise ValueError(f"block hash has {len(meta.block_hash)} bytes, expected {BLOCK_HASH_NUM_BYTES}")
+    lay = meta.layout
+    fixed = _FIXED.pack(
+        meta.block_hash,
+        lay.num_layers,
+        lay.num_kv_heads,
+        lay.head_dim,
+        lay.block_size,
+        payload_len,
+        checksum,
+        meta.stored_at,
+        meta.expires_at,
+    )
+    strings = b"".join(_encode_str(s) for s in (meta.fingerprint, meta.dtype, meta.retention_class))
+    header_len = _PREFIX.size + len(fixed) + len(strings) + _CRC.size
+    if header_len > MAX_HEADER_NUM_BYTES:
+        raise ValueError(f"header of {header_len} bytes exceeds {MAX_HEADER_NUM_BYTES}")
+    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, header_len) + fixed + strings
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _decode_fields(path: Path, header: bytes, version: int) -> BlockFileHeader:
+    """Fields of a header whose length and crc were already checked."""
+    try:
+        values = _FIXED.unpack_from(header, _PREFIX.size)
+        offset = _PREFIX.size + _FIXED.size
+        texts: list[str] = []
+        for _ in range(3):
+            (num_bytes,) = _STR_LEN.unpack_from(header, offset)
+            offset += _STR_LEN.size
+            if offset + num_bytes > len(header) - _CRC.size:
+                raise ValueError("string runs past the header")
+            texts.append(header[offset : offset + num_bytes].decode())
+            offset += num_bytes
+    except (struct.error, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, str(e)) from None
+    if offset != len(header) - _CRC.size:
+        raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, "bytes after the last field")
+    block_hash, num_layers, num_kv_heads, head_dim, block_size, payload_len, checksum = values[:7]
+    meta = BlockMeta(
+        block_hash=block_hash,
+        fingerprint=texts[0],
+        layout=KVLayout(num_layers, num_kv_heads, head_dim, block_size),
+        dtype=texts[1],
+        retention_class=texts[2],
+        stored_at=values[7],
+        expires_at=values[8],
+    )
+    return BlockFileHeader(meta, payload_len, checksum, len(header), version)
+
+
+def _read_header_from(f: BinaryIO, path: Path) -> BlockFileHeader:
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) < _PREFIX.size:
+        raise BlockFileError(path, BlockFileFault.TRUNCATED, f"{len(prefix)} bytes, no header")
+    magic, version, header_len = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise BlockFileError(path, BlockFileFault.BAD_MAGIC, repr(magic))
+    if version != FORMAT_VERSION:
+        raise BlockFileError(path, BlockFileFault.BAD_VERSION, f"version {version}")
+    if not _PREFIX.size + _FIXED.size + 3 * _STR_LEN.size + _CRC.size <= header_len <= MAX_HEADER_NUM_BYTES:
+        raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, f"header_len {header_len}")
+    rest = f.read(header_len - _PREFIX.size)
+    if len(rest) < header_len - _PREFIX.size:
+        raise BlockFileError(path, BlockFileFault.TRUNCATED, f"header cut at {_PREFIX.size + len(rest)}")
+    header = prefix + rest
+    (crc,) = _CRC.unpack_from(header, header_len - _CRC.size)
+    if crc != zlib.crc32(memoryview(header)[: header_len - _CRC.size]):
+        raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, "header checksum")
+    parsed = _decode_fields(path, header, version)
+    file_size = os.fstat(f.fileno()).st_size
+    if file_size < parsed.file_size:
+        raise BlockFileError(path, BlockFileFault.TRUNCATED, f"{file_size} of {parsed.file_size} bytes")
+    if file_size > parsed.file_size:
+        extra = file_size - parsed.file_size
+        raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, f"{extra} bytes after the payload")
+    return parsed
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[BinaryIO]:
+    """``path`` open for reading; an I/O error (EIO on a network mount, a directory, no permission)
+    becomes a fault too, so a reader has one exception to turn into a recompute."""
+    try:
+        with open(path, "rb") as f:
+            yield f
+    except FileNotFoundError:
+        raise BlockFileError(path, BlockFileFault.MISSING) from None
+    except OSError as e:
+        raise BlockFileError(path, BlockFileFault.UNREADABLE, str(e)) from None
+
+
+def read_header(path: Path | str) -> BlockFileHeader:
+    """The header of a block file, checked (magic, version, crc, file size) but without reading the
+    payload: what a scan of the store needs to rebuild the index."""
+    path = Path(path)
+    with _reading(path) as f:
+        return _read_header_from(f, path)
+
+
+def _check_expected(path: Path, meta: BlockMeta, expect: Expectation) -> None:
+    if meta.fingerprint != expect.fingerprint:
+        raise BlockFileError(path, BlockFileFault.FOREIGN_MODEL, f"{meta.fingerprint!r}")
+    if meta.layout != expect.layout:
+        raise BlockFileError(path, BlockFileFault.WRONG_LAYOUT, f"{meta.layout} != {expect.layout}")
+    if meta.dtype != expect.dtype:
+        raise BlockFileError(path, BlockFileFault.WRONG_DTYPE, f"{meta.dtype!r} != {expect.dtype!r}")
+    if meta.block_hash != expect.block_hash:
+        raise BlockFileError(path, BlockFileFault.WRONG_HASH, block_hash_hex(meta.block_hash))
+
+
+def read_block_file(path: Path | str, expect: Expectation) -> bytes:
+    """The payload of the block file at ``path``, only if it is exactly the block ``expect`` names
+    and intact; ``BlockFileError`` otherwise. A corrupt block is never returned."""
+    path = Path(path)
+    with _reading(path) as f:
+        header = _read_header_from(f, path)
+        _check_expected(path, header.meta, expect)
+        payload = f.read(header.payload_len)
+    if len(payload) != header.payload_len:  # the file shrank after the size check
+        detail = f"payload {len(payload)} of {header.payload_len} bytes"
+        raise BlockFileError(path, BlockFileFault.TRUNCATED, detail)
+    if payload_checksum(payload) != header.payload_checksum:
+        raise BlockFileError(path, BlockFileFault.CORRUPT_PAYLOAD, "payload checksum")
+    return payload
+
+
+def touch_block_file(path: Path | str, now: float) -> None:
+    """Record a use in the file's mtime, which a rebuild of the index reads as the block's last use
+    (the header's times are written once). Cheap: one metadata update, no data."""
+    os.utime(path, (now, now))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_block_file(
+    path: Path | str, meta: BlockMeta, payload: bytes | memoryview, *, fsync: bool = False
+) -> BlockFileHeader:
+    """Write one block file atomically (temp file in the same directory, then ``os.replace``).
+
+    ``fsync`` also flushes the file and its directory, for a store that must survive a power loss
+    rather than only a process death. Returns the header written; ``file_size`` is what it costs.
+    """
+    path = Path(path)
+    view = memoryview(payload).cast("B")
+    checksum = payload_checksum(view)
+    header_bytes = encode_header(meta, len(view), checksum)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}{TEMP_FILE_SUFFIX}")
+    try:
+        with open(temp, "xb") as f:
+            f.write(header_bytes)
+            f.write(view)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_dir(path.parent)
+    return BlockFileHeader(meta, len(view), checksum, len(header_bytes))
