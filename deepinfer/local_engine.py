@@ -42,15 +42,18 @@ class LocalEngine:
         self.check = check  # check_integrity after every step (tests)
         self.outputs: dict[str, list[int]] = {}  # seq id -> tokens, once finished
         self.finish_reasons: dict[str, FinishReason] = {}
+        self.finished: dict[str, Sequence] = {}  # seq id -> the sequence (usage, logprobs)
         self.num_steps = 0
         self.num_preemptions = 0  # over finished sequences
         self._in_flight: deque[ModelRunnerOutput] = deque()
 
     def add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0, tenant: str = ""
     ) -> list[Sequence]:
         """Queue a request; returns its choices (``params.n`` of them)."""
-        seq = Sequence(request_id, "", list(prompt), params, self.eos_token_id, priority=priority)
+        seq = Sequence(
+            request_id, "", list(prompt), params, self.eos_token_id, priority=priority, tenant=tenant
+        )
         return self.core.add(seq)
 
     def abort(self, request_or_seq_id: str) -> list[Sequence]:
@@ -80,7 +83,8 @@ class LocalEngine:
         if self._in_flight and (plan is None or len(self._in_flight) >= self.max_in_flight):
             result = self._in_flight.popleft()
             sampled = unpack_tokens(result.sampled_token_ids)
-            for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs):
+            failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
+            for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs, failed):
                 if seq.is_finished:
                     self._record(seq)
         if self.check:
@@ -105,4 +109,5 @@ class LocalEngine:
         self.outputs[seq.seq_id] = list(seq.output_token_ids)
         assert seq.finish_reason is not None
         self.finish_reasons[seq.seq_id] = seq.finish_reason
+        self.finished[seq.seq_id] = seq
         self.num_preemptions += seq.num_preemptions

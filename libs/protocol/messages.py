@@ -22,6 +22,32 @@ class FinishReason(enum.IntEnum):
         return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(self, "abort")
 
 
+class StructuredOutputKind(enum.IntEnum):
+    JSON = 1  # any JSON object (``json_object``)
+    JSON_SCHEMA = 2  # ``spec``: the JSON Schema, as canonical JSON text
+    REGEX = 3  # ``spec``: the pattern; the whole output must match it
+    TOOL_TRIGGERS = 4  # free text, but a trigger starts a tool call whose body must follow its schema;
+    # ``spec``: JSON {"triggers": [str], "tags": [{"begin": str, "schema": {...}, "end": str}]}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on what a sequence may generate, enforced by the worker's grammar masks.
+
+    The gateway builds and validates it (a bad one is a 400 before queueing); the worker compiles
+    it with ``backend`` (cached by content) and masks every sampled row that carries it.
+    """
+
+    kind: StructuredOutputKind
+    spec: str = ""
+    backend: str = "xgrammar"  # "xgrammar" | "outlines": the backend the gateway validated with
+    prefix: str = ""  # literal text the constrained output starts with (a forced call's opening)
+    suffix: str = ""  # literal text after the constrained part (a forced call's closing)
+    # packed uint32 token ids: the constraint starts once the output has produced these (the end of
+    # the reasoning); empty means from the first output token
+    start_after: bytes = b""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """OpenAI/vLLM sampling semantics. Processing order in the sampler: penalties -> temperature ->
@@ -42,6 +68,7 @@ class SamplingParams:
     logprobs: bool = False  # return each sampled token's logprob
     top_logprobs: int = 0  # ... and this many most likely alternatives (needs logprobs)
     n: int = 1  # completions per request; they share the prompt's KV blocks
+    structured_output: StructuredOutput | None = None  # grammar-constrained decoding
 
     @property
     def greedy(self) -> bool:
@@ -176,6 +203,10 @@ class ModelRunnerOutput:
     num_running_seqs: int  # sequences whose state the worker holds after this step
     logprobs: tuple[Logprobs | None, ...] = ()  # one per seq_id, or empty when none asked
     error: str = ""  # the whole step failed; the worker dropped every sequence
+    # Sequences that cannot go on (their grammar failed to compile), with why. Each still sampled a
+    # stop token above, so the worker's state stays in step with plans already in flight.
+    failed_seq_ids: tuple[str, ...] = ()
+    failed_errors: tuple[str, ...] = ()
 
 
 # --- liveness and load ----------------------------------------------------------------------
@@ -210,6 +241,9 @@ class WorkerLoad:
     step_time_ms: float = 0.0
     model: str = ""
     owner: str = ""  # the scheduler whose sequences it holds; others must not schedule here
+    # identity of the KV it computes (weights, dtype, KV layout), folded into every block hash;
+    # empty: the scheduler falls back to ``model``
+    model_fingerprint: str = ""
 
 
 def seq_id_of(request_id: str, index: int) -> str:

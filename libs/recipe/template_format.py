@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from libs.protocol.messages import StructuredOutput
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.conversation import Conversation, Message, RecipeError, ToolCall, ToolDefinition
 from libs.recipe.output_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Stage, Syntax
@@ -36,6 +37,7 @@ class Prompt:
     start: Stage  # the stage the prompt leaves the model in
     parse_tool_calls: bool
     thinking: bool  # reasoning is expected in the output
+    structured_output: StructuredOutput | None = None  # the output constraint (set by the gateway)
 
 
 def _tools_section(tools: Sequence[ToolDefinition]) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from libs.protocol.messages import StreamRecord, SubmitStatus
 from libs.recipe.conversation import Conversation
@@ -33,9 +33,10 @@ class Admission:
         self.service = service
         self.served = served
 
-    async def prompt(self, conversation: Conversation) -> Prompt:
-        # Rendering and tokenizing a long prompt is CPU work: keep it off the event loop.
-        return await asyncio.to_thread(self.served.prompt, conversation)
+    async def prompt(self, conversation: Conversation, format_param: str = "response_format") -> Prompt:
+        # Rendering and tokenizing a long prompt, and checking its output constraint, are CPU
+        # work: keep them off the event loop.
+        return await asyncio.to_thread(self.served.prompt, conversation, format_param)
 
     async def admit(
         self,
@@ -52,6 +53,12 @@ class Admission:
     ) -> Admitted:
         served = self.served
         params = sampling.resolve(served.check_length(len(prompt.token_ids), sampling.max_tokens))
+        if prompt.structured_output is not None:
+            if params.ignore_eos:
+                # A finished grammar allows only stop tokens: without EOS it could never end.
+                why = "'ignore_eos' cannot be combined with a structured output"
+                raise ApiError(400, why, param="ignore_eos")
+            params = replace(params, structured_output=prompt.structured_output)
         record = StreamRecord(
             request_id=request_id,
             api=api,

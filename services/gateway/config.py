@@ -29,6 +29,10 @@ class Config:
         },
     )
     max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})
+    grammar_backend: str = field(
+        default="xgrammar",
+        metadata={"help": "structured-output grammar backend: xgrammar | outlines (outlines-core)"},
+    )
     submit_timeout_s: float = field(
         default=5.0, metadata={"help": "how long a submit may wait for a scheduler"}
     )
@@ -55,6 +59,8 @@ class Config:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.chat_format not in FORMATS:
             raise ValueError(f"chat_format must be one of {', '.join(FORMATS)}, got {self.chat_format!r}")
+        if self.grammar_backend not in ("xgrammar", "outlines"):
+            raise ValueError(f"grammar_backend must be xgrammar or outlines, got {self.grammar_backend!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.submit_timeout_s <= 0:

@@ -42,6 +42,7 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         config.served_model_name,
         config.max_model_len,
         config.chat_format,
+        config.grammar_backend,
     )
     subjects = Subjects(config.subject_prefix)
     bus = await NatsBus.connect(config.nats_url, name=config.gateway_id)

@@ -23,7 +23,7 @@ class MessagesRoutes:
         try:
             req = parse_messages_request(await json_body(request))
             self.server.served.check_model(req.model)
-            prompt = await self.admission.prompt(req.conversation)
+            prompt = await self.admission.prompt(req.conversation, "output_config.format")
             admitted = await self.admission.admit(
                 "messages",
                 "msg_" + uuid.uuid4().hex,
@@ -40,7 +40,7 @@ class MessagesRoutes:
         try:
             req = parse_count_tokens_request(await json_body(request))
             self.server.served.check_model(req.model)
-            prompt = await self.admission.prompt(req.conversation)
+            prompt = await self.admission.prompt(req.conversation, "output_config.format")
         except ApiError as err:
             return error_response(err, "anthropic")
         return JSONResponse({"input_tokens": len(prompt.token_ids)})

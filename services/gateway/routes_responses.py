@@ -58,7 +58,7 @@ class ResponsesRoutes:
             history = await self._history(req)
             input_json = encode_items([*history, *_input_items(body)])
             history_messages = parse_input(history)[0] if history else ()
-            prompt = await self.admission.prompt(req.conversation(history_messages))
+            prompt = await self.admission.prompt(req.conversation(history_messages), "text.format")
             response_id = "resp_" + uuid.uuid4().hex
             created = int(time.time())
             skeleton = {

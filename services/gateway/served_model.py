@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from libs.models.gguf_metadata import read_gguf_config
 from libs.models.registry import resolve_model_path
+from libs.protocol.messages import StructuredOutputKind
 from libs.recipe.chat_formats import ChatFormat, make_chat_format
 from libs.recipe.chat_template import ChatTemplate
+from libs.recipe.constraints import structured_output
 from libs.recipe.conversation import Conversation, RecipeError
+from libs.recipe.dsml import THINK_END
 from libs.recipe.fields import ApiError
 from libs.recipe.output_parser import MARKER_SPELLINGS
 from libs.recipe.template_format import Prompt
 from libs.recipe.tokenizer import Tokenizer
+from services.gateway.grammar_check import GrammarCheck
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +31,18 @@ class ServedModel:
     max_model_len: int
     eos_token_id: int
     keep_token_ids: frozenset[int]  # special tokens the output parser must see
+    grammar_backend: str = "xgrammar"  # which backend enforces structured outputs
+    grammar_check: GrammarCheck = field(default_factory=GrammarCheck)
 
     @classmethod
     def load(
-        cls, spec: str, cache_dir: str, served_name: str, max_model_len: int, chat_format: str = "template"
+        cls,
+        spec: str,
+        cache_dir: str,
+        served_name: str,
+        max_model_len: int,
+        chat_format: str = "template",
+        grammar_backend: str = "xgrammar",
     ) -> ServedModel:
         path = resolve_model_path(spec)
         tokenizer = Tokenizer.from_gguf(path, Path(cache_dir))
@@ -48,7 +60,8 @@ class ServedModel:
         specials = tokenizer.special_token_ids
         keep = frozenset(i for i in specials if tokenizer.id_to_token(i) in MARKER_SPELLINGS)
         speaks = make_chat_format(chat_format, template, tokenizer)
-        return cls(name, aliases, tokenizer, speaks, max_model_len, tokenizer.eos_token_id, keep)
+        eos_id = tokenizer.eos_token_id
+        return cls(name, aliases, tokenizer, speaks, max_model_len, eos_id, keep, grammar_backend)
 
     def card(self) -> dict[str, Any]:
         return {
@@ -63,11 +76,31 @@ class ServedModel:
         if model != self.name and model not in self.aliases:
             raise ApiError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
-    def prompt(self, conversation: Conversation) -> Prompt:
+    def prompt(self, conversation: Conversation, format_param: str = "response_format") -> Prompt:
+        """The prompt tokens, with the output constraint the conversation asks for (checked: a bad
+        one is a 400). ``format_param`` is what the client's API calls its response format."""
         try:
-            return self.chat_format.prompt(conversation)
+            prompt = self.chat_format.prompt(conversation)
+            constraint = structured_output(
+                conversation, prompt, backend=self.grammar_backend, reasoning_end=self._reasoning_end(prompt)
+            )
         except RecipeError as exc:
-            raise ApiError(400, exc.message, param=exc.param or "messages") from exc
+            param = exc.param or "messages"
+            param = format_param if param == "response_format" else param
+            raise ApiError(400, exc.message, param=param) from exc
+        if constraint is None:
+            return prompt
+        from_tools = constraint.kind is StructuredOutputKind.TOOL_TRIGGERS or bool(constraint.suffix)
+        self.grammar_check(constraint, "tools" if from_tools else format_param)
+        return replace(prompt, structured_output=constraint)
+
+    def _reasoning_end(self, prompt: Prompt) -> list[int]:
+        """The tokens that close reasoning in this prompt's output syntax."""
+        if prompt.start != "reasoning":
+            return []
+        if THINK_END in (self.tokenizer.id_to_token(i) for i in self.keep_token_ids):
+            return [self.tokenizer.special_id(THINK_END)]
+        return self.tokenizer.encode_plain(THINK_END)
 
     def encode_text(self, text: str) -> list[int]:
         """A raw prompt (Completions): the client's text is the prompt, special tokens included."""

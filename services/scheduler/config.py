@@ -24,6 +24,13 @@ class Config:
             "has cores to itself: on a small CPU shared with the scheduler it measured ~10% slower"
         },
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "reuse the KV of full blocks of a prompt prefix already computed on the worker "
+            "(salted per tenant); false computes every prompt from scratch"
+        },
+    )
     step_timeout_s: float = field(default=120.0, metadata={"help": "longest a worker step may take"})
     worker_timeout_s: float = field(default=5.0, metadata={"help": "silence after which a worker is dead"})
     out_max_age_s: float = field(default=600.0, metadata={"help": "how long step outputs stay replayable"})

@@ -14,6 +14,19 @@ step that preempted.
 Overlap scheduling: plans may be made before earlier results arrive. A plan counts the tokens its
 predecessors will sample (``Sequence.num_pending_tokens``) so a decode can be scheduled whose
 input token only the worker knows yet.
+
+Prefix caching (G1): a sequence admitted from the waiting queue starts with the cached blocks of
+the longest prefix of its known tokens (block hashes salted with its tenant) and computes only the
+rest, always including its last token, whose logits it samples from. Full blocks enter the cache
+once the plans already made compute them, and stay cached after their owners finish or are
+preempted, until allocation evicts them (least recently used first).
+
+NOTE: why reuse is safe with two plans in flight. The worker runs plans one after another in the
+order they are made. A block's hash is published (``cache_blocks``) only for tokens whose KV a plan
+made *before* the current one computes, so a plan that hits it reads KV its predecessors wrote. A
+block is handed out again (free or evicted) only when no sequence holds it; the sequences that
+held it were freed before this plan and are in no plan from now on, so every plan that reads or
+writes its old content runs before the plan that overwrites it.
 """
 
 from __future__ import annotations
@@ -21,12 +34,14 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from libs.protocol.codec import pack_tokens
 from libs.protocol.errors import QueueFull
-from libs.protocol.messages import FinishReason, Logprobs, NewSequence, SchedulerOutput
+from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.plan import Plan
+from services.scheduler.prefix_cache import BlockHasher, PrefixCacheStats
 from services.scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -39,6 +54,7 @@ class Limits:
     max_num_batched_tokens: int  # tokens computed per step, prefill chunks included
     max_num_waiting: int  # queued sequences before QueueFull
     watermark: float = 0.01  # share of blocks admission leaves free, so decodes rarely preempt
+    enable_prefix_caching: bool = True  # reuse cached full blocks of a common prefix (G1)
 
     @property
     def context_len(self) -> int:
@@ -46,22 +62,12 @@ class Limits:
         return min(self.max_model_len, self.num_blocks * self.block_size)
 
 
-@dataclass(slots=True)
-class _Plan:
-    step_id: int
-    budget: int
-    scheduled: dict[str, int]  # seq_id -> tokens to compute, in plan order
-    new_blocks: dict[str, list[int]]
-    new_seq_ids: set[str]
-    num_computed_before: dict[str, int]
-    preempted: bool = False
-
-
 class Scheduler:
-    def __init__(self, limits: Limits, scheduler_id: str = "") -> None:
+    def __init__(self, limits: Limits, scheduler_id: str = "", model_fingerprint: str = "") -> None:
         self.limits = limits
         self.scheduler_id = scheduler_id
         self.block_manager = BlockManager(limits.num_blocks, limits.block_size)
+        self._hasher = BlockHasher(limits.block_size, model_fingerprint)
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, waiting or running
         self._waiting: list[tuple[tuple[int, int, int], str]] = []  # heap of (order, seq_id)
         self._running: list[Sequence] = []  # sorted by order
@@ -78,6 +84,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.block_manager.prefix_cache.stats
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._finished_since_plan)
@@ -105,7 +115,7 @@ class Scheduler:
         return aborted
 
     def schedule(self) -> SchedulerOutput:
-        plan = _Plan(next(self._step_ids), self.limits.max_num_batched_tokens, {}, {}, set(), {})
+        plan = Plan(next(self._step_ids), self.limits.max_num_batched_tokens)
         for decoding in (True, False):
             for seq in list(self._running):
                 if plan.budget == 0:
@@ -115,7 +125,8 @@ class Scheduler:
                     self._schedule_running(plan, seq)
         if not plan.preempted:
             self._admit_waiting(plan)
-        return self._build_output(plan)
+        finished, self._finished_since_plan = tuple(self._finished_since_plan), []
+        return plan.to_output(self.seqs, self.block_manager.block_tables, finished, self.scheduler_id)
 
     def next_plan(self, num_in_flight: int, max_in_flight: int) -> SchedulerOutput | None:
         """The plan to send now, or None: then the caller waits for its oldest result in flight
@@ -130,17 +141,28 @@ class Scheduler:
         return plan if plan.num_scheduled_seqs or plan.finished_seq_ids else None
 
     def postprocess(
-        self, seq_ids: tuple[str, ...], sampled: list[int], logprobs: tuple[Logprobs | None, ...] = ()
+        self,
+        seq_ids: tuple[str, ...],
+        sampled: list[int],
+        logprobs: tuple[Logprobs | None, ...] = (),
+        failed: Mapping[str, str] | None = None,
     ) -> list[Sequence]:
         """Append each sampled token; returns the sequences that changed (finished ones included).
 
         Results of sequences that finished meanwhile are dropped; a preempted sequence keeps its
-        token (it was sampled from intact state before the worker dropped it).
+        token (it was sampled from intact state before the worker dropped it). A ``failed``
+        sequence (seq id -> why) finishes with ERROR and its token is dropped.
         """
         changed: list[Sequence] = []
         for i, (seq_id, token_id) in enumerate(zip(seq_ids, sampled, strict=True)):
             seq = self.seqs.get(seq_id)
             if seq is None:
+                continue
+            if failed and seq_id in failed:
+                seq.num_pending_tokens -= 1
+                seq.error = failed[seq_id]
+                self._finish(seq, FinishReason.ERROR)
+                changed.append(seq)
                 continue
             seq.num_pending_tokens -= 1
             seq.output_token_ids.append(token_id)
@@ -174,7 +196,7 @@ class Scheduler:
             and seq.num_tokens + num_pending < self.limits.context_len
         )
 
-    def _schedule_running(self, plan: _Plan, seq: Sequence) -> None:
+    def _schedule_running(self, plan: Plan, seq: Sequence) -> None:
         num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
         target = seq.num_computed_tokens + num_tokens
         while not self.block_manager.can_allocate(seq.seq_id, target):
@@ -186,7 +208,7 @@ class Scheduler:
             self._preempt(victim, plan)
         self._add_to_plan(plan, seq, num_tokens)
 
-    def _pick_victim(self, seq: Sequence, plan: _Plan) -> Sequence | None:
+    def _pick_victim(self, seq: Sequence, plan: Plan) -> Sequence | None:
         """The lowest-priority running sequence after ``seq`` that is not in the plan yet."""
         for victim in reversed(self._running):
             if victim is seq or victim.order < seq.order:
@@ -195,8 +217,8 @@ class Scheduler:
                 return victim
         return None
 
-    def _preempt(self, seq: Sequence, plan: _Plan) -> None:
-        self.block_manager.free(seq.seq_id)
+    def _preempt(self, seq: Sequence, plan: Plan) -> None:
+        self._release(seq)
         self._running.remove(seq)
         self._finished_since_plan.append(seq.seq_id)
         seq.status = SequenceStatus.WAITING
@@ -206,7 +228,7 @@ class Scheduler:
         heapq.heappush(self._waiting, (seq.order, seq.seq_id))
         plan.preempted = True
 
-    def _admit_waiting(self, plan: _Plan) -> None:
+    def _admit_waiting(self, plan: Plan) -> None:
         skipped: list[tuple[tuple[int, int, int], str]] = []
         while self._waiting and plan.budget > 0 and len(self._running) < self.limits.max_num_seqs:
             entry = heapq.heappop(self._waiting)
@@ -214,20 +236,57 @@ class Scheduler:
             if seq.num_pending_tokens or self._waits_for_parent(seq, plan.step_id):
                 skipped.append(entry)
                 continue
-            self._share_prompt(seq, plan.step_id)
-            num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
-            target = seq.num_computed_tokens + num_tokens
-            if not self.block_manager.can_allocate(seq.seq_id, target, reserve=self._watermark_blocks):
-                self.block_manager.free(seq.seq_id)  # gives back a shared prompt
-                seq.num_computed_tokens = 0
+            if not self._try_admit(plan, seq):
                 skipped.append(entry)
                 break  # first come, first served: nobody overtakes the head of the queue
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self._running, seq, key=lambda s: s.order)
-            plan.new_seq_ids.add(seq.seq_id)
-            self._add_to_plan(plan, seq, num_tokens)
         for entry in skipped:
             heapq.heappush(self._waiting, entry)
+
+    def _try_admit(self, plan: Plan, seq: Sequence) -> bool:
+        num_hit_tokens = self._reuse_prefix(seq, plan.step_id)
+        num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
+        target = seq.num_computed_tokens + num_tokens
+        if not self.block_manager.can_allocate(seq.seq_id, target, reserve=self._watermark_blocks):
+            self.block_manager.free(seq.seq_id)  # gives back a shared prompt or cache hit
+            seq.num_computed_tokens = 0
+            return False
+        if num_hit_tokens is not None:
+            self.prefix_cache_stats.record(seq.num_tokens, num_hit_tokens)
+            if seq.num_preemptions == 0:  # usage reports the first admission's hit, and keeps it
+                seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self._running, seq, key=lambda s: s.order)
+        plan.new_seq_ids.add(seq.seq_id)
+        self._add_to_plan(plan, seq, num_tokens)
+        return True
+
+    def _reuse_prefix(self, seq: Sequence, step_id: int) -> int | None:
+        """Start ``seq`` on KV that exists: choice 0's prompt blocks, else the prefix cache's
+        longest hit. Returns the tokens the cache held, or None when the cache was not asked."""
+        self._share_prompt(seq, step_id)
+        if seq.num_computed_tokens or not self.limits.enable_prefix_caching:
+            return None
+        # Never the block holding the last token: computing it gives the logits to sample from.
+        max_blocks = max(0, seq.num_tokens - 1) // self.limits.block_size
+        block_hashes = self._hasher.extend(seq, max_blocks)
+        num_blocks = self.block_manager.match(seq.seq_id, block_hashes, max_blocks)
+        seq.num_computed_tokens = num_blocks * self.limits.block_size
+        return seq.num_computed_tokens
+
+    def _cache_computed_blocks(self, seq: Sequence) -> None:
+        """Offer the cache ``seq``'s full blocks whose tokens are known and whose KV the plans
+        made so far compute (tokens only the worker knows yet stay out)."""
+        if not self.limits.enable_prefix_caching:
+            return
+        num_blocks = min(seq.num_computed_tokens, seq.num_tokens) // self.limits.block_size
+        if num_blocks > self.block_manager.num_cached_blocks_of(seq.seq_id):  # a block filled up
+            block_hashes = self._hasher.extend(seq, num_blocks)
+            self.block_manager.cache_blocks(seq.seq_id, block_hashes, num_blocks)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks; its computed full blocks stay cached for later plans."""
+        self._cache_computed_blocks(seq)
+        self.block_manager.free(seq.seq_id)
 
     def _waits_for_parent(self, seq: Sequence, step_id: int) -> bool:
         """Choices > 0 wait until choice 0's prompt is computed in an earlier plan, then share it."""
@@ -244,7 +303,8 @@ class Scheduler:
             self.block_manager.share(parent.seq_id, seq.seq_id, num_blocks)
             seq.num_computed_tokens = num_blocks * self.limits.block_size
 
-    def _add_to_plan(self, plan: _Plan, seq: Sequence, num_tokens: int) -> None:
+    def _add_to_plan(self, plan: Plan, seq: Sequence, num_tokens: int) -> None:
+        self._cache_computed_blocks(seq)  # before this plan's chunk: earlier plans computed them
         plan.num_computed_before[seq.seq_id] = seq.num_computed_tokens
         target = seq.num_computed_tokens + num_tokens
         plan.new_blocks[seq.seq_id] = self.block_manager.allocate(seq.seq_id, target)
@@ -258,46 +318,13 @@ class Scheduler:
         if samples:
             seq.num_pending_tokens += 1
 
-    def _build_output(self, plan: _Plan) -> SchedulerOutput:
-        new_seqs: list[NewSequence] = []
-        seq_ids: list[str] = []
-        counts: list[int] = []
-        new_block_ids: list[bytes] = []
-        for seq_id, num_tokens in plan.scheduled.items():
-            if seq_id in plan.new_seq_ids:
-                seq = self.seqs[seq_id]
-                new_seqs.append(
-                    NewSequence(
-                        seq_id=seq_id,
-                        prompt_token_ids=pack_tokens(seq.prompt_token_ids),
-                        output_token_ids=pack_tokens(seq.output_token_ids),
-                        sampling_params=seq.sampling_params,
-                        stop_token_ids=tuple(sorted(seq.stop_token_ids)),
-                        block_ids=pack_tokens(self.block_manager.block_tables[seq_id]),
-                        num_computed_tokens=plan.num_computed_before[seq_id],
-                        num_scheduled_tokens=num_tokens,
-                    )
-                )
-            else:
-                seq_ids.append(seq_id)
-                counts.append(num_tokens)
-                new_block_ids.append(pack_tokens(plan.new_blocks[seq_id]))
-        output = SchedulerOutput(
-            step_id=plan.step_id,
-            new_seqs=tuple(new_seqs),
-            seq_ids=tuple(seq_ids),
-            num_scheduled_tokens=pack_tokens(counts),
-            new_block_ids=tuple(new_block_ids),
-            finished_seq_ids=tuple(self._finished_since_plan),
-            scheduler_id=self.scheduler_id,
-        )
-        self._finished_since_plan = []
-        return output
-
     # --- finishing -------------------------------------------------------------------------
 
     def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        if token_id in seq.stop_token_ids and seq.num_output_tokens > seq.sampling_params.min_tokens:
+        params = seq.sampling_params
+        # A grammar decides where a constrained output ends: min_tokens cannot hold it open.
+        min_tokens = 0 if params.structured_output is not None else params.min_tokens
+        if token_id in seq.stop_token_ids and seq.num_output_tokens > min_tokens:
             return FinishReason.STOP
         if (
             seq.num_output_tokens >= seq.sampling_params.max_tokens
@@ -309,7 +336,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
-            self.block_manager.free(seq.seq_id)
+            self._release(seq)
             self._finished_since_plan.append(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
             self._waiting.remove((seq.order, seq.seq_id))
@@ -337,4 +364,20 @@ class Scheduler:
             assert len(table) * bs >= seq.num_computed_tokens, "computed tokens outside the table"
             if seq.status is SequenceStatus.WAITING:
                 assert seq.num_computed_tokens == 0
+            self._check_cached_blocks(seq)
         assert not set(self._finished_since_plan) & running, "a running sequence is to be dropped"
+
+    def _check_cached_blocks(self, seq: Sequence) -> None:
+        """Its hash chain is that of its tokens, and a cached block of its table holds its prefix."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return  # holds no blocks, and its tokens (so its chain) do not change while it waits
+        self._hasher.check(seq)
+        bm, bs = self.block_manager, self.limits.block_size
+        num_known = min(seq.num_computed_tokens, seq.num_tokens)
+        assert bm.num_cached_blocks_of(seq.seq_id) * bs <= num_known, "cached a block not computed"
+        for i, block_id in enumerate(bm.block_tables[seq.seq_id]):
+            block_hash = bm.prefix_cache.hash_of(block_id)
+            if block_hash is not None:
+                assert (i + 1) * bs <= seq.num_computed_tokens, "a cached block is still to be written"
+                if i < len(seq.block_hashes):
+                    assert block_hash == seq.block_hashes[i], "a block is cached under another prefix"

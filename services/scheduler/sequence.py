@@ -31,17 +31,21 @@ class Sequence:
     sampling_params: SamplingParams
     eos_token_id: int
     priority: int = 0  # lower runs first
+    tenant: str = ""  # salts its block hashes: tenants never share KV
     request_id: str = ""  # defaults to seq_id (choice 0)
     index: int = 0  # the choice
     arrival: int = 0  # admission order, the FCFS tie-break
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str = ""  # why it finished with ERROR, when that is the sequence's own fault
     num_sent_tokens: int = 0  # output tokens already published to the gateway
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     prompt_done_step: int = 0  # the step whose plan computes the prompt's last chunk (0: none yet)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held at first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks, grown lazily
     unsent_logprobs: list[Logprobs] = field(default_factory=list)
     stop_token_ids: frozenset[int] = field(init=False)  # EOS unless ignore_eos, plus the request's
 
@@ -64,6 +68,7 @@ class Sequence:
             params,
             self.eos_token_id,
             priority=self.priority,
+            tenant=self.tenant,
             request_id=self.request_id,
             index=index,
         )
@@ -79,6 +84,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        p = self.num_prompt_tokens
+        prompt = self.prompt_token_ids[start : min(end, p)]
+        return prompt + self.output_token_ids[max(start - p, 0) : max(end - p, 0)]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -105,6 +105,7 @@ class SchedulerService:
             req.sampling_params,
             req.eos_token_id,
             priority=req.priority,
+            tenant=req.tenant,
         )
         try:
             handle.core.add(seq)
@@ -162,8 +163,10 @@ class SchedulerService:
             max_model_len=load.max_model_len,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_waiting=self.config.max_num_waiting,
+            enable_prefix_caching=self.config.enable_prefix_caching,
         )
-        handle = WorkerHandle(load, Scheduler(limits, self.config.scheduler_id), time.monotonic())
+        core = Scheduler(limits, self.config.scheduler_id, load.model_fingerprint or load.model)
+        handle = WorkerHandle(load, core, time.monotonic())
         self.workers[load.worker_id] = handle
         handle.task = self._tasks.create_task(self._drive(handle))
         log.info(
@@ -231,7 +234,8 @@ class SchedulerService:
                     num_output_tokens=seq.num_output_tokens,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     finish_reason=seq.finish_reason if seq.is_finished else None,
-                    error=error if seq.finish_reason is FinishReason.ERROR else "",
+                    num_cached_tokens=seq.num_cached_tokens,
+                    error=(seq.error or error) if seq.finish_reason is FinishReason.ERROR else "",
                     index=seq.index,
                     logprobs=_take_logprobs(seq),
                 )

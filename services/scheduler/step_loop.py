@@ -93,8 +93,9 @@ class StepLoop:
             raise WorkerLost(f"step failed: {exc!r}") from exc
         if result.error:
             raise WorkerLost(result.error)
+        failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
         changed = self.handle.core.postprocess(
-            result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs
+            result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs, failed
         )
         if changed:
             await self.publish(changed)

@@ -17,7 +17,9 @@ from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
 from libs.models.registry import resolve_model_path
+from libs.recipe.tokenizer import Tokenizer
 from services.worker.config import Config
+from services.worker.grammar import Grammars
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
 
@@ -44,6 +46,14 @@ def load_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM:
     return model
 
 
+def grammar_vocab(path: Path, cache_dir: Path, vocab_size: int) -> list[bytes]:
+    """The bytes of each token id a grammar may produce; b"" for special tokens and for ids past
+    the tokenizer (a padded embedding table), which no grammar may emit as text."""
+    tokenizer = Tokenizer.from_gguf(path, cache_dir)
+    special = tokenizer.special_token_ids
+    return [b"" if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
+
+
 def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]:
     """Load the model and size the KV pool; returns (runner, max_model_len, model name)."""
     path = resolve_model_path(config.model)
@@ -53,7 +63,8 @@ def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]
     shape = ModelShape.of(model.config)
     num_blocks = int(config.kv_cache_gb * 2**30) // shape.layout.bytes_per_block(config.block_size, dtype)
     log.info("model %s dtype=%s, %d KV blocks of %d tokens", path.name, dtype, num_blocks, config.block_size)
-    runner = ModelRunner(model, shape, num_blocks, config.block_size, dtype)
+    grammars = Grammars(grammar_vocab(path, Path(cache_dir), model.config.vocab_size))
+    runner = ModelRunner(model, shape, num_blocks, config.block_size, dtype, grammars=grammars)
     return runner, max_model_len, path.name.split(".")[0]
 
 

@@ -10,6 +10,7 @@ reach the end of what they know: a prefill's last chunk, or a decode.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,8 +21,9 @@ from libs.models.attention import AttentionFn
 from libs.models.config import LlamaConfig
 from libs.protocol.codec import pack_tokens, unpack_tokens
 from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, SchedulerOutput
+from services.worker.grammar import Grammars, MaskJob, MaskResult, SequenceGrammar
 from services.worker.kv_cache import KVCache, KVLayout, StepAttention
-from services.worker.sampler import Sampler
+from services.worker.sampler import GrammarMask, Sampler
 from services.worker.sequence_state import SequenceState
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,14 @@ class _Row:
     num_tokens: int  # computed in this step, from state.num_computed_tokens on
 
 
+@dataclass(frozen=True, slots=True)
+class _Sampled:
+    rows: list[_Row]  # the rows that sampled, in layout order
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+    failed: dict[str, str]  # seq_id -> why its grammar cannot be used
+
+
 class PlanError(ValueError):
     """A plan that contradicts what the worker holds (a scheduler bug, or a lost step)."""
 
@@ -65,6 +75,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -74,6 +85,8 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
+        self.grammars = grammars if grammars is not None else Grammars(None)
+        self._masks: MaskJob | None = None  # made on the first constrained step
 
     @property
     def num_running_seqs(self) -> int:
@@ -101,13 +114,16 @@ class ModelRunner:
             rows.append(_Row(state, num_tokens))
         for row in rows:
             self._check_row(row)
-        sampled_rows, token_ids, logprobs = self._run(rows) if rows else ([], [], [])
+        sampled = self._run(rows) if rows else _Sampled([], [], [], {})
+        logprobs = sampled.logprobs
         return ModelRunnerOutput(
             step_id=plan.step_id,
-            seq_ids=tuple(r.state.seq_id for r in sampled_rows),
-            sampled_token_ids=pack_tokens(token_ids),
+            seq_ids=tuple(r.state.seq_id for r in sampled.rows),
+            sampled_token_ids=pack_tokens(sampled.token_ids),
             num_running_seqs=self.num_running_seqs,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
+            failed_seq_ids=tuple(sampled.failed),
+            failed_errors=tuple(sampled.failed.values()),
         )
 
     def _add(self, new: NewSequence) -> _Row:
@@ -123,6 +139,13 @@ class ModelRunner:
             block_table=block_table,
             num_computed_tokens=new.num_computed_tokens,
         )
+        constraint = new.sampling_params.structured_output
+        if constraint is not None:
+            # Compiling starts now, on a helper thread, and overlaps this step's prefill.
+            compiled = self.grammars.submit(constraint)
+            state.grammar = SequenceGrammar(constraint, compiled, new.stop_token_ids)
+            for token_id in state.output_token_ids:  # a resumed sequence replays its outputs
+                state.grammar.accept(token_id)
         self.seqs[new.seq_id] = state
         return _Row(state, new.num_scheduled_tokens)
 
@@ -141,7 +164,7 @@ class ModelRunner:
         if max(block_ids, default=0) >= self.kv_cache.num_blocks:
             raise PlanError(f"{seq_id}: block id beyond the pool")
 
-    def _run(self, rows: list[_Row]) -> tuple[list[_Row], list[int], list[Logprobs | None]]:
+    def _run(self, rows: list[_Row]) -> _Sampled:
         # Multi-token rows (prefill chunks) first, then single-token rows (decodes): the layout
         # the attention backends batch on. Sorting is stable, so plan order is kept within each.
         rows = sorted(rows, key=lambda r: r.num_tokens == 1)
@@ -165,6 +188,7 @@ class ModelRunner:
             device=self.device,
         )
         self.backend.plan(meta)
+        masks = self._start_masks(sampled_rows)  # filled while the forward runs
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -173,13 +197,39 @@ class ModelRunner:
         for row in rows:
             row.state.num_computed_tokens += row.num_tokens
         if not sampled_rows:
-            return [], [], []
+            return _Sampled([], [], [], {})
         index = torch.tensor(logits_index, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        out = self.sampler(logits, [r.state for r in sampled_rows])
-        for row, token_id in zip(sampled_rows, out.token_ids, strict=True):
+        mask = masks.result() if masks is not None else None
+        grammar_mask = None
+        if mask is not None and mask.bias is not None:
+            grammar_mask = GrammarMask(mask.rows, mask.bias)
+        out = self.sampler(logits, [r.state for r in sampled_rows], grammar_mask)
+        token_ids = out.token_ids
+        failed: dict[str, str] = {}
+        for j, why in (mask.failed.items() if mask is not None else ()):
+            state = sampled_rows[j].state
+            failed[state.seq_id] = why
+            state.grammar = None
+            # A stop token keeps the worker in step with plans already in flight for it.
+            token_ids[j] = min(state.stop_token_ids, default=token_ids[j])
+        for row, token_id in zip(sampled_rows, token_ids, strict=True):
             row.state.token_ids.append(token_id)
-        return sampled_rows, out.token_ids, list(out.logprobs)
+            if row.state.grammar is not None:
+                row.state.grammar.accept(token_id)
+        return _Sampled(sampled_rows, token_ids, list(out.logprobs), failed)
+
+    def _start_masks(self, sampled_rows: list[_Row]) -> Future[MaskResult] | None:
+        constrained = [
+            (j, row.state.grammar)
+            for j, row in enumerate(sampled_rows)
+            if row.state.grammar is not None and row.state.grammar.needs_mask
+        ]
+        if not constrained:
+            return None
+        if self._masks is None:
+            self._masks = MaskJob(self.grammars.vocab_size)
+        return self._masks.start(constrained)
 
     def reset(self) -> None:
         """Drop every sequence: after a failed step (the scheduler fails them all), or when the

@@ -1,9 +1,10 @@
 """Turn a step's logits into tokens, with vLLM/OpenAI sampling semantics and raw-logit logprobs.
 
 Order per row: repetition penalty (prompt + output tokens) -> presence / frequency penalties
-(output tokens) -> stop tokens masked while outputs < min_tokens -> argmax for greedy rows, or
-temperature -> top-k -> top-p -> min-p -> one draw. Rows that need a step share one vectorised op
-from libs/kernels/sampling.py; an all-greedy batch with nothing else to do is a single argmax.
+(output tokens) -> stop tokens masked while outputs < min_tokens -> the grammar mask, if any ->
+argmax for greedy rows, or temperature -> top-k -> top-p -> min-p -> one draw. Rows that need a
+step share one vectorised op from libs/kernels/sampling.py; an all-greedy batch with nothing else
+to do is a single argmax (after the grammar mask).
 
 A seeded row draws its k-th output with ``uniform_from_seed(seed, k)``, so what it samples does not
 depend on its batch neighbours, its row, preemption and recompute, or overlap scheduling. Unseeded
@@ -26,9 +27,18 @@ from libs.kernels.sampling import (
     topk,
     uniform_from_seed,
 )
+from libs.kernels.token_mask import apply_bias
 from libs.protocol.codec import pack_floats, pack_tokens
 from libs.protocol.messages import Logprobs, SamplingParams
 from services.worker.sequence_state import SequenceState
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarMask:
+    """Additive grammar biases for some rows: ``bias[j]`` (0 / -inf, [vocab]) goes to row ``rows[j]``."""
+
+    rows: list[int]
+    bias: torch.Tensor  # [len(rows), vocab] float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,20 +55,29 @@ class Sampler:
         else:
             self._generator.seed()
 
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[SequenceState]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, seqs: Sequence[SequenceState], grammar_mask: GrammarMask | None = None
+    ) -> SamplerOutput:
         # logits: [num_rows, vocab] float32, may be modified in place; seqs: one per row
         params = [s.sampling_params for s in seqs]
-        # rows whose stop tokens stay masked: fewer than min_tokens outputs so far
+        # rows whose stop tokens stay masked: fewer than min_tokens outputs so far (a grammar
+        # decides where a constrained row ends, so its rows are left alone)
         masked = [
-            i for i, s in enumerate(seqs) if s.num_output_tokens < params[i].min_tokens and s.stop_token_ids
+            i
+            for i, s in enumerate(seqs)
+            if s.num_output_tokens < params[i].min_tokens and s.stop_token_ids and s.grammar is None
         ]
         if not masked and all(p.greedy and not p.has_penalties and not p.logprobs for p in params):
+            if grammar_mask is not None:
+                apply_bias(logits, grammar_mask.bias, _index(grammar_mask.rows, logits))
             token_ids: list[int] = argmax(logits).tolist()
             return SamplerOutput(token_ids, [None] * len(seqs))
         logits = logits.float().contiguous()  # no copy for the float32 logits of a model
         raw = _raw_logprobs(logits, params)  # before anything below changes logits
         _penalise(logits, seqs, params)
         _mask_stop_tokens(logits, seqs, masked)
+        if grammar_mask is not None:
+            apply_bias(logits, grammar_mask.bias, _index(grammar_mask.rows, logits))
         token_ids = self._sample(logits, seqs, params)
         return SamplerOutput(token_ids, _pack_logprobs(raw, token_ids, params))
 

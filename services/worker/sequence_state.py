@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from libs.protocol.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from services.worker.grammar import SequenceGrammar
 
 
 @dataclass(eq=False)
@@ -16,6 +20,12 @@ class SequenceState:
     stop_token_ids: frozenset[int]  # masked while fewer than min_tokens outputs exist
     block_table: list[int]  # KV page ids, assigned by the scheduler
     num_computed_tokens: int  # tokens whose KV is in the cache
+    grammar: SequenceGrammar | None = None  # its structured-output constraint, if any
+
+    @property
+    def is_constrained(self) -> bool:
+        """Its next token is drawn under a grammar mask."""
+        return self.grammar is not None and self.grammar.needs_mask
 
     @property
     def num_tokens(self) -> int:

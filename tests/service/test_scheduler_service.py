@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
 
+from deepinfer.settings import build_config
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import decode, encode, pack_tokens, unpack_tokens
@@ -90,9 +93,16 @@ async def stack(
     await bus.close()
 
 
-async def submit(bus: InMemoryBus, request_id: str, max_tokens: int = 3, n: int = 1) -> SubmitReply:
+async def submit(
+    bus: InMemoryBus,
+    request_id: str,
+    max_tokens: int = 3,
+    n: int = 1,
+    prompt: list[int] = PROMPT,
+    tenant: str = "",
+) -> SubmitReply:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n)
-    req = SubmitRequest(request_id, "gw", pack_tokens(PROMPT), params, EOS)
+    req = SubmitRequest(request_id, "gw", pack_tokens(prompt), params, EOS, tenant=tenant)
     return decode(SubmitReply, await bus.request(SUBJECTS.submit, encode(req), 1))
 
 
@@ -129,6 +139,56 @@ async def test_choices_arrive_with_their_index(stack) -> None:  # type: ignore[n
             if out.finish_reason is not None:
                 finished.add(out.index)
     assert got[0] == got[1] == reference_output(PROMPT, 4, 64, ignore_eos=True)
+
+
+async def test_cached_prompt_tokens_are_reported_per_tenant(stack) -> None:  # type: ignore[no-untyped-def]
+    bus, _worker, outputs = stack
+    prompt = list(range(20, 30))  # two full blocks of 4, then the last token's block
+
+    async def cached_tokens(request_id: str, tenant: str) -> int:
+        assert (await submit(bus, request_id, prompt=prompt, tenant=tenant)).status is SubmitStatus.ACCEPTED
+        got: list[int] = []
+        while True:
+            (out,) = (await asyncio.wait_for(outputs.get(), 2)).outputs
+            got += unpack_tokens(out.new_token_ids)
+            if out.finish_reason is not None:
+                assert got == reference_output(prompt, 3, 64, ignore_eos=True)
+                return out.num_cached_tokens
+
+    assert await cached_tokens("r1", "acme") == 0
+    assert await cached_tokens("r2", "acme") == 8
+    assert await cached_tokens("r3", "globex") == 0
+
+
+async def test_prefix_caching_can_be_switched_off() -> None:
+    bus = InMemoryBus()
+    stop = asyncio.Event()
+    config = build_config(Config, argparse.Namespace(), {"DEEPINFER_ENABLE_PREFIX_CACHING": "false"})
+    assert not config.enable_prefix_caching
+    service = SchedulerService(dataclasses.replace(config, scheduler_id="s1"), bus)
+    task = asyncio.create_task(service.run(stop))
+    await asyncio.sleep(0.01)
+    worker = ScriptedWorker(bus)
+    await worker.start()
+    outputs: asyncio.Queue[StepOutputs] = asyncio.Queue()
+
+    async def collect(msg: Message) -> None:
+        outputs.put_nowait(decode(StepOutputs, msg.data))
+
+    await bus.subscribe_durable(SUBJECTS.out("gw"), collect)
+    await asyncio.sleep(0.01)
+    prompt = list(range(20, 30))
+    for request_id in ("r1", "r2"):
+        assert (await submit(bus, request_id, prompt=prompt)).status is SubmitStatus.ACCEPTED
+        while True:
+            (out,) = (await asyncio.wait_for(outputs.get(), 2)).outputs
+            assert out.num_cached_tokens == 0
+            if out.finish_reason is not None:
+                break
+    assert all(new.num_computed_tokens == 0 for plan in worker.plans for new in plan.new_seqs)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    await bus.close()
 
 
 async def test_the_worker_is_claimed_with_an_empty_plan(stack) -> None:  # type: ignore[no-untyped-def]

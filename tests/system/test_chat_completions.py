@@ -67,7 +67,16 @@ def test_sdk_stream_equals_non_stream_and_usage(stack: Stack) -> None:
     text, finish, usage = chat(stack, "Tell me about the moon.", max_tokens=12)
     s_text, s_finish, s_usage = chat(stack, "Tell me about the moon.", max_tokens=12, stream=True)
     assert text == s_text and finish == s_finish == "length"
-    assert usage == s_usage
+    # The second request finds every full block of the same prompt in the prefix cache (16-token
+    # blocks; the block holding the last prompt token is always computed).
+    cached = s_usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (s_usage["prompt_tokens"] - 1) // 16 * 16 > 0
+    assert s_usage["prompt_cache_hit_tokens"] == cached
+    assert s_usage["prompt_cache_miss_tokens"] == s_usage["prompt_tokens"] - cached
+    cache_fields = ("prompt_tokens_details", "prompt_cache_hit_tokens", "prompt_cache_miss_tokens")
+    assert {k: v for k, v in usage.items() if k not in cache_fields} == {
+        k: v for k, v in s_usage.items() if k not in cache_fields
+    }
     assert usage["completion_tokens"] == 12
     assert usage["total_tokens"] == usage["prompt_tokens"] + 12
     # The rendered ChatML prompt: default system prompt + the user turn + the assistant header.

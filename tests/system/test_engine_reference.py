@@ -57,7 +57,10 @@ def make_engine(
 ) -> LocalEngine:
     cfg = model.config
     runner = ModelRunner(model, ModelShape.of(cfg), num_blocks, block_size, torch.float32)
-    limits = Limits(num_blocks, block_size, 8, cfg.max_position_embeddings, budget, 64, 0.0)
+    # The preemption case (few blocks) needs the prompts' full demand: their shared prefix would
+    # otherwise fit in the cache and nothing would be preempted.
+    caching = num_blocks >= 32
+    limits = Limits(num_blocks, block_size, 8, cfg.max_position_embeddings, budget, 64, 0.0, caching)
     return LocalEngine(runner, limits, cfg.eos_token_id, overlap=overlap, check=True)
 
 

@@ -76,7 +76,7 @@ def test_round_trip(msg: object) -> None:
 
 def test_wire_is_an_array_without_field_names() -> None:
     wire = msgpack.unpackb(encode(SamplingParams(temperature=0.5)))
-    assert wire == [0.5, 1.0, 0, 0.0, 1.0, 0.0, 0.0, 256, 0, [], False, None, False, 0, 1]
+    assert wire == [0.5, 1.0, 0, 0.0, 1.0, 0.0, 0.0, 256, 0, [], False, None, False, 0, 1, None]
 
 
 def test_enum_and_optional_fields_decode_to_their_types() -> None:

@@ -4,7 +4,9 @@ The core runs inside LocalEngine, so the send/wait loop is the one the engine an
 service use (``Scheduler.next_plan``). The KV pool is small so preemption happens often; plans run
 with and without overlap (a second plan made before the first one's result). After every plan, every
 result and every cancellation the core's and the fake worker's integrity hold, and every sequence
-that finished on its own produced exactly what it produces running alone.
+that finished on its own produced exactly what it produces running alone. With ``shared_prefixes``
+prompts start with a prefix of one of a few texts under one of two tenants, so the prefix cache
+hits (and evicts) all the time; the fake worker checks every position a hit lets it attend to.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 from deepinfer.local_engine import LocalEngine
 from libs.protocol.messages import FinishReason, SamplingParams
+from services.scheduler.prefix_cache import PrefixCacheStats
 from services.scheduler.scheduler import Limits
 from services.scheduler.sequence import Sequence
 from tests.unit.scheduler.fake_worker import EOS, FakeRunner, reference_output
@@ -24,8 +27,13 @@ NUM_BLOCKS = 40
 MAX_MODEL_LEN = 96
 
 
-def random_request(rng: random.Random) -> tuple[list[int], SamplingParams, int]:
+SHARED_TEXTS = [[(7 * i + k) % 47 + 3 for i in range(32)] for k in range(3)]
+
+
+def random_request(rng: random.Random, shared_prefixes: bool) -> tuple[list[int], SamplingParams, int]:
     prompt = [rng.randrange(3, 50) for _ in range(rng.randint(1, 40))]
+    if shared_prefixes:
+        prompt = rng.choice(SHARED_TEXTS)[: rng.randint(0, 32)] + prompt[: rng.randint(1, 8)]
     params = SamplingParams(
         temperature=0.0,
         max_tokens=rng.randint(1, 30),
@@ -35,7 +43,9 @@ def random_request(rng: random.Random) -> tuple[list[int], SamplingParams, int]:
     return prompt, params, rng.choice([0, 0, 1, 2])
 
 
-def run(seed: int, overlap: bool, num_requests: int) -> tuple[int, int]:
+def run(
+    seed: int, overlap: bool, num_requests: int, shared_prefixes: bool = False
+) -> tuple[int, int, PrefixCacheStats]:
     rng = random.Random(seed)
     limits = Limits(NUM_BLOCKS, BLOCK_SIZE, 8, MAX_MODEL_LEN, rng.choice([16, 32, 64]), 64, 0.01)
     engine = LocalEngine(FakeRunner(BLOCK_SIZE), limits, EOS, overlap=overlap, check=True)
@@ -44,8 +54,9 @@ def run(seed: int, overlap: bool, num_requests: int) -> tuple[int, int]:
     while num_added < num_requests or engine.has_work():
         for _ in range(rng.choice([0, 0, 1, 2])):
             if num_added < num_requests and engine.core.num_waiting < 48:
-                prompt, params, priority = random_request(rng)
-                for choice in engine.add(f"r{num_added}", prompt, params, priority):
+                prompt, params, priority = random_request(rng, shared_prefixes)
+                tenant = rng.choice(["", "t1"]) if shared_prefixes else ""
+                for choice in engine.add(f"r{num_added}", prompt, params, priority, tenant):
                     seqs[choice.seq_id] = choice
                 num_added += 1
         if rng.random() < 0.05 and engine.core.seqs:
@@ -61,12 +72,19 @@ def run(seed: int, overlap: bool, num_requests: int) -> tuple[int, int]:
             want = reference_output(seq.prompt_token_ids, p.max_tokens, MAX_MODEL_LEN, p.min_tokens)
             assert engine.outputs[seq_id] == want, seq_id
             num_checked += 1
-    return num_checked, engine.num_preemptions
+    return num_checked, engine.num_preemptions, engine.core.prefix_cache_stats
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_traffic_keeps_integrity_and_outputs(seed: int, overlap: bool) -> None:
-    num_checked, num_preemptions = run(seed, overlap, num_requests=1000)
+    num_checked, num_preemptions, _ = run(seed, overlap, num_requests=1000)
     assert num_checked > 1000  # n > 1 requests add choices; a few are cancelled
     assert num_preemptions > 10  # the small pool forces recompute, so that path is exercised
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_traffic_with_shared_prefixes_hits_the_cache_and_keeps_outputs(overlap: bool) -> None:
+    num_checked, _, stats = run(2, overlap, num_requests=500, shared_prefixes=True)
+    assert num_checked > 500
+    assert stats.num_hit_tokens > stats.num_query_tokens // 4 and stats.num_evicted_blocks > 100

@@ -1,0 +1,226 @@
+"""Structured output end to end: what grammar masks cost a running stack, against the same stack
+decoding the same prompts unconstrained, in the same run.
+
+    python bench/structured_output.py                    # ~3 min on 2 idle cores
+    python bench/structured_output.py --grammar-backend outlines --streams 8 --max-tokens 32
+
+1. Throughput: --streams concurrent streaming chat requests, greedy, exactly --max-tokens new
+   tokens each. Unconstrained rows ignore EOS; constrained rows follow a JSON Schema whose
+   shortest valid output is longer than --max-tokens (an array of at least 1000 strings), so both
+   generate the same number of tokens. Rounds alternate (free, constrained, free, ...) and the best
+   round of each counts. Target: constrained >= 0.97x.
+2. TTFT, one request at a time: no constraint; a schema seen before (both compile caches hit);
+   a schema never seen (a fresh property name each time: gateway check + worker compile).
+
+Schema compile times and mask fill per backend, in process: bench/grammar.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prompts import bench_prompts
+
+from deepinfer.serve import wait_healthy
+from deepinfer.settings import resolve_cache_dir
+from libs.bus.nats_server import free_port
+
+TARGET_RATIO = 0.97
+MODEL = "SmolLM2-135M-Instruct"
+LONG_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1000}
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def json_schema_format(schema: dict[str, Any], name: str = "answer") -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    num_tokens: int
+    ttft_s: float | None
+    error: str | None
+
+
+async def stream_one(http: httpx.AsyncClient, body: dict[str, Any], start: float) -> Outcome:
+    body = {**body, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
+    first: float | None = None
+    usage: dict[str, Any] | None = None
+    async with http.stream("POST", "/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return Outcome(0, None, f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return Outcome(0, first, f"error event: {json.dumps(event['error'])[:300]}")
+            choices = event.get("choices") or ()
+            if first is None and any((c.get("delta") or {}).get("content") for c in choices):
+                first = time.perf_counter() - start
+            usage = event.get("usage") or usage
+    if usage is None:
+        return Outcome(0, first, "no usage chunk")
+    return Outcome(int(usage["completion_tokens"]), first, None)
+
+
+def request_body(prompt: str, max_tokens: int, constrained: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+    if constrained:
+        body["response_format"] = json_schema_format(LONG_SCHEMA)
+    else:
+        body["ignore_eos"] = True
+    return body
+
+
+async def throughput(
+    http: httpx.AsyncClient, prompts: list[str], max_tokens: int, rounds: int
+) -> dict[bool, float]:
+    """Best tokens/s per mode (constrained or not) over alternating rounds."""
+    best = {False: 0.0, True: 0.0}
+    for constrained in (False, True):  # warm-up: prefix of every code path, compiles the schema
+        await asyncio.gather(*(stream_one(http, request_body(p, 2, constrained), 0.0) for p in prompts))
+    for i in range(2 * rounds):
+        constrained = i % 2 == 1
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(
+            *(stream_one(http, request_body(p, max_tokens, constrained), start) for p in prompts)
+        )
+        seconds = time.perf_counter() - start
+        for o in outcomes:
+            if o.error or o.num_tokens != max_tokens:
+                raise RuntimeError(f"constrained={constrained}: {o.error or o.num_tokens} tokens")
+        rate = sum(o.num_tokens for o in outcomes) / seconds
+        label = "constrained" if constrained else "free"
+        print(f"  round {i // 2 + 1} {label}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+        best[constrained] = max(best[constrained], rate)
+    return best
+
+
+def fresh_schema() -> dict[str, Any]:
+    name = "f" + uuid.uuid4().hex[:10]  # a property name never seen: nothing cached anywhere
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string", "maxLength": 20}, "count": {"type": "integer"}},
+        "required": [name, "count"],
+        "additionalProperties": False,
+    }
+
+
+async def ttfts(http: httpx.AsyncClient, prompt: str, num_requests: int) -> dict[str, float]:
+    """Median time to first content token per case, one request at a time, cases interleaved."""
+    seen = fresh_schema()
+    cases: dict[str, list[float]] = {"no constraint": [], "cached schema": [], "new schema": []}
+    base = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 4}
+    await stream_one(http, {**base, "response_format": json_schema_format(seen)}, 0.0)  # caches it
+    for _ in range(num_requests):
+        bodies = {
+            "no constraint": base,
+            "cached schema": {**base, "response_format": json_schema_format(seen)},
+            "new schema": {**base, "response_format": json_schema_format(fresh_schema())},
+        }
+        for case, body in bodies.items():
+            start = time.perf_counter()
+            outcome = await stream_one(http, body, start)
+            if outcome.error or outcome.ttft_s is None:
+                raise RuntimeError(f"{case}: {outcome.error or 'no content'}")
+            cases[case].append(outcome.ttft_s)
+    return {case: statistics.median(values) for case, values in cases.items()}
+
+
+@contextmanager
+def running_stack(args: argparse.Namespace, log: Path) -> Iterator[str]:
+    port = free_port()
+    flags = {
+        "--port": str(port),
+        "--dtype": args.dtype,
+        "--num-threads": str(args.threads),
+        "--max-num-seqs": str(max(args.streams, 1)),
+        "--grammar-backend": args.grammar_backend,
+        "--cache-dir": resolve_cache_dir(args.cache_dir, os.environ),
+        "--log-level": "warning",
+    }
+    argv = [sys.executable, "-m", "deepinfer", "serve", *(x for kv in flags.items() for x in kv)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 600.0, interval_s=0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def run(args: argparse.Namespace, base_url: str) -> None:
+    limits = httpx.Limits(max_connections=args.streams + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
+        prompts = bench_prompts(args.streams)
+        best = await throughput(http, prompts, args.max_tokens, args.rounds)
+        times = await ttfts(http, prompts[0], args.ttft_requests)
+    ratio = best[True] / best[False]
+    setup = f"{args.dtype}, {args.streams} streams x {args.max_tokens} tokens"
+    print(f"\nbackend {args.grammar_backend}, {setup}")
+    print(f"{'':28}{'tok/s':>10}")
+    print(f"{'unconstrained (baseline)':28}{best[False]:>10.1f}")
+    print(f"{'json_schema constrained':28}{best[True]:>10.1f}")
+    verdict = "met" if ratio >= TARGET_RATIO else "MISSED"
+    print(f"ratio constrained / unconstrained: {ratio:.3f}x (target >= {TARGET_RATIO}: {verdict})")
+    print(f"\nTTFT, one request at a time, median of {args.ttft_requests}:")
+    for case, seconds in times.items():
+        print(f"  {case:16} {seconds * 1e3:8.1f} ms  ({seconds / times['no constraint']:.2f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode, best kept")
+    parser.add_argument("--ttft-requests", type=int, default=10)
+    parser.add_argument("--grammar-backend", default="xgrammar", choices=["xgrammar", "outlines"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", default="")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "serve.log"
+        try:
+            with running_stack(args, log) as base_url:
+                asyncio.run(run(args, base_url))
+        except Exception:
+            print(log.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise
+
+
+if __name__ == "__main__":
+    main()

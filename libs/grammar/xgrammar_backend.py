@@ -1,0 +1,175 @@
+"""The xgrammar backend: a constraint becomes one xgrammar Grammar (prefix, constrained part,
+suffix), compiled against the vocabulary into per-state token masks; a GrammarMatcher walks it.
+
+JSON is written as json.dumps writes it: ", " between items, ": " after keys, no other whitespace.
+Imported lazily by libs.grammar: xgrammar imports torch and transformers (about two seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from libs.grammar.backend import GrammarError
+from libs.grammar.constraint import ToolTriggers, load_schema, load_tool_triggers
+from libs.protocol.messages import StructuredOutput, StructuredOutputKind
+
+NAME: Final = "xgrammar"
+SEPARATORS: Final = (", ", ": ")
+# xgrammar 0.2.9 spells each character of a string with minLength/maxLength as this class, which
+# lets raw control characters through (invalid JSON); the grammar text is patched to exclude them.
+_LENGTH_CHAR: Final = '[^\\"\\\\\\r\\n]'
+_JSON_CHAR: Final = '[^\\0-\\x1f\\"\\\\]'
+# xgrammar prints a code point below 256 as \xHH but reads \x with every hex digit that follows
+# (fran\xe7ais comes back as U+0E7A + "is"), so grammar text is re-spelled with \u00HH.
+_ESCAPE: Final = re.compile(r"\\(x[0-9a-fA-F]{2}|.)")
+_LOG_PREFIX: Final = re.compile(r"^\[[^\]]*\] \S+: ")  # "[21:08:08] /project/cpp/x.cc:5082: "
+
+
+def schema_grammar(schema: object) -> xgr.Grammar:
+    """A JSON Schema (already checked and rewritten) as a grammar in our JSON style."""
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
+    text = grammar_text(grammar)
+    if _LENGTH_CHAR in text:
+        grammar = xgr.Grammar.from_ebnf(text.replace(_LENGTH_CHAR, _JSON_CHAR))
+    return grammar
+
+
+def grammar_text(grammar: xgr.Grammar) -> str:
+    """EBNF text that xgrammar reads back as the same grammar."""
+    return _ESCAPE.sub(lambda m: "\\u00" + m[1][1:] if m[1][0] == "x" else m[0], str(grammar))
+
+
+def literal_grammar(text: str) -> xgr.Grammar:
+    return xgr.Grammar.from_ebnf(f"root ::= {_ebnf_string(text)}")
+
+
+def tool_grammar(tools: ToolTriggers) -> xgr.Grammar:
+    """Free text; each trigger opens a tag: its begin text, a JSON body per its schema, its end text."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": tag.begin,
+            "content": {"type": "grammar", "grammar": grammar_text(schema_grammar(tag.schema))},
+            "end": tag.end,
+        }
+        for tag in tools.tags
+    ]
+    structural = {"type": "triggered_tags", "triggers": list(tools.triggers), "tags": tags}
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": structural}))
+
+
+def build_grammar(constraint: StructuredOutput) -> xgr.Grammar:
+    """The whole constraint as one grammar (no vocabulary needed). Raises GrammarError."""
+    if constraint.backend != NAME:
+        raise GrammarError(f"constraint is for backend {constraint.backend!r}, not {NAME}", param="backend")
+    try:
+        parts = [_body(constraint)]
+        if constraint.prefix:
+            parts.insert(0, literal_grammar(constraint.prefix))
+        if constraint.suffix:
+            parts.append(literal_grammar(constraint.suffix))
+        return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
+    except GrammarError:
+        raise
+    except (RuntimeError, ValueError) as exc:
+        raise GrammarError(f"the xgrammar backend cannot compile this constraint: {_reason(exc)}") from None
+
+
+def _body(constraint: StructuredOutput) -> xgr.Grammar:
+    kind = constraint.kind
+    if kind == StructuredOutputKind.JSON:
+        return schema_grammar({"type": "object"})
+    if kind == StructuredOutputKind.JSON_SCHEMA:
+        return schema_grammar(load_schema(constraint.spec, NAME))
+    if kind == StructuredOutputKind.REGEX:
+        return xgr.Grammar.from_regex(constraint.spec)
+    if kind == StructuredOutputKind.TOOL_TRIGGERS:
+        return tool_grammar(load_tool_triggers(constraint.spec, NAME))
+    raise GrammarError(f"unknown constraint kind {kind!r}", param="kind")
+
+
+def _ebnf_string(text: str) -> str:
+    """``text`` as an EBNF string literal (escapes for quotes, backslashes, non-printables)."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif " " <= ch <= "~":
+            out.append(ch)
+        else:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _reason(exc: Exception) -> str:
+    return _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+
+
+class XGrammarBackend:
+    """One per worker: the vocabulary as xgrammar's TokenizerInfo, and a compiler without its own
+    cache (GrammarCache caches compiled grammars)."""
+
+    name = NAME
+
+    def __init__(self, vocab: Sequence[bytes], max_threads: int = 2) -> None:
+        self.vocab_size = len(vocab)
+        # b"" tokens count as special in xgrammar: never allowed as text.
+        info = xgr.TokenizerInfo(list(vocab), xgr.VocabType.RAW, vocab_size=len(vocab))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+
+    def compile(self, constraint: StructuredOutput) -> XGrammarCompiled:
+        grammar = build_grammar(constraint)
+        try:
+            return XGrammarCompiled(self._compiler.compile_grammar(grammar))
+        except RuntimeError as exc:
+            raise GrammarError(
+                f"the xgrammar backend cannot compile this constraint: {_reason(exc)}"
+            ) from None
+
+
+class XGrammarCompiled:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.compiled = compiled
+
+    def matcher(self, stop_token_ids: Sequence[int]) -> XGrammarMatcher:
+        return XGrammarMatcher(self.compiled, stop_token_ids)
+
+
+class XGrammarMatcher:
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int]) -> None:
+        if not stop_token_ids:
+            raise ValueError("a matcher needs at least one stop token id")
+        # Stop ids are only ever stops (never text), and allowed exactly where the grammar may end.
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
+        vocab_size = compiled.tokenizer_info.vocab_size
+        # xgrammar sets the bits past the vocabulary in the last word whenever "any text" is allowed
+        self._tail_mask = np.uint32((1 << (vocab_size % 32)) - 1) if vocab_size % 32 else None
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._tail_mask is not None:
+            bitmask[row].numpy().view(np.uint32)[-1] &= self._tail_mask
+
+    def advance(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        try:
+            self._matcher.rollback(num_tokens)
+        except RuntimeError as exc:
+            raise ValueError(_reason(exc)) from None
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+def validate(constraint: StructuredOutput) -> None:
+    """Raise GrammarError unless the constraint compiles (checked without a vocabulary)."""
+    build_grammar(constraint)

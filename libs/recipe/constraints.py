@@ -1,0 +1,116 @@
+"""The output constraint a conversation asks for, as the worker enforces it. Pure.
+
+Response formats (``json_object``, ``json_schema``, ``regex``) constrain the answer; a forced tool
+call (``tool_choice`` required or named, Anthropic's any/tool) constrains the call's JSON body to
+the tools' names and argument schemas; strict tools under ``auto`` let the model write freely
+but make any call it starts follow its tool's schema. Which grammar backend enforces it, and
+whether the schema is within what that backend honours, is checked by the gateway afterwards.
+
+The call syntax is the chat format's: hermes-style ``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>`` bodies are JSON and constrained here. DeepSeek's DSML calls are XML-like
+parameters with per-parameter value types and are not constrained yet (``None``).
+
+With a reasoning model the constraint starts after the reasoning: ``start_after`` carries the
+tokens that end it, and the worker lets the model think freely until it has written them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from libs.protocol.codec import pack_tokens
+from libs.protocol.messages import StructuredOutput, StructuredOutputKind
+from libs.recipe.conversation import Conversation, RecipeError, ToolDefinition
+from libs.recipe.output_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from libs.recipe.template_format import Prompt
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def structured_output(
+    conv: Conversation, prompt: Prompt, *, backend: str, reasoning_end: Sequence[int]
+) -> StructuredOutput | None:
+    """The constraint for ``conv`` rendered as ``prompt``, or None when the output is free.
+
+    ``reasoning_end``: the token ids that close the model's reasoning (used when the prompt
+    leaves the model reasoning). Raises RecipeError for combinations no grammar can express.
+    """
+    start_after = pack_tokens(list(reasoning_end)) if prompt.start == "reasoning" else b""
+    tools = conv.tools if conv.tool_choice != "none" else ()
+    if tools and conv.response_format != "text":
+        if conv.tool_choice == "required":
+            return _forced_call(tools, prompt, backend, start_after)
+        raise RecipeError(
+            "a response format together with tools under tool_choice 'auto' cannot be enforced; "
+            "use tool_choice 'none' or 'required', or drop one of them",
+            param="response_format",
+        )
+    if tools and conv.tool_choice == "required":
+        return _forced_call(tools, prompt, backend, start_after)
+    if tools and any(t.strict for t in tools):
+        return _strict_tools(tools, prompt, backend, start_after)
+    if conv.response_format == "json_object":
+        return StructuredOutput(StructuredOutputKind.JSON, backend=backend, start_after=start_after)
+    if conv.response_format == "json_schema":
+        spec = _canonical(conv.response_schema)
+        return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, spec, backend, start_after=start_after)
+    if conv.response_format == "regex" and conv.response_regex:
+        return StructuredOutput(
+            StructuredOutputKind.REGEX, conv.response_regex, backend, start_after=start_after
+        )
+    return None
+
+
+def _call_schema(tool: ToolDefinition) -> dict[str, Any]:
+    """The JSON body of one hermes call: its name, then arguments following the tool's schema."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or _ANY_OBJECT},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _forced_call(
+    tools: Sequence[ToolDefinition], prompt: Prompt, backend: str, start_after: bytes
+) -> StructuredOutput | None:
+    if prompt.syntax != "hermes":
+        return None  # DSML calls: not constrained (see the module docstring)
+    # The prompt already ends with the opening tag (template_format._encode): the output starts
+    # at the JSON body and must close the call; EOS follows.
+    calls = [_call_schema(t) for t in tools]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return StructuredOutput(
+        StructuredOutputKind.JSON_SCHEMA,
+        _canonical(schema),
+        backend,
+        suffix="\n" + TOOL_CALL_CLOSE,
+        start_after=start_after,
+    )
+
+
+def _strict_tools(
+    tools: Sequence[ToolDefinition], prompt: Prompt, backend: str, start_after: bytes
+) -> StructuredOutput | None:
+    """Free text, but a call the model opens must name a declared tool and follow its schema
+    (a non-strict tool's arguments only have to be a JSON object)."""
+    if prompt.syntax != "hermes":
+        return None
+    tags = [
+        {
+            "begin": f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(t.name)}, "arguments": ',
+            "schema": (t.parameters or _ANY_OBJECT) if t.strict else _ANY_OBJECT,
+            "end": "}\n" + TOOL_CALL_CLOSE,
+        }
+        for t in tools
+    ]
+    spec = _canonical({"triggers": [TOOL_CALL_OPEN], "tags": tags})
+    return StructuredOutput(StructuredOutputKind.TOOL_TRIGGERS, spec, backend, start_after=start_after)
+
+
+def _canonical(value: Any) -> str:
+    """One spelling per schema (so equal schemas share a compiled grammar); key order is kept,
+    since it is the order the output writes properties in."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

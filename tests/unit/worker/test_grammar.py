@@ -1,0 +1,130 @@
+"""Grammar masks in the engine (scheduler core + ModelRunner, tiny random-weight model, a small
+synthetic vocabulary, the real grammar backends): constrained outputs validate whatever the
+weights want, with overlap and preemption; a constraint that fails to compile fails only its own
+sequence; reasoning before ``start_after`` is free."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+import torch
+
+from deepinfer.local_engine import LocalEngine
+from libs.grammar.backend import CompiledGrammar
+from libs.models.llama import LlamaForCausalLM
+from libs.protocol.codec import pack_tokens
+from libs.protocol.messages import FinishReason, SamplingParams, StructuredOutput, StructuredOutputKind
+from services.scheduler.scheduler import Limits
+from services.worker.grammar import Grammars, SequenceGrammar
+from services.worker.model_runner import ModelRunner, ModelShape
+from tests.tiny_models import TINY_LLAMA
+
+CONFIG = dataclasses.replace(TINY_LLAMA, max_position_embeddings=256)  # room for a JSON answer
+EOS = CONFIG.eos_token_id
+# ids 0-2 are special (never text); then printable ASCII; then a few multi-character pieces
+PIECES = ['{"', '":', '": ', ', "', '"}', "true", "false", "null", "12", "-3", "ab", "cd"]
+VOCAB: list[bytes] = [b"", b"", b""] + [bytes([c]) for c in range(32, 127)] + [p.encode() for p in PIECES]
+VOCAB += [b""] * (CONFIG.vocab_size - len(VOCAB))
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "size": {"enum": [-3, 12, 40]},  # no numeric bounds: outlines cannot enforce them
+        "tags": {"type": "array", "items": {"enum": ["ab", "cd", "x"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "size", "tags", "ok"],
+    "additionalProperties": False,
+}
+PROMPTS = {"a": [5, 9, 3, 7, 1], "b": [4, 4, 6, 8, 10, 12, 14, 16, 18], "c": [30, 31]}
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    return Grammars(VOCAB)
+
+
+def make_engine(
+    model: LlamaForCausalLM, grammars: Grammars, num_blocks: int = 64, overlap: bool = True
+) -> LocalEngine:
+    limits = Limits(num_blocks, 4, 8, CONFIG.max_position_embeddings, 256, 64, 0.0)
+    runner = ModelRunner(model, ModelShape.of(CONFIG), num_blocks, 4, torch.float32, grammars=grammars)
+    return LocalEngine(runner, limits, EOS, overlap, check=True)
+
+
+def text(token_ids: list[int]) -> str:
+    return b"".join(VOCAB[t] for t in token_ids if t != EOS).decode()
+
+
+def constrained(backend: str, **kwargs: object) -> SamplingParams:
+    constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA), backend)
+    return SamplingParams(max_tokens=160, structured_output=constraint, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_outputs_validate_greedy_and_sampled(
+    model: LlamaForCausalLM, grammars: Grammars, backend: str, overlap: bool
+) -> None:
+    engine = make_engine(model, grammars, overlap=overlap)
+    for seq_id, prompt in PROMPTS.items():
+        engine.add(f"greedy-{seq_id}", prompt, constrained(backend, temperature=0.0))
+        engine.add(f"sampled-{seq_id}", prompt, constrained(backend, temperature=1.0, seed=11))
+    outputs = engine.run()
+    assert len(outputs) == 2 * len(PROMPTS)
+    for seq_id, token_ids in outputs.items():
+        assert engine.finish_reasons[seq_id] is FinishReason.STOP, seq_id
+        assert token_ids[-1] == EOS
+        jsonschema.validate(json.loads(text(token_ids)), SCHEMA)
+
+
+def test_preemption_replays_the_grammar(model: LlamaForCausalLM, grammars: Grammars) -> None:
+    free = make_engine(model, grammars)
+    tight = make_engine(model, grammars, num_blocks=24)  # 96 slots for ~190 tokens of demand
+    params = constrained("xgrammar", temperature=1.0, seed=5)
+    for engine in (free, tight):
+        for seq_id, prompt in PROMPTS.items():
+            engine.add(seq_id, prompt, params)
+    expected = free.run()
+    assert tight.run() == expected
+    assert tight.num_preemptions > 0
+
+
+def test_a_failed_compile_fails_only_its_sequence(model: LlamaForCausalLM, grammars: Grammars) -> None:
+    engine = make_engine(model, grammars)
+    bad = StructuredOutput(StructuredOutputKind.REGEX, "(unclosed", "xgrammar")
+    engine.add("bad", PROMPTS["a"], SamplingParams(max_tokens=20, structured_output=bad))
+    engine.add("good", PROMPTS["b"], constrained("xgrammar", temperature=0.0))
+    outputs = engine.run()
+    assert engine.finish_reasons["bad"] is FinishReason.ERROR
+    assert engine.finish_reasons["good"] is FinishReason.STOP
+    jsonschema.validate(json.loads(text(outputs["good"])), SCHEMA)
+
+
+def test_reasoning_is_free_until_start_after(grammars: Grammars) -> None:
+    regex = StructuredOutput(StructuredOutputKind.REGEX, "ab", "xgrammar", start_after=pack_tokens([7, 8]))
+    compiled: Future[CompiledGrammar] = grammars.submit(regex)
+    grammar = SequenceGrammar(regex, compiled, [EOS])
+    bitmask = torch.zeros(1, (CONFIG.vocab_size + 31) // 32, dtype=torch.int32)
+    for token_id in (7, 9, 8, 7):  # 7 8 not yet adjacent: still reasoning
+        grammar.accept(token_id)
+        assert not grammar.needs_mask
+    grammar.accept(8)
+    assert grammar.needs_mask
+    grammar.fill(bitmask, 0)
+    allowed = [t for t in range(CONFIG.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+    assert allowed == sorted({VOCAB.index(b"a"), VOCAB.index(b"ab")})
+    grammar.accept(VOCAB.index(b"ab"))
+    grammar.fill(bitmask, 0)
+    allowed = [t for t in range(CONFIG.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+    assert allowed == [EOS]
