@@ -7,7 +7,9 @@ decoding the same prompts unconstrained, in the same run.
 1. Throughput: --streams concurrent streaming chat requests, greedy, exactly --max-tokens new
    tokens each. Unconstrained rows ignore EOS; constrained rows follow a JSON Schema whose
    shortest valid output is longer than --max-tokens (an array of at least 1000 strings), so both
-   generate the same number of tokens. Rounds alternate (free, constrained, free, ...) and the best
+   generate the same number of tokens; the unconstrained requests carry the schema text the chat
+   format adds to a constrained prompt, so both decode the same prompt tokens. Prefix caching is
+   off: every round computes its prompts. Rounds alternate (free, constrained, free, ...) and the best
    round of each counts. Target: constrained >= 0.97x.
 2. TTFT, one request at a time: no constraint; a schema seen before (both compile caches hit);
    a schema never seen (a fresh property name each time: gateway check + worker compile).
@@ -86,15 +88,19 @@ async def stream_one(http: httpx.AsyncClient, body: dict[str, Any], start: float
     return Outcome(int(usage["completion_tokens"]), first, None)
 
 
+# What the chat format writes into the system turn for a json_schema response format: the
+# unconstrained requests carry it themselves, so both modes decode the very same prompt tokens.
+FORMAT_SECTION = "Reply with a single JSON value that follows this JSON schema:\n" + json.dumps(LONG_SCHEMA)
+
+
 def request_body(prompt: str, max_tokens: int, constrained: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": prompt}],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-    }
+    body: dict[str, Any] = {"temperature": 0, "max_tokens": max_tokens}
     if constrained:
+        body["messages"] = [{"role": "user", "content": prompt}]
         body["response_format"] = json_schema_format(LONG_SCHEMA)
     else:
+        system = {"role": "system", "content": FORMAT_SECTION}
+        body["messages"] = [system, {"role": "user", "content": prompt}]
         body["ignore_eos"] = True
     return body
 
@@ -163,6 +169,9 @@ def running_stack(args: argparse.Namespace, log: Path) -> Iterator[str]:
         "--num-threads": str(args.threads),
         "--max-num-seqs": str(max(args.streams, 1)),
         "--grammar-backend": args.grammar_backend,
+        # Every round computes its prompts, and a new schema's prompt is not cheaper or dearer
+        # to prefill than a known one's: the cache would blur both comparisons.
+        "--enable-prefix-caching": "false",
         "--cache-dir": resolve_cache_dir(args.cache_dir, os.environ),
         "--log-level": "warning",
     }
