@@ -11,8 +11,9 @@ decoding the same prompts unconstrained, in the same run.
    format adds to a constrained prompt, so both decode the same prompt tokens. Prefix caching is
    off: every round computes its prompts. Rounds alternate (free, constrained, free, ...) and the best
    round of each counts. Target: constrained >= 0.97x.
-2. TTFT, one request at a time: no constraint; a schema seen before (both compile caches hit);
-   a schema never seen (a fresh property name each time: gateway check + worker compile).
+2. TTFT, one request at a time, same prompt length: no constraint (the schema's text in the
+   prompt, as the client's system turn); a schema seen before (both compile caches hit); a schema
+   never seen (a fresh property name each time: gateway check + worker compile).
 
 Schema compile times and mask fill per backend, in process: bench/grammar.py.
 """
@@ -32,12 +33,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prompts import bench_prompts
+from throughput import stream_chat
 
 from deepinfer.serve import wait_healthy
 from deepinfer.settings import resolve_cache_dir
@@ -59,48 +60,20 @@ def json_schema_format(schema: dict[str, Any], name: str = "answer") -> dict[str
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    num_tokens: int
-    ttft_s: float | None
-    error: str | None
-
-
-async def stream_one(http: httpx.AsyncClient, body: dict[str, Any], start: float) -> Outcome:
-    body = {**body, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
-    first: float | None = None
-    usage: dict[str, Any] | None = None
-    async with http.stream("POST", "/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return Outcome(0, None, f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                return Outcome(0, first, f"error event: {json.dumps(event['error'])[:300]}")
-            choices = event.get("choices") or ()
-            if first is None and any((c.get("delta") or {}).get("content") for c in choices):
-                first = time.perf_counter() - start
-            usage = event.get("usage") or usage
-    if usage is None:
-        return Outcome(0, first, "no usage chunk")
-    return Outcome(int(usage["completion_tokens"]), first, None)
-
-
-# What the chat format writes into the system turn for a json_schema response format: the
-# unconstrained requests carry it themselves, so both modes decode the very same prompt tokens.
-FORMAT_SECTION = "Reply with a single JSON value that follows this JSON schema:\n" + json.dumps(LONG_SCHEMA)
+def same_prompt(prompt: str, schema: dict[str, Any]) -> list[dict[str, str]]:
+    """Messages that render to the very prompt tokens of ``prompt`` with ``schema`` as its response
+    format: the system turn the chat format writes for a json_schema, written by the client."""
+    section = "Reply with a single JSON value that follows this JSON schema:\n" + json.dumps(schema)
+    return [{"role": "system", "content": section}, {"role": "user", "content": prompt}]
 
 
 def request_body(prompt: str, max_tokens: int, constrained: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"temperature": 0, "max_tokens": max_tokens}
+    body: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": max_tokens}
     if constrained:
         body["messages"] = [{"role": "user", "content": prompt}]
         body["response_format"] = json_schema_format(LONG_SCHEMA)
     else:
-        system = {"role": "system", "content": FORMAT_SECTION}
-        body["messages"] = [system, {"role": "user", "content": prompt}]
+        body["messages"] = same_prompt(prompt, LONG_SCHEMA)
         body["ignore_eos"] = True
     return body
 
@@ -111,12 +84,12 @@ async def throughput(
     """Best tokens/s per mode (constrained or not) over alternating rounds."""
     best = {False: 0.0, True: 0.0}
     for constrained in (False, True):  # warm-up: prefix of every code path, compiles the schema
-        await asyncio.gather(*(stream_one(http, request_body(p, 2, constrained), 0.0) for p in prompts))
+        await asyncio.gather(*(stream_chat(http, request_body(p, 2, constrained), 0.0) for p in prompts))
     for i in range(2 * rounds):
         constrained = i % 2 == 1
         start = time.perf_counter()
         outcomes = await asyncio.gather(
-            *(stream_one(http, request_body(p, max_tokens, constrained), start) for p in prompts)
+            *(stream_chat(http, request_body(p, max_tokens, constrained), start) for p in prompts)
         )
         seconds = time.perf_counter() - start
         for o in outcomes:
@@ -140,20 +113,22 @@ def fresh_schema() -> dict[str, Any]:
 
 
 async def ttfts(http: httpx.AsyncClient, prompt: str, num_requests: int) -> dict[str, float]:
-    """Median time to first content token per case, one request at a time, cases interleaved."""
+    """Median time to first content token per case, one request at a time, cases interleaved.
+    The unconstrained request carries the known schema's text, so all three prefill alike."""
     seen = fresh_schema()
     cases: dict[str, list[float]] = {"no constraint": [], "cached schema": [], "new schema": []}
-    base = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 4}
-    await stream_one(http, {**base, "response_format": json_schema_format(seen)}, 0.0)  # caches it
+    messages = [{"role": "user", "content": prompt}]
+    base = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 4}
+    await stream_chat(http, {**base, "response_format": json_schema_format(seen)}, 0.0)  # caches it
     for _ in range(num_requests):
         bodies = {
-            "no constraint": base,
+            "no constraint": {**base, "messages": same_prompt(prompt, seen)},
             "cached schema": {**base, "response_format": json_schema_format(seen)},
             "new schema": {**base, "response_format": json_schema_format(fresh_schema())},
         }
         for case, body in bodies.items():
             start = time.perf_counter()
-            outcome = await stream_one(http, body, start)
+            outcome = await stream_chat(http, body, start)
             if outcome.error or outcome.ttft_s is None:
                 raise RuntimeError(f"{case}: {outcome.error or 'no content'}")
             cases[case].append(outcome.ttft_s)

@@ -155,18 +155,10 @@ class StreamOutcome:
     error: str | None
 
 
-async def stream_one(
-    http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, start: float
-) -> StreamOutcome:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], start: float) -> StreamOutcome:
+    """One streaming chat request (``body`` without stream flags): completion tokens from the usage
+    chunk, and the time from ``start`` to the first content delta."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     first: float | None = None
     usage: dict[str, Any] | None = None
     try:
@@ -190,9 +182,24 @@ async def stream_one(
         return StreamOutcome(0, first, f"{type(exc).__name__}: {exc}")
     if usage is None:
         return StreamOutcome(0, first, "stream ended without a usage chunk")
-    num_tokens = int(usage["completion_tokens"])
-    error = None if num_tokens == max_tokens else f"{num_tokens} completion tokens, expected {max_tokens}"
-    return StreamOutcome(num_tokens, first, error)
+    return StreamOutcome(int(usage["completion_tokens"]), first, None)
+
+
+async def stream_one(
+    http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, start: float
+) -> StreamOutcome:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    outcome = await stream_chat(http, body, start)
+    if outcome.error is None and outcome.num_tokens != max_tokens:
+        error = f"{outcome.num_tokens} completion tokens, expected {max_tokens}"
+        return StreamOutcome(outcome.num_tokens, outcome.ttft_s, error)
+    return outcome
 
 
 async def stream_level(

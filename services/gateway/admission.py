@@ -54,10 +54,11 @@ class Admission:
         served = self.served
         params = sampling.resolve(served.check_length(len(prompt.token_ids), sampling.max_tokens))
         if prompt.structured_output is not None:
-            if params.ignore_eos:
-                # A finished grammar allows only stop tokens: without EOS it could never end.
-                why = "'ignore_eos' cannot be combined with a structured output"
-                raise ApiError(400, why, param="ignore_eos")
+            # The grammar decides where the output ends: a finished grammar allows only stop
+            # tokens, which ignore_eos or min_tokens would forbid.
+            for name, value in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
+                if value:
+                    raise ApiError(400, f"'{name}' cannot be combined with a structured output", param=name)
             params = replace(params, structured_output=prompt.structured_output)
         record = StreamRecord(
             request_id=request_id,

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from libs.models.gguf_metadata import read_gguf_config
 from libs.models.registry import resolve_model_path
-from libs.protocol.messages import StructuredOutputKind
 from libs.recipe.chat_formats import ChatFormat, make_chat_format
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.constraints import structured_output
@@ -19,7 +18,7 @@ from libs.recipe.fields import ApiError
 from libs.recipe.output_parser import MARKER_SPELLINGS
 from libs.recipe.template_format import Prompt
 from libs.recipe.tokenizer import Tokenizer
-from services.gateway.grammar_check import GrammarCheck
+from services.gateway.grammar_check import check_constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +31,7 @@ class ServedModel:
     eos_token_id: int
     keep_token_ids: frozenset[int]  # special tokens the output parser must see
     grammar_backend: str = "xgrammar"  # which backend enforces structured outputs
-    grammar_check: GrammarCheck = field(default_factory=GrammarCheck)
+    reasoning_end: tuple[int, ...] = ()  # the tokens that close the model's reasoning
 
     @classmethod
     def load(
@@ -61,7 +60,12 @@ class ServedModel:
         keep = frozenset(i for i in specials if tokenizer.id_to_token(i) in MARKER_SPELLINGS)
         speaks = make_chat_format(chat_format, template, tokenizer)
         eos_id = tokenizer.eos_token_id
-        return cls(name, aliases, tokenizer, speaks, max_model_len, eos_id, keep, grammar_backend)
+        # </think> as its special token where the vocabulary has one, else as plain text
+        think_end = [i for i in keep if tokenizer.id_to_token(i) == THINK_END]
+        reasoning_end = tuple(think_end or tokenizer.encode_plain(THINK_END))
+        return cls(
+            name, aliases, tokenizer, speaks, max_model_len, eos_id, keep, grammar_backend, reasoning_end
+        )
 
     def card(self) -> dict[str, Any]:
         return {
@@ -82,7 +86,7 @@ class ServedModel:
         try:
             prompt = self.chat_format.prompt(conversation)
             constraint = structured_output(
-                conversation, prompt, backend=self.grammar_backend, reasoning_end=self._reasoning_end(prompt)
+                conversation, prompt, backend=self.grammar_backend, reasoning_end=self.reasoning_end
             )
         except RecipeError as exc:
             param = exc.param or "messages"
@@ -90,17 +94,11 @@ class ServedModel:
             raise ApiError(400, exc.message, param=param) from exc
         if constraint is None:
             return prompt
-        from_tools = constraint.kind is StructuredOutputKind.TOOL_TRIGGERS or bool(constraint.suffix)
-        self.grammar_check(constraint, "tools" if from_tools else format_param)
+        # With tools on, the constraint is theirs: beside forced tools a format has no content to
+        # shape, and beside auto tools it is a 400 (libs/recipe/constraints.py).
+        from_tools = bool(conversation.tools) and conversation.tool_choice != "none"
+        check_constraint(constraint, "tools" if from_tools else format_param)
         return replace(prompt, structured_output=constraint)
-
-    def _reasoning_end(self, prompt: Prompt) -> list[int]:
-        """The tokens that close reasoning in this prompt's output syntax."""
-        if prompt.start != "reasoning":
-            return []
-        if THINK_END in (self.tokenizer.id_to_token(i) for i in self.keep_token_ids):
-            return [self.tokenizer.special_id(THINK_END)]
-        return self.tokenizer.encode_plain(THINK_END)
 
     def encode_text(self, text: str) -> list[int]:
         """A raw prompt (Completions): the client's text is the prompt, special tokens included."""

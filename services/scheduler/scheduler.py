@@ -321,10 +321,7 @@ class Scheduler:
     # --- finishing -------------------------------------------------------------------------
 
     def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        params = seq.sampling_params
-        # A grammar decides where a constrained output ends: min_tokens cannot hold it open.
-        min_tokens = 0 if params.structured_output is not None else params.min_tokens
-        if token_id in seq.stop_token_ids and seq.num_output_tokens > min_tokens:
+        if token_id in seq.stop_token_ids and seq.num_output_tokens > seq.sampling_params.min_tokens:
             return FinishReason.STOP
         if (
             seq.num_output_tokens >= seq.sampling_params.max_tokens

@@ -77,13 +77,9 @@ class SequenceGrammar:
         self._compiled = compiled
         self._stop_token_ids = list(stop_token_ids)
         self._tail: list[int] = []  # last tokens seen while waiting for start_after
-        self.active = not self._start_after
+        self.active = not self._start_after  # its tokens are drawn under the grammar's masks
         self._matcher: Matcher | None = None
         self._pending: list[int] = []
-
-    @property
-    def needs_mask(self) -> bool:
-        return self.active
 
     def accept(self, token_id: int) -> None:
         """Feed one sampled (or replayed) output token."""
@@ -106,7 +102,8 @@ class SequenceGrammar:
                 _advance(matcher, token_id)
             self._pending.clear()
         if matcher.is_terminated():
-            # Only stop tokens: a sequence kept past its end (min_tokens) must not leave the grammar.
+            # Only stop tokens: a plan already in flight when the stop token was sampled runs one
+            # more step for it (its token is dropped), and a row must never be all -inf.
             bitmask[row].zero_()
             for token_id in self._stop_token_ids:
                 bitmask[row, token_id // 32] |= _bit(token_id)

@@ -223,7 +223,7 @@ class ModelRunner:
         constrained = [
             (j, row.state.grammar)
             for j, row in enumerate(sampled_rows)
-            if row.state.grammar is not None and row.state.grammar.needs_mask
+            if row.state.grammar is not None and row.state.grammar.active
         ]
         if not constrained:
             return None

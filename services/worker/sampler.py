@@ -60,12 +60,9 @@ class Sampler:
     ) -> SamplerOutput:
         # logits: [num_rows, vocab] float32, may be modified in place; seqs: one per row
         params = [s.sampling_params for s in seqs]
-        # rows whose stop tokens stay masked: fewer than min_tokens outputs so far (a grammar
-        # decides where a constrained row ends, so its rows are left alone)
+        # rows whose stop tokens stay masked: fewer than min_tokens outputs so far
         masked = [
-            i
-            for i, s in enumerate(seqs)
-            if s.num_output_tokens < params[i].min_tokens and s.stop_token_ids and s.grammar is None
+            i for i, s in enumerate(seqs) if s.num_output_tokens < params[i].min_tokens and s.stop_token_ids
         ]
         if not masked and all(p.greedy and not p.has_penalties and not p.logprobs for p in params):
             if grammar_mask is not None:

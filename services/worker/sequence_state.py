@@ -23,11 +23,6 @@ class SequenceState:
     grammar: SequenceGrammar | None = None  # its structured-output constraint, if any
 
     @property
-    def is_constrained(self) -> bool:
-        """Its next token is drawn under a grammar mask."""
-        return self.grammar is not None and self.grammar.needs_mask
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -69,14 +70,16 @@ class ScriptedWorker:
         await self.bus.respond(msg, encode(out))
 
 
-@pytest.fixture(params=[True, False], ids=["overlap", "no-overlap"])
-async def stack(
-    request: pytest.FixtureRequest,
-) -> AsyncIterator[tuple[InMemoryBus, ScriptedWorker, asyncio.Queue[StepOutputs]]]:
+Stack = tuple[InMemoryBus, ScriptedWorker, asyncio.Queue[StepOutputs]]
+
+
+@contextlib.asynccontextmanager
+async def running(config: Config) -> AsyncIterator[Stack]:
+    """A scheduler service with ``config`` on an in-memory bus, one scripted worker, and the
+    step outputs published to gateway "gw"."""
     bus = InMemoryBus()
     stop = asyncio.Event()
-    service = SchedulerService(Config(scheduler_id="s1", max_num_waiting=4, overlap=request.param), bus)
-    task = asyncio.create_task(service.run(stop))
+    task = asyncio.create_task(SchedulerService(config, bus).run(stop))
     await asyncio.sleep(0.01)
     worker = ScriptedWorker(bus)
     await worker.start()
@@ -91,6 +94,12 @@ async def stack(
     stop.set()
     await asyncio.wait_for(task, 5)
     await bus.close()
+
+
+@pytest.fixture(params=[True, False], ids=["overlap", "no-overlap"])
+async def stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
+    async with running(Config(scheduler_id="s1", max_num_waiting=4, overlap=request.param)) as parts:
+        yield parts
 
 
 async def submit(
@@ -161,34 +170,18 @@ async def test_cached_prompt_tokens_are_reported_per_tenant(stack) -> None:  # t
 
 
 async def test_prefix_caching_can_be_switched_off() -> None:
-    bus = InMemoryBus()
-    stop = asyncio.Event()
     config = build_config(Config, argparse.Namespace(), {"DEEPINFER_ENABLE_PREFIX_CACHING": "false"})
     assert not config.enable_prefix_caching
-    service = SchedulerService(dataclasses.replace(config, scheduler_id="s1"), bus)
-    task = asyncio.create_task(service.run(stop))
-    await asyncio.sleep(0.01)
-    worker = ScriptedWorker(bus)
-    await worker.start()
-    outputs: asyncio.Queue[StepOutputs] = asyncio.Queue()
-
-    async def collect(msg: Message) -> None:
-        outputs.put_nowait(decode(StepOutputs, msg.data))
-
-    await bus.subscribe_durable(SUBJECTS.out("gw"), collect)
-    await asyncio.sleep(0.01)
-    prompt = list(range(20, 30))
-    for request_id in ("r1", "r2"):
-        assert (await submit(bus, request_id, prompt=prompt)).status is SubmitStatus.ACCEPTED
-        while True:
-            (out,) = (await asyncio.wait_for(outputs.get(), 2)).outputs
-            assert out.num_cached_tokens == 0
-            if out.finish_reason is not None:
-                break
-    assert all(new.num_computed_tokens == 0 for plan in worker.plans for new in plan.new_seqs)
-    stop.set()
-    await asyncio.wait_for(task, 5)
-    await bus.close()
+    async with running(dataclasses.replace(config, scheduler_id="s1")) as (bus, worker, outputs):
+        prompt = list(range(20, 30))
+        for request_id in ("r1", "r2"):
+            assert (await submit(bus, request_id, prompt=prompt)).status is SubmitStatus.ACCEPTED
+            while True:
+                (out,) = (await asyncio.wait_for(outputs.get(), 2)).outputs
+                assert out.num_cached_tokens == 0
+                if out.finish_reason is not None:
+                    break
+        assert all(new.num_computed_tokens == 0 for plan in worker.plans for new in plan.new_seqs)
 
 
 async def test_the_worker_is_claimed_with_an_empty_plan(stack) -> None:  # type: ignore[no-untyped-def]

@@ -318,5 +318,10 @@ def test_unsupported_schemas_are_a_400_naming_the_problem(stack: Stack) -> None:
         json={"model": MODEL, "messages": ASK_TOOL, "tools": bad_tool, "tool_choice": "required"},
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"].startswith("tools")
+    for name, value in (("ignore_eos", True), ("min_tokens", 3)):
+        ask_json = [{"role": "user", "content": "Reply in json."}]
+        body = {"model": MODEL, "messages": ask_json, "response_format": {"type": "json_object"}, name: value}
+        resp = http.post("/chat/completions", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == name, resp.text
     ok = http.post("/chat/completions", json={"model": MODEL, "messages": _ask("x"), "max_tokens": 4})
     assert ok.status_code == 200  # still serving

@@ -118,9 +118,9 @@ def test_reasoning_is_free_until_start_after(grammars: Grammars) -> None:
     bitmask = torch.zeros(1, (CONFIG.vocab_size + 31) // 32, dtype=torch.int32)
     for token_id in (7, 9, 8, 7):  # 7 8 not yet adjacent: still reasoning
         grammar.accept(token_id)
-        assert not grammar.needs_mask
+        assert not grammar.active
     grammar.accept(8)
-    assert grammar.needs_mask
+    assert grammar.active
     grammar.fill(bitmask, 0)
     allowed = [t for t in range(CONFIG.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
     assert allowed == sorted({VOCAB.index(b"a"), VOCAB.index(b"ab")})
