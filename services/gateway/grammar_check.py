@@ -6,11 +6,14 @@ imports the grammar library, which takes a second or two)."""
 from __future__ import annotations
 
 import functools
+import logging
 
 from libs.grammar import validate
 from libs.grammar.backend import GrammarError
-from libs.protocol.messages import StructuredOutput
+from libs.protocol.messages import StructuredOutput, StructuredOutputKind
 from libs.recipe.fields import ApiError
+
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -20,6 +23,15 @@ def _problem(constraint: StructuredOutput) -> GrammarError | None:
     except GrammarError as exc:
         return exc
     return None
+
+
+def warm_grammar(backend: str) -> None:
+    """Check the simplest constraint once: it imports the backend's library. Never raises (a
+    missing library is then the first constrained request's error, not the gateway's end)."""
+    try:
+        _problem(StructuredOutput(StructuredOutputKind.JSON, backend=backend))
+    except Exception as exc:
+        log.warning("grammar backend %s unavailable: %s", backend, exc)
 
 
 def check_constraint(constraint: StructuredOutput, param: str) -> None:

@@ -19,6 +19,7 @@ from libs.protocol.messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
 from services.gateway.app import build_app
 from services.gateway.config import Config
+from services.gateway.grammar_check import warm_grammar
 from services.gateway.response_store import ResponseStore
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
@@ -71,6 +72,8 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         info = MemberInfo(MemberKind.GATEWAY, config.gateway_id, model=served.name)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(announce(bus, subjects.members_bucket, info, stop))
+            # Import the grammar library now, off the loop, not in the first constrained request.
+            tg.create_task(asyncio.to_thread(warm_grammar, config.grammar_backend))
             serving = tg.create_task(server.serve())
             stopping = tg.create_task(stop.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

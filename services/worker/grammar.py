@@ -27,6 +27,8 @@ from libs.protocol.messages import StructuredOutput
 
 log = logging.getLogger(__name__)
 
+DEFAULT_BACKEND = "xgrammar"  # the gateway's default --grammar-backend
+
 
 class Grammars:
     """Backends and compile caches of one worker. ``vocab[i]``: token i's bytes, b"" for a token
@@ -48,6 +50,14 @@ class Grammars:
                 backend: GrammarBackend = make_backend(backend_name, self.vocab)
                 cache = self._caches[backend_name] = GrammarCache(backend, max_entries=self.max_cached)
             return cache
+
+    def warm(self, backend_name: str) -> None:
+        """Build a backend now (importing xgrammar and indexing the vocabulary take about a
+        second), so the first request that needs it does not stall a step. Never raises."""
+        try:
+            self._cache(backend_name)
+        except Exception as exc:
+            log.warning("grammar backend %s unavailable: %s", backend_name, exc)
 
     def submit(self, constraint: StructuredOutput) -> Future[CompiledGrammar]:
         """Start compiling (or find the cached grammar); never raises: errors are in the future."""

@@ -19,7 +19,7 @@ from libs.models.quant import quantize_model
 from libs.models.registry import resolve_model_path
 from libs.recipe.tokenizer import Tokenizer
 from services.worker.config import Config
-from services.worker.grammar import Grammars
+from services.worker.grammar import DEFAULT_BACKEND, Grammars
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
 
@@ -64,6 +64,7 @@ def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]
     num_blocks = int(config.kv_cache_gb * 2**30) // shape.layout.bytes_per_block(config.block_size, dtype)
     log.info("model %s dtype=%s, %d KV blocks of %d tokens", path.name, dtype, num_blocks, config.block_size)
     grammars = Grammars(grammar_vocab(path, Path(cache_dir), model.config.vocab_size))
+    grammars.warm(DEFAULT_BACKEND)  # the other backend is built on its first request
     runner = ModelRunner(model, shape, num_blocks, config.block_size, dtype, grammars=grammars)
     return runner, max_model_len, path.name.split(".")[0]
 
