@@ -24,25 +24,19 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prompts import bench_prompts
-from throughput import stream_chat
+from throughput import running_serve, stream_chat
 
-from deepinfer.serve import wait_healthy
 from deepinfer.settings import resolve_cache_dir
-from libs.bus.nats_server import free_port
 
 TARGET_RATIO = 0.97
 MODEL = "SmolLM2-135M-Instruct"
@@ -135,11 +129,8 @@ async def ttfts(http: httpx.AsyncClient, prompt: str, num_requests: int) -> dict
     return {case: statistics.median(values) for case, values in cases.items()}
 
 
-@contextmanager
-def running_stack(args: argparse.Namespace, log: Path) -> Iterator[str]:
-    port = free_port()
-    flags = {
-        "--port": str(port),
+def stack_flags(args: argparse.Namespace) -> dict[str, str]:
+    return {
         "--dtype": args.dtype,
         "--num-threads": str(args.threads),
         "--max-num-seqs": str(max(args.streams, 1)),
@@ -150,18 +141,6 @@ def running_stack(args: argparse.Namespace, log: Path) -> Iterator[str]:
         "--cache-dir": resolve_cache_dir(args.cache_dir, os.environ),
         "--log-level": "warning",
     }
-    argv = [sys.executable, "-m", "deepinfer", "serve", *(x for kv in flags.items() for x in kv)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 600.0, interval_s=0.2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 async def run(args: argparse.Namespace, base_url: str) -> None:
@@ -199,7 +178,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "serve.log"
         try:
-            with running_stack(args, log) as base_url:
+            with running_serve(stack_flags(args), log) as (base_url, _):
                 asyncio.run(run(args, base_url))
         except Exception:
             print(log.read_text(errors="replace")[-3000:], file=sys.stderr)

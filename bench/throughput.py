@@ -224,9 +224,8 @@ async def stream_level(
     return Result(best.num_seqs, best.num_tokens, best.seconds, tuple(errors), best.ttft_s)
 
 
-def stack_argv(setup: StackSetup, opts: Options, port: int) -> list[str]:
-    flags = {
-        "--port": str(port),
+def stack_flags(setup: StackSetup, opts: Options) -> dict[str, str]:
+    return {
         "--model": opts.model,
         "--dtype": setup.dtype,
         "--overlap": "true" if setup.overlap else "false",
@@ -237,22 +236,23 @@ def stack_argv(setup: StackSetup, opts: Options, port: int) -> list[str]:
         "--cache-dir": opts.cache_dir,
         "--log-level": "warning",
     }
-    return [sys.executable, "-m", "deepinfer", "serve", *(x for kv in flags.items() for x in kv)]
 
 
 @contextlib.contextmanager
-def running_stack(
-    setup: StackSetup, opts: Options, log: Path
+def running_serve(
+    flags: dict[str, str], log: Path, label: str = "the stack"
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`deepinfer serve` on a free port until /health answers; yields (base URL, process)."""
+    """`deepinfer serve FLAGS` on a free port until /health answers; yields (base URL, process)."""
     port = free_port()
+    argv = [sys.executable, "-m", "deepinfer", "serve", "--port", str(port)]
+    argv += [x for kv in flags.items() for x in kv]
     with log.open("wb") as out:
-        proc = subprocess.Popen(stack_argv(setup, opts, port), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
         try:
             wait_healthy(f"http://127.0.0.1:{port}/health", [proc], STACK_READY_TIMEOUT_S, interval_s=0.2)
         except (ChildExited, TimeoutError) as exc:
-            raise RuntimeError(f"{setup.label} did not become ready ({exc}):\n{log_tail(log)}") from exc
+            raise RuntimeError(f"{label} did not become ready ({exc}):\n{log_tail(log)}") from exc
         yield f"http://127.0.0.1:{port}/v1", proc
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -282,7 +282,7 @@ def run_stack(
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "serve.log"
         try:
-            with running_stack(setup, opts, log) as (base_url, proc):
+            with running_serve(stack_flags(setup, opts), log, setup.label) as (base_url, proc):
                 for n in levels:
                     report.add(
                         setup.label,
