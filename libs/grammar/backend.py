@@ -15,7 +15,7 @@ exactly when the grammar may end at this point, and accepting one terminates the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from libs.protocol.messages import StructuredOutput
@@ -47,6 +47,10 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool:
         """A stop token was accepted: nothing more may follow."""
+
+    def state_key(self) -> Hashable:
+        """Equal for two states of one matcher that accept the same continuations, as far as the
+        backend can tell (a hint for searches: equal keys may rarely differ in what follows)."""
 
 
 class CompiledGrammar(Protocol):

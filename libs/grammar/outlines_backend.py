@@ -197,3 +197,6 @@ class OutlinesMatcher:
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def state_key(self) -> tuple[int, bool]:
+        return self._guide.get_state(), self._terminated  # a DFA state: exact

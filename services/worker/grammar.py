@@ -6,6 +6,11 @@ and their compile caches. ``SequenceGrammar`` is one sequence's constraint: it w
 ``MaskJob`` fills the bitmasks of a step's constrained rows and turns them into additive biases
 on a helper thread, started before the forward and joined after it, so the mask work overlaps
 the model instead of adding to the step.
+
+Budget: a grammar keeps every prefix valid but cannot make a model stop, so an open-ended schema
+(recursion, unbounded strings or numbers) could run out of ``max_tokens`` mid-value. When the
+tokens left come close to the length of a way out (``completion_path``), the sequence stops
+choosing and walks that way out: the output ends valid, ``STEER_SLACK`` tokens or more early.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from libs.grammar import make_backend
 from libs.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError, Matcher
 from libs.grammar.cache import GrammarCache
+from libs.grammar.completion import Alphabet, completion_path
 from libs.kernels.token_mask import bitmask_to_bias
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.messages import StructuredOutput
@@ -28,6 +34,11 @@ from libs.protocol.messages import StructuredOutput
 log = logging.getLogger(__name__)
 
 DEFAULT_BACKEND = "xgrammar"  # the gateway's default --grammar-backend
+# The way out is walked once it needs STEER_SLACK tokens fewer than are left: the most that one
+# sampled token (a ',' opening another property, say) may lengthen it between two searches.
+STEER_SLACK = 16
+RECHECK_STEPS = 8  # steps between searches while the way out is not yet close
+HORIZON = 128  # no search while more tokens than this are left beyond the last way out
 
 
 class Grammars:
@@ -38,6 +49,7 @@ class Grammars:
         self.vocab = vocab
         self.vocab_size = len(vocab) if vocab is not None else 0
         self.max_cached = max_cached
+        self.alphabet = Alphabet.of(vocab) if vocab is not None else None  # for ways out
         self._caches: dict[str, GrammarCache] = {}
         self._lock = threading.Lock()  # backends are built on first use, maybe from two threads
 
@@ -82,6 +94,7 @@ class SequenceGrammar:
         constraint: StructuredOutput,
         compiled: Future[CompiledGrammar],
         stop_token_ids: Sequence[int],
+        alphabet: Alphabet | None = None,
     ) -> None:
         self._start_after = unpack_tokens(constraint.start_after)
         self._compiled = compiled
@@ -90,6 +103,10 @@ class SequenceGrammar:
         self.active = not self._start_after  # its tokens are drawn under the grammar's masks
         self._matcher: Matcher | None = None
         self._pending: list[int] = []
+        self._alphabet = alphabet  # None: never steered to a way out
+        self._way_out: list[int] = []  # being walked: the tokens still to come, then the stop token
+        self._way_out_len = 0  # length of the last way out found
+        self._since_search = RECHECK_STEPS
 
     def accept(self, token_id: int) -> None:
         """Feed one sampled (or replayed) output token."""
@@ -99,12 +116,16 @@ class SequenceGrammar:
             return
         if self._matcher is None:
             self._pending.append(token_id)
-        else:
-            _advance(self._matcher, token_id)
+            return
+        _advance(self._matcher, token_id)
+        if self._way_out:
+            # The mask allowed only the way out's next token; anything else is a plan that ran past.
+            self._way_out = self._way_out[1:] if token_id == self._way_out[0] else []
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]``; raises GrammarError if the
-        grammar failed to compile. Joins the compile on first use."""
+    def fill(self, bitmask: torch.Tensor, row: int, remaining: int | None = None) -> None:
+        """Write the allowed next tokens into ``bitmask[row]``; ``remaining``: output tokens the
+        sequence may still produce, this one included (None: no budget to keep). Raises
+        GrammarError if the grammar failed to compile. Joins the compile on first use."""
         matcher = self._matcher
         if matcher is None:
             matcher = self._matcher = self._compiled.result().matcher(self._stop_token_ids)
@@ -114,11 +135,42 @@ class SequenceGrammar:
         if matcher.is_terminated():
             # Only stop tokens: a plan already in flight when the stop token was sampled runs one
             # more step for it (its token is dropped), and a row must never be all -inf.
-            bitmask[row].zero_()
-            for token_id in self._stop_token_ids:
-                bitmask[row, token_id // 32] |= _bit(token_id)
+            _allow_only(bitmask, row, self._stop_token_ids)
+            return
+        if remaining is not None and self._steer(matcher, remaining):
+            _allow_only(bitmask, row, self._way_out[:1])
             return
         matcher.fill_mask(bitmask, row)
+
+    def _steer(self, matcher: Matcher, remaining: int) -> bool:
+        """Whether this token must follow the way out (searching for one when it may be close)."""
+        if self._way_out or self._alphabet is None:
+            return bool(self._way_out)
+        self._since_search += 1
+        close = remaining <= self._way_out_len + STEER_SLACK + RECHECK_STEPS
+        due = self._since_search >= RECHECK_STEPS and remaining <= self._way_out_len + HORIZON
+        if not (close or due):
+            return False
+        self._since_search = 0
+        try:
+            path = completion_path(matcher, self._alphabet, self._stop_token_ids[0])
+        except Exception:  # a backend's rollback refused: go on unsteered rather than fail the row
+            log.exception("no way out of the grammar could be searched")
+            self._alphabet = None
+            return False
+        if path is None:  # none within the search's limit (minItems: 1000, say): never steered
+            self._alphabet = None
+            return False
+        self._way_out_len = len(path)
+        if len(path) + STEER_SLACK >= remaining:
+            self._way_out = path
+        return bool(self._way_out)
+
+
+def _allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    bitmask[row].zero_()
+    for token_id in token_ids:
+        bitmask[row, token_id // 32] |= _bit(token_id)
 
 
 def _advance(matcher: Matcher, token_id: int) -> None:
@@ -150,16 +202,17 @@ class MaskJob:
         self.vocab_size = vocab_size
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
-    def start(self, grammars: list[tuple[int, SequenceGrammar]]) -> Future[MaskResult]:
+    def start(self, grammars: list[tuple[int, SequenceGrammar, int]]) -> Future[MaskResult]:
+        """``grammars``: (sampled-row index, its grammar, output tokens it may still produce)."""
         return self._executor.submit(self._build, grammars)
 
-    def _build(self, grammars: list[tuple[int, SequenceGrammar]]) -> MaskResult:
+    def _build(self, grammars: list[tuple[int, SequenceGrammar, int]]) -> MaskResult:
         bitmask = torch.empty(len(grammars), (self.vocab_size + 31) // 32, dtype=torch.int32)
         rows: list[int] = []
         failed: dict[int, str] = {}
-        for index, grammar in grammars:
+        for index, grammar, remaining in grammars:
             try:
-                grammar.fill(bitmask, len(rows))
+                grammar.fill(bitmask, len(rows), remaining)
             except Exception as exc:  # a compile error surfaces here, for this sequence only
                 failed[index] = f"structured output: {exc}"
                 continue

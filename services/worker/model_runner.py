@@ -143,7 +143,7 @@ class ModelRunner:
         if constraint is not None:
             # Compiling starts now, on a helper thread, and overlaps this step's prefill.
             compiled = self.grammars.submit(constraint)
-            state.grammar = SequenceGrammar(constraint, compiled, new.stop_token_ids)
+            state.grammar = SequenceGrammar(constraint, compiled, new.stop_token_ids, self.grammars.alphabet)
             for token_id in state.output_token_ids:  # a resumed sequence replays its outputs
                 state.grammar.accept(token_id)
         self.seqs[new.seq_id] = state
@@ -207,7 +207,7 @@ class ModelRunner:
         out = self.sampler(logits, [r.state for r in sampled_rows], grammar_mask)
         token_ids = out.token_ids
         failed: dict[str, str] = {}
-        for j, why in (mask.failed.items() if mask is not None else ()):
+        for j, why in mask.failed.items() if mask is not None else ():
             state = sampled_rows[j].state
             failed[state.seq_id] = why
             state.grammar = None
@@ -221,7 +221,7 @@ class ModelRunner:
 
     def _start_masks(self, sampled_rows: list[_Row]) -> Future[MaskResult] | None:
         constrained = [
-            (j, row.state.grammar)
+            (j, row.state.grammar, row.state.sampling_params.max_tokens - row.state.num_output_tokens)
             for j, row in enumerate(sampled_rows)
             if row.state.grammar is not None and row.state.grammar.active
         ]

@@ -23,11 +23,11 @@ from tests.grammar_corpus import SCHEMAS, UNSUPPORTED
 from tests.system.stack import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_TOKENS = 400
-# Greedy SmolLM2-135M loops forever in recursive or unbounded structures (a list counting 1, 2,
-# 3, ...; "next": {"next": ...}), which the grammar allows; a frequency penalty breaks the loop.
-# (At temperature 1 it would push the model away from the quotes and commas JSON is made of.)
-FREQUENCY_PENALTY = 1.0
+# Greedy SmolLM2-135M loops in recursive or unbounded structures (a list counting 1, 2, 3, ...;
+# "next": {"next": ...}) and at temperature 1 writes e-mail addresses that never end: the worker
+# walks a way out of the grammar before max_tokens runs out, so those end valid too.
+MAX_TOKENS = 256
+SEED = 7
 
 WEATHER = {
     "type": "object",
@@ -70,55 +70,9 @@ def _ask(name: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": ask}]
 
 
-_BOUNDED_FORMATS = frozenset({"date", "time", "date-time", "uuid", "ipv4", "ipv6"})
-
-
-def is_bounded(node: Any, defs_seen: frozenset[str] = frozenset(), root: Any = None) -> bool:
-    """Whether every output the schema admits has a bounded length (no recursion, open strings,
-    numbers, arrays or property sets): then a model must reach the end within a finite budget."""
-    root = node if root is None else root
-    if not isinstance(node, dict):
-        return True
-    if "enum" in node or "const" in node:
-        return True
-    ref = node.get("$ref")
-    if isinstance(ref, str):
-        if ref in defs_seen:
-            return False  # recursion
-        target: Any = root
-        for part in ref.lstrip("#/").split("/"):
-            target = target.get(part, {}) if part else target
-        return is_bounded(target, defs_seen | {ref}, root)
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        if not all(is_bounded(sub, defs_seen, root) for sub in node.get(key, ())):
-            return False
-    kinds = node.get("type", [])
-    kinds = set(kinds if isinstance(kinds, list) else [kinds])
-    if "string" in kinds and "maxLength" not in node and node.get("format") not in _BOUNDED_FORMATS:
-        pattern = node.get("pattern", "+")
-        if any(c in pattern for c in "+*") or ("{" in pattern and ",}" in pattern):
-            return False
-    if "number" in kinds:
-        return False  # fraction digits are unbounded
-    has_min = "minimum" in node or "exclusiveMinimum" in node
-    if "integer" in kinds and not (has_min and ("maximum" in node or "exclusiveMaximum" in node)):
-        return False
-    if "array" in kinds and ("maxItems" not in node or not is_bounded(node.get("items"), defs_seen, root)):
-        return False
-    if "object" in kinds or "properties" in node:
-        # unset: closed when properties are listed (strict, as compiled), else any object
-        if node.get("additionalProperties", "properties" not in node) is not False:
-            return False
-        if not all(is_bounded(sub, defs_seen, root) for sub in node.get("properties", {}).values()):
-            return False
-    return True
-
-
 def test_every_corpus_schema_validates_at_temperature_0_and_1(stack: Stack) -> None:
-    """Bounded schemas must finish and validate at both temperatures. An open-ended schema
-    (recursion, unbounded strings or numbers) may run out of tokens: the grammar keeps every prefix
-    valid but cannot make SmolLM2-135M stop (a long random e-mail address, a linked list that never
-    ends); it must validate whenever it ends, and most must end."""
+    """Every output ends with ``stop`` inside max_tokens and validates, open-ended schemas
+    (recursion, unbounded strings, numbers, arrays or property sets) included."""
     sdk = client(stack)
     cases = [(c.name, c.schema, t) for c in SCHEMAS for t in (0.0, 1.0)]
 
@@ -129,9 +83,8 @@ def test_every_corpus_schema_validates_at_temperature_0_and_1(stack: Stack) -> N
             messages=_ask(name),  # type: ignore[arg-type]
             response_format=_schema_format(schema, name),  # type: ignore[arg-type]
             temperature=temperature,
-            seed=7,
+            seed=SEED,
             max_tokens=MAX_TOKENS,
-            frequency_penalty=FREQUENCY_PENALTY if temperature == 0 else 0.0,
         )
         choice = resp.choices[0]
         return name, temperature, choice.message.content or "", choice.finish_reason
@@ -139,11 +92,7 @@ def test_every_corpus_schema_validates_at_temperature_0_and_1(stack: Stack) -> N
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(run, cases))
     failures = []
-    num_open = 0
     for (name, temperature, text, finish), (_, schema, _) in zip(results, cases, strict=True):
-        if finish == "length" and not is_bounded(schema):
-            num_open += 1
-            continue
         try:
             assert finish == "stop", f"finish_reason {finish}"
             checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
@@ -152,7 +101,6 @@ def test_every_corpus_schema_validates_at_temperature_0_and_1(stack: Stack) -> N
             failures.append(f"{name} @ t={temperature}: {exc!s:.200} in {text[:200]!r}")
     assert not failures, "\n".join(failures)
     assert len(results) >= 60
-    assert num_open <= 8, f"{num_open} open-ended outputs ran out of tokens"
 
 
 def test_a_streamed_schema_output_validates(stack: Stack) -> None:

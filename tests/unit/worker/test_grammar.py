@@ -128,3 +128,45 @@ def test_reasoning_is_free_until_start_after(grammars: Grammars) -> None:
     grammar.fill(bitmask, 0)
     allowed = [t for t in range(CONFIG.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
     assert allowed == [EOS]
+
+
+OPEN_ENDED = {  # nothing in the schema bounds the output's length
+    "free_object": {"type": "object"},
+    "long_string": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    "numbers": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+    "linked_list": {  # recursion: outlines refuses recursive $ref, so xgrammar only
+        "$defs": {
+            "item": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "string"},
+                    "next": {"anyOf": [{"$ref": "#/$defs/item"}, {"type": "null"}]},
+                },
+                "required": ["v", "next"],
+            }
+        },
+        "$ref": "#/$defs/item",
+    },
+}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("max_tokens", [24, 61])
+def test_open_ended_outputs_end_valid_inside_max_tokens(
+    model: LlamaForCausalLM, grammars: Grammars, backend: str, max_tokens: int
+) -> None:
+    """Random weights never choose to close a string or a list; the way out does, in budget."""
+    engine = make_engine(model, grammars)
+    schemas = {n: s for n, s in OPEN_ENDED.items() if backend == "xgrammar" or n != "linked_list"}
+    for name, schema in schemas.items():
+        constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema), backend)
+        for temperature, seed in ((0.0, None), (1.0, 3), (1.0, 4)):
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, seed=seed, structured_output=constraint
+            )
+            engine.add(f"{name}-{temperature}-{seed}", PROMPTS["b"], params)
+    outputs = engine.run()
+    for seq_id, token_ids in outputs.items():
+        assert engine.finish_reasons[seq_id] is FinishReason.STOP, (seq_id, text(token_ids))
+        assert len(token_ids) <= max_tokens
+        jsonschema.validate(json.loads(text(token_ids)), schemas[seq_id.split("-")[0]])

@@ -1,0 +1,124 @@
+"""completion_path: from random points of random walks through every corpus schema (both
+backends, real vocabulary), the path it finds is accepted token by token, ends the grammar, and
+gives JSON that validates; the search leaves the matcher's state as it was."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import numpy as np
+import pytest
+
+from libs.grammar import BACKENDS
+from libs.grammar.backend import Matcher
+from libs.grammar.cache import GrammarCache
+from libs.grammar.completion import Alphabet, completion_path
+from libs.protocol.messages import StructuredOutput, StructuredOutputKind
+from tests.grammar_corpus import SCHEMAS, CorpusSchema
+from tests.unit.grammar.test_corpus import FORMATS, constraint
+from tests.unit.grammar.walk import WalkVocab, allowed_ids, assert_json_style, new_bitmask
+
+
+@pytest.fixture(scope="module")
+def alphabet(vocab: list[bytes]) -> Alphabet:
+    return Alphabet.of(vocab)
+
+
+def wander(matcher: Matcher, vocab: WalkVocab, stop_ids: tuple[int, ...], rng: random.Random) -> list[int]:
+    """Up to 60 uniformly drawn allowed tokens (whole UTF-8, never a stop token): a state deep
+    inside strings, numbers and nested values, as a rambling model leaves it."""
+    bitmask = new_bitmask(len(vocab.tokens))
+    out: list[int] = []
+    for _ in range(rng.randrange(61)):
+        matcher.fill_mask(bitmask, 0)
+        allowed = allowed_ids(bitmask)
+        allowed = allowed[~np.isin(allowed, stop_ids) & vocab.whole[allowed]]
+        if not len(allowed):
+            break
+        token = int(allowed[rng.randrange(len(allowed))])
+        assert matcher.advance(token)
+        out.append(token)
+    return out
+
+
+def finish(matcher: Matcher, alphabet: Alphabet, stop_ids: tuple[int, ...], vocab_size: int) -> list[int]:
+    """The search's path, after checking it left the matcher's mask untouched."""
+    before, after = new_bitmask(vocab_size), new_bitmask(vocab_size)
+    matcher.fill_mask(before, 0)
+    path = completion_path(matcher, alphabet, stop_ids[0])
+    matcher.fill_mask(after, 0)
+    assert bool((before == after).all()), "the search changed the matcher's state"
+    assert path is not None, "no way to finish found"
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", SCHEMAS, ids=[entry.name for entry in SCHEMAS])
+def test_path_finishes_valid_json(
+    entry: CorpusSchema,
+    backend: str,
+    caches: dict[str, GrammarCache],
+    walk_vocab: WalkVocab,
+    alphabet: Alphabet,
+    stop_ids: tuple[int, ...],
+) -> None:
+    if backend in entry.rejected_by:
+        return  # refused by this backend: test_corpus asserts the refusal
+    compiled = caches[backend].get(constraint(entry.schema, backend))
+    for seed in range(4):
+        matcher = compiled.matcher(stop_ids)
+        prefix = wander(matcher, walk_vocab, stop_ids, random.Random(seed))
+        path = finish(matcher, alphabet, stop_ids, len(walk_vocab.tokens))
+        assert path[-1] == stop_ids[0] and stop_ids[0] not in path[:-1]
+        for token in path:
+            assert matcher.advance(token)
+        assert matcher.is_terminated()
+        text = walk_vocab.text(prefix + path[:-1])
+        assert_json_style(text)
+        jsonschema.validate(json.loads(text), entry.schema, format_checker=FORMATS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regex_and_ends(
+    backend: str,
+    caches: dict[str, GrammarCache],
+    walk_vocab: WalkVocab,
+    alphabet: Alphabet,
+    stop_ids: tuple[int, ...],
+) -> None:
+    regex = StructuredOutput(StructuredOutputKind.REGEX, r"[a-z]+@[a-z]+\.(com|org)", backend)
+    matcher = caches[backend].get(regex).matcher(stop_ids)
+    for token in walk_vocab.tokens.index(b"ab"), walk_vocab.tokens.index(b"@"):
+        assert matcher.advance(token)
+    path = finish(matcher, alphabet, stop_ids, len(walk_vocab.tokens))
+    assert walk_vocab.text(path[:-1]) == "n.com"  # n (as in null) is the first letter tried
+    for token in path:
+        assert matcher.advance(token)
+    assert completion_path(matcher, alphabet, stop_ids[0]) == []  # terminated: nothing to add
+    ended = caches[backend].get(constraint({"type": "integer"}, backend)).matcher(stop_ids)
+    assert ended.advance(walk_vocab.tokens.index(b"7"))
+    assert completion_path(ended, alphabet, stop_ids[0]) == [stop_ids[0]]  # may stop right here
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gives_up_past_its_limits(
+    backend: str,
+    caches: dict[str, GrammarCache],
+    walk_vocab: WalkVocab,
+    alphabet: Alphabet,
+    stop_ids: tuple[int, ...],
+) -> None:
+    """A way out longer than max_depth (1000 items at least) is not found, and the matcher is intact."""
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 1000}
+    if backend == "outlines":
+        schema = {"type": "array", "items": {"enum": [1]}, "minItems": 300}  # outlines' regex stays small
+    matcher = caches[backend].get(constraint(schema, backend)).matcher(stop_ids)
+    assert matcher.advance(walk_vocab.tokens.index(b"["))
+    before = new_bitmask(len(walk_vocab.tokens))
+    matcher.fill_mask(before, 0)
+    assert completion_path(matcher, alphabet, stop_ids[0]) is None
+    after = new_bitmask(len(walk_vocab.tokens))
+    matcher.fill_mask(after, 0)
+    assert bool((before == after).all())
