@@ -11,6 +11,8 @@ Per backend, over the schemas it accepts (ratios only over the schemas both acce
 - validate: the gateway's check of the same constraint (no vocabulary).
 - mask fill: ``Matcher.fill_mask`` at every step of ``--walks`` random masked walks per schema
   (tests/unit/grammar/walk.py: only allowed tokens, steered to finish), µs per call.
+- way out: ``completion_path`` (what the worker searches when a constrained output nears its
+  max_tokens) at every step of the same walks, ms per search, and how many found none.
 Ratios are outlines / xgrammar: above 1, xgrammar is faster.
 """
 
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is not an
 from libs.grammar import BACKENDS, make_backend, validate
 from libs.grammar.backend import GrammarBackend, GrammarError, Matcher
 from libs.grammar.cache import GrammarCache
+from libs.grammar.completion import Alphabet, completion_path
 from libs.models.registry import resolve_model_path
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
 from libs.recipe.tokenizer import Tokenizer
@@ -46,16 +49,24 @@ Stats = dict[str, list[float]]  # metric -> samples (seconds)
 
 
 class TimedMatcher:
-    """A matcher that records how long each fill_mask takes."""
+    """A matcher that records how long each fill_mask takes, and how long a search for a way out
+    of the grammar takes from the same state (``stats["none"]``: one entry per search that found none)."""
 
-    def __init__(self, matcher: Matcher, fill_s: list[float]) -> None:
+    def __init__(self, matcher: Matcher, stats: Stats, alphabet: Alphabet, stop_id: int) -> None:
         self.matcher = matcher
-        self.fill_s = fill_s
+        self.stats = stats
+        self.alphabet = alphabet
+        self.stop_id = stop_id
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         start = time.perf_counter()
         self.matcher.fill_mask(bitmask, row)
-        self.fill_s.append(time.perf_counter() - start)
+        self.stats["fill"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        path = completion_path(self.matcher, self.alphabet, self.stop_id)
+        self.stats["way_out"].append(time.perf_counter() - start)
+        if path is None:
+            self.stats["none"].append(1.0)
 
     def advance(self, token_id: int) -> bool:
         return self.matcher.advance(token_id)
@@ -65,6 +76,9 @@ class TimedMatcher:
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    def state_key(self) -> object:
+        return self.matcher.state_key()
 
 
 def load_vocab(cache_dir: Path) -> tuple[list[bytes], tuple[int, ...]]:
@@ -95,7 +109,8 @@ def measure(
     stop_ids: tuple[int, ...],
     args: argparse.Namespace,
 ) -> Stats:
-    stats: Stats = {"compile": [], "cached": [], "validate": [], "fill": []}
+    stats: Stats = {"compile": [], "cached": [], "validate": [], "fill": [], "way_out": [], "none": []}
+    alphabet = Alphabet.of(vocab.tokens)
     schemas = {entry.name: entry.schema for entry in SCHEMAS}
     cache = GrammarCache(backend, max_entries=len(names))
     for name in names:
@@ -108,7 +123,7 @@ def measure(
         compiled = cache.get(constraint)
         stats["cached"].append(per_call(partial(cache.get, constraint)))
         for seed in range(args.walks):
-            matcher = TimedMatcher(compiled.matcher(stop_ids), stats["fill"])
+            matcher = TimedMatcher(compiled.matcher(stop_ids), stats, alphabet, stop_ids[0])
             walk(matcher, vocab, stop_ids, random.Random(seed))
     cache.close()
     return stats
@@ -142,6 +157,8 @@ ROWS: list[tuple[str, str, Callable[[list[float]], float], float]] = [
     ("mask fill mean", "fill", statistics.fmean, 1e6),
     ("mask fill p50", "fill", statistics.median, 1e6),
     ("mask fill p99", "fill", lambda s: quantile(s, 0.99), 1e6),
+    ("way out search p50", "way_out", statistics.median, 1e3),
+    ("way out search p99", "way_out", lambda s: quantile(s, 0.99), 1e3),
 ]
 
 
@@ -156,6 +173,9 @@ def print_table(title: str, columns: dict[str, Stats], baseline: str | None) -> 
         if baseline:
             line += f"{values[names.index(baseline)] / values[names.index('xgrammar')]:21.1f}x"
         print(line)
+    for name in names:
+        stats = columns[name]
+        print(f"{name}: no way out found in {len(stats['none'])} of {len(stats['way_out'])} searches")
 
 
 def main() -> None:
