@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from libs.protocol.kv_messages import KVLoad, KVSave
+
 
 class FinishReason(enum.IntEnum):
     STOP = 1  # a stop token (EOS included) or, at the gateway, a stop string
@@ -105,7 +107,8 @@ class SubmitRequest:
     sampling_params: SamplingParams
     eos_token_id: int
     priority: int = 0  # lower runs first
-    tenant: str = ""
+    tenant: str = ""  # salts the request's block hashes: tenants never share (or probe) cached KV
+    retention_class: str = ""  # how long its KV is kept in G3 ("agent", "chat", ...); "": the default
 
 
 class SubmitStatus(enum.IntEnum):
@@ -167,6 +170,7 @@ class NewSequence:
     block_ids: bytes  # packed uint32: its whole block table so far
     num_computed_tokens: int  # tokens whose KV already sits in those blocks (a shared prefix)
     num_scheduled_tokens: int  # tokens to compute in this step, from num_computed_tokens on
+    kv_load: KVLoad | None = None  # blocks among the computed ones to fill from G2 / G3 first
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +190,7 @@ class SchedulerOutput:
     new_block_ids: tuple[bytes, ...] = ()  # packed uint32 per seq_ids: appended to its block table
     finished_seq_ids: tuple[str, ...] = ()  # drop their state first (finished, aborted, preempted)
     scheduler_id: str = ""  # the sender; a worker serves one owner and drops all it holds if that goes
+    kv_saves: tuple[KVSave, ...] = ()  # blocks to keep in G2 / G3, saved before this step's forward
 
     @property
     def num_scheduled_seqs(self) -> int:
@@ -207,6 +212,10 @@ class ModelRunnerOutput:
     # stop token above, so the worker's state stays in step with plans already in flight.
     failed_seq_ids: tuple[str, ...] = ()
     failed_errors: tuple[str, ...] = ()
+    # KV loads of this step's new sequences: blocks filled from G2, from G3, and recomputed instead
+    num_loaded_host_blocks: int = 0
+    num_loaded_store_blocks: int = 0
+    num_failed_load_blocks: int = 0
 
 
 # --- liveness and load ----------------------------------------------------------------------

@@ -44,6 +44,18 @@ class Subjects:
     def kv_lookup(self) -> str:
         return f"{self.prefix}.kv.lookup"
 
+    def kv_dump(self, publisher_id: str) -> str:
+        """Request/reply: a worker's whole G2 content (a consumer of its events saw a gap)."""
+        return f"{self.prefix}.kv.dump.{publisher_id}"
+
+    def stats(self, kind: str, publisher_id: str) -> str:
+        """Periodic KVCacheStats of one service, for the gateways' /metrics."""
+        return f"{self.prefix}.stats.{kind}.{publisher_id}"
+
+    @property
+    def stats_all(self) -> str:
+        return f"{self.prefix}.stats.>"
+
     @property
     def out_stream(self) -> str:
         """JetStream stream holding every gateway's step outputs (stream names allow no dots)."""

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Final
 
-from services.kvcache.retention import RetentionPolicy, eviction_key
+from libs.kvstore.retention import RetentionPolicy, eviction_key
 
 _HeapItem = tuple[float, int, bytes]  # (time, seq, block_hash)
 _MIN_COMPACT_ITEMS: Final = 64

@@ -36,8 +36,8 @@ from libs.kvstore.block_file import (
     read_header,
 )
 from libs.kvstore.block_hash import block_hash_from_hex
+from libs.kvstore.retention import RetentionPolicy
 from services.kvcache.index import BlockEntry, BlockIndex, Placement, Tier
-from services.kvcache.retention import RetentionPolicy
 
 _FANOUT_DIR: Final = re.compile(r"[0-9a-f]{2}")
 

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
+from libs.kvstore.retention import RetentionClass, RetentionPolicy
 from services.kvcache.index import BlockIndex, Placement, Tier
-from services.kvcache.retention import RetentionClass, RetentionPolicy
 
 FP = "m"
 POLICY = RetentionPolicy(

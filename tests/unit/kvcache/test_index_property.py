@@ -15,8 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from libs.kvstore.retention import RetentionClass, RetentionPolicy, eviction_key
 from services.kvcache.index import BlockEntry, BlockIndex, Placement, Tier
-from services.kvcache.retention import RetentionClass, RetentionPolicy, eviction_key
 
 POLICY = RetentionPolicy(
     [RetentionClass("agent", 30.0, 0), RetentionClass("chat", 70.0, 1), RetentionClass("batch", 10.0, 0)]

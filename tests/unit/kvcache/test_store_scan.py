@@ -28,9 +28,9 @@ from libs.kvstore.block_file import (
     write_block_file,
 )
 from libs.kvstore.block_hash import hash_block
+from libs.kvstore.retention import RetentionPolicy
 from services.kvcache import store_scan
 from services.kvcache.index import BlockIndex, Placement, Tier
-from services.kvcache.retention import RetentionPolicy
 from services.kvcache.store_scan import (
     IssueKind,
     ScanIssue,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.kvcache.retention import (
+from libs.kvstore.retention import (
     DEFAULT_RETENTION_CLASSES,
     SECONDS_PER_DAY,
     RetentionClass,

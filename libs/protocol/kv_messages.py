@@ -1,0 +1,144 @@
+"""KV-cache messages: what a plan tells a worker to load and save, the tiers' events, lookups and
+stats. KV tensors never travel here: they go through host memory (G2) and the store (G3); these
+messages carry block ids, block hashes and notices.
+
+Block hashes travel concatenated, ``BLOCK_HASH_NUM_BYTES`` (32) bytes each
+(``libs.kvstore.block_hash``); ``split_hashes`` / ``join_hashes`` convert.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+HASH_NUM_BYTES = 32  # libs.kvstore.block_hash.BLOCK_HASH_NUM_BYTES (protocol imports no kvstore)
+
+
+def join_hashes(block_hashes: Sequence[bytes]) -> bytes:
+    assert all(len(h) == HASH_NUM_BYTES for h in block_hashes), "a block hash has the wrong size"
+    return b"".join(block_hashes)
+
+
+def split_hashes(data: bytes) -> list[bytes]:
+    if len(data) % HASH_NUM_BYTES:
+        raise ValueError(f"{len(data)} bytes of block hashes is not a multiple of {HASH_NUM_BYTES}")
+    return [data[i : i + HASH_NUM_BYTES] for i in range(0, len(data), HASH_NUM_BYTES)]
+
+
+class CacheTier(enum.IntEnum):
+    DEVICE = 1  # G1: the worker's KV pages (the scheduler's prefix cache)
+    HOST = 2  # G2: host memory of one worker
+    STORE = 3  # G3: the shared store directory, one file per block
+
+
+class RemovalReason(enum.IntEnum):
+    CAPACITY = 1  # evicted to make room
+    EXPIRED = 2  # its retention class's time ran out
+    CORRUPT = 3  # failed a check on read (checksum, header, foreign model, truncated)
+    MISSING = 4  # the index had it, the store did not
+    CLEARED = 5  # the tier was emptied (a restart, a disabled store)
+
+
+# --- scheduler -> worker (inside SchedulerOutput) ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """Blocks a new sequence starts with whose KV the worker fills from G2 or G3 before the
+    forward: table positions ``first_block ..`` of ``NewSequence.block_ids``, one hash each.
+
+    They count in ``NewSequence.num_computed_tokens``. A block the worker cannot load (gone from
+    G2, and missing, corrupt or foreign in G3) is recomputed in the same step, with every block
+    after it: a wrong block never reaches attention, and the plan's accounting still holds.
+    """
+
+    first_block: int
+    block_hashes: bytes  # concatenated, 32 bytes each
+    tiers: bytes = b""  # one CacheTier value per block: where the scheduler expects it (a hint)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSave:
+    """Full blocks whose KV earlier plans computed, to keep: the worker copies them to G2 and
+    queues their G3 writes before this step's forward (which may overwrite a freed block)."""
+
+    block_ids: bytes  # packed uint32
+    block_hashes: bytes  # concatenated, 32 bytes each, one per block id
+    retention_class: str = ""  # "": the store's default class
+
+
+# --- events: worker -> scheduler, kvcache -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    tier: CacheTier
+    stored: bool  # True: these blocks are now in the tier; False: they are gone from it
+    block_hashes: bytes  # concatenated, 32 bytes each
+    reason: RemovalReason | None = None  # why they are gone (stored=False)
+    retention_class: str = ""  # stored G3 blocks: their class
+    expires_at: float = 0.0  # stored G3 blocks: unix seconds
+    num_bytes: int = 0  # stored blocks: bytes each (G3: the whole file)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvents:
+    """One publisher's tier changes since its last message. ``seq`` is +1 per message of this
+    publisher (from 1 at its start); a consumer that sees a gap resyncs: G2 by asking the worker
+    for a ``KVDump``, G3 by scanning the store."""
+
+    publisher_id: str
+    seq: int
+    events: tuple[KVEvent, ...]
+    fingerprint: str = ""  # the model whose KV these blocks hold
+
+
+@dataclass(frozen=True, slots=True)
+class KVDumpRequest:
+    publisher_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVDump:
+    """Everything a worker's G2 holds, as of its event ``seq`` (a consumer continues from there)."""
+
+    publisher_id: str
+    seq: int
+    host_block_hashes: bytes  # concatenated, 32 bytes each
+
+
+# --- scheduler <-> kvcache --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVLookup:
+    block_hashes: bytes  # a prompt's chain, concatenated, 32 bytes each, first block first
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KVLookupReply:
+    num_blocks: int  # the longest prefix of the chain stored in G3
+    error: str = ""
+
+
+# --- stats (periodic, for /metrics) -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounter:
+    """One counter, labelled by tier, retention class or reason (whichever applies)."""
+
+    name: str  # e.g. "hit_tokens", "evicted_blocks", "stored_bytes"
+    label: str  # e.g. "G1", "agent", "capacity"
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """A service's cache counters since it started (and gauges as of now), published periodically."""
+
+    publisher_id: str
+    kind: str  # "scheduler" | "worker" | "kvcache"
+    counters: tuple[TierCounter, ...]
