@@ -10,6 +10,7 @@ from libs.recipe.conversation import Conversation
 from libs.recipe.fields import ApiError
 from libs.recipe.sampling import Sampling
 from libs.recipe.template_format import Prompt
+from services.gateway.cache_scope import UNSCOPED, CacheScope, CacheScoping
 from services.gateway.request_stream import RequestStream
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService, SubmitRejected
@@ -29,9 +30,12 @@ class Admitted:
 
 
 class Admission:
-    def __init__(self, service: GatewayService, served: ServedModel) -> None:
+    def __init__(
+        self, service: GatewayService, served: ServedModel, scoping: CacheScoping | None = None
+    ) -> None:
         self.service = service
         self.served = served
+        self.scoping = scoping or CacheScoping()
 
     async def prompt(self, conversation: Conversation, format_param: str = "response_format") -> Prompt:
         # Rendering and tokenizing a long prompt, and checking its output constraint, are CPU
@@ -50,6 +54,7 @@ class Admission:
         include_usage: bool = False,
         context: bytes = b"",
         background: bool = False,
+        scope: CacheScope = UNSCOPED,
     ) -> Admitted:
         served = self.served
         params = sampling.resolve(served.check_length(len(prompt.token_ids), sampling.max_tokens))
@@ -82,7 +87,13 @@ class Admission:
         )
         try:
             stream = await self.service.submit(
-                request_id, prompt.token_ids, params, served.eos_token_id, record if resumable else None
+                request_id,
+                prompt.token_ids,
+                params,
+                served.eos_token_id,
+                record if resumable else None,
+                tenant=scope.tenant,
+                retention_class=scope.retention_class,
             )
         except SubmitRejected as exc:
             status, type_, code = _REJECTED[exc.status]

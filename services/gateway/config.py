@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass, field
 
+from libs.kvstore.retention import RetentionPolicy, UnknownRetentionClass, parse_retention_classes
 from libs.recipe.chat_formats import FORMATS
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,22 @@ class Config:
     responses_ttl_s: float = field(
         default=30 * 86400.0, metadata={"help": "how long stored Responses API objects are kept"}
     )
+    # The next two share their flags with the kvcache config (and the worker's, which writes the
+    # store): `deepinfer serve` has one namespace of flags, so names, types and defaults must match.
+    retention_classes: str = field(
+        default="agent=3d:0,chat=7d:1",
+        metadata={"help": "KV retention classes, name=ttl[:priority],... (lower priority evicted first)"},
+    )
+    default_retention_class: str = field(
+        default="agent", metadata={"help": "retention class of a request that names none"}
+    )
+    tenant_header: str = field(
+        default="",
+        metadata={
+            "help": "take the KV-cache tenant from this trusted header (set by an authenticating "
+            "proxy) instead of hashing the API key; '' = off"
+        },
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -71,3 +91,18 @@ class Config:
             raise ValueError("stream_retention_s, responses_ttl_s and keepalive_s must be > 0")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
+        if self.tenant_header and not _HEADER_NAME.fullmatch(self.tenant_header):
+            raise ValueError(f"tenant_header must be an HTTP header name, got {self.tenant_header!r}")
+        # Built once now, so a bad spec fails at start and names its key.
+        try:
+            self.retention_policy  # noqa: B018
+        except UnknownRetentionClass as exc:
+            known = ", ".join(exc.known)
+            message = f"default_retention_class={self.default_retention_class!r}: not one of {known}"
+            raise ValueError(message) from None
+        except ValueError as exc:
+            raise ValueError(f"retention_classes={self.retention_classes!r}: {exc}") from None
+
+    @property
+    def retention_policy(self) -> RetentionPolicy:
+        return RetentionPolicy(parse_retention_classes(self.retention_classes), self.default_retention_class)

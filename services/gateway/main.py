@@ -18,6 +18,7 @@ from libs.bus.nats_bus import NatsBus
 from libs.protocol.messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
 from services.gateway.app import build_app
+from services.gateway.cache_scope import CacheScoping
 from services.gateway.config import Config
 from services.gateway.grammar_check import warm_grammar
 from services.gateway.response_store import ResponseStore
@@ -61,7 +62,14 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         await store.start()
         server = _Server(
             uvicorn.Config(
-                build_app(service, served, store, config.retry_after_s, config.keepalive_s),
+                build_app(
+                    service,
+                    served,
+                    store,
+                    config.retry_after_s,
+                    config.keepalive_s,
+                    CacheScoping(config.retention_policy, config.tenant_header),
+                ),
                 host=config.host,
                 port=config.port,
                 log_level=config.log_level,

@@ -23,6 +23,7 @@ class MessagesRoutes:
         try:
             req = parse_messages_request(await json_body(request))
             self.server.served.check_model(req.model)
+            scope = self.admission.scoping.scope(request.headers, "anthropic")  # the header only
             prompt = await self.admission.prompt(req.conversation, "output_config.format")
             admitted = await self.admission.admit(
                 "messages",
@@ -31,6 +32,7 @@ class MessagesRoutes:
                 req.sampling,
                 created=int(time.time()),
                 resumable=req.stream,
+                scope=scope,
             )
         except ApiError as err:
             return error_response(err, "anthropic", self.server.retry_after_s)

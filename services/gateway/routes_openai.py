@@ -27,6 +27,7 @@ class OpenAIRoutes:
         try:
             chat = parse_chat_request(await json_body(request))
             self.server.served.check_model(chat.model)
+            scope = self.admission.scoping.scope(request.headers, "openai", chat.cache_retention)
             prompt = await self.admission.prompt(chat.conversation)
             admitted = await self.admission.admit(
                 "chat",
@@ -36,6 +37,7 @@ class OpenAIRoutes:
                 created=int(time.time()),
                 resumable=chat.stream,
                 include_usage=chat.include_usage,
+                scope=scope,
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)
@@ -46,6 +48,7 @@ class OpenAIRoutes:
             req = parse_completion_request(await json_body(request))
             served = self.server.served
             served.check_model(req.model)
+            scope = self.admission.scoping.scope(request.headers, "openai", req.cache_retention)
             if isinstance(req.prompt, str):
                 token_ids = await asyncio.to_thread(served.encode_text, req.prompt)  # CPU work
                 echo = req.prompt if req.echo else ""
@@ -64,6 +67,7 @@ class OpenAIRoutes:
                 resumable=req.stream,
                 include_usage=req.include_usage,
                 context=json.dumps({"echo": echo}).encode(),
+                scope=scope,
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)

@@ -55,6 +55,7 @@ class ResponsesRoutes:
             body = await json_body(request)
             req = parse_responses_request(body)
             self.server.served.check_model(req.model)
+            scope = self.admission.scoping.scope(request.headers, "openai", req.cache_retention)
             history = await self._history(req)
             input_json = encode_items([*history, *_input_items(body)])
             history_messages = parse_input(history)[0] if history else ()
@@ -77,6 +78,7 @@ class ResponsesRoutes:
                 resumable=req.stream or req.background,
                 context=context,
                 background=req.background,
+                scope=scope,
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
 from libs.bus.base import Bus, Message, NoResponders, Subscription
 from libs.bus.membership import MEMBER_TTL_S, live_members, member_key
 from libs.protocol.codec import DecodeError, decode, encode, pack_tokens
+from libs.protocol.kv_messages import KVCacheStats
 from libs.protocol.messages import (
     CancelRequest,
     MemberInfo,
@@ -39,6 +41,7 @@ from libs.protocol.messages import (
 )
 from libs.protocol.subjects import Subjects
 from services.gateway.grace import GracePeriods, OnLeave
+from services.gateway.metrics import StatsBoard
 from services.gateway.request_stream import Pending, RequestStream
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class GatewayService:
         self._background: set[asyncio.Task[None]] = set()
         self._grace = GracePeriods(resume_grace_s, self.cancel_soon)
         self._out_seq_seen = 0  # the newest out stream sequence this gateway has seen
+        self.kv_stats = StatsBoard()  # every service's latest KV-cache stats, for /metrics
 
     async def start(self) -> None:
         subjects = self.subjects
@@ -79,6 +83,7 @@ class GatewayService:
         await self.bus.ensure_kv(subjects.streams_bucket, self.out_max_age_s)
         await self.bus.ensure_kv(subjects.members_bucket, MEMBER_TTL_S)
         await self.bus.subscribe(subjects.resume_claim, self._on_claim)
+        await self.bus.subscribe(subjects.stats_all, self._on_stats)
         self._out_seq_seen = await self.bus.stream_last_seq(subjects.out_stream)
         await self.bus.subscribe_durable(subjects.out(self.gateway_id), self._on_step_outputs)
 
@@ -105,13 +110,25 @@ class GatewayService:
         params: SamplingParams,
         eos_token_id: int,
         record: StreamRecord | None = None,
+        *,
+        tenant: str = "",
+        retention_class: str = "",
     ) -> RequestStream:
         """Admit the request (raises SubmitRejected) and return the stream of its deltas.
 
         ``record`` (its ``start_seq`` from ``next_out_seq``) makes the stream resumable: it is
         stored while the submit is under way, long before a client could ask to resume.
+        ``tenant`` and ``retention_class``: whose cached KV it may use, and how long its own is kept.
         """
-        req = SubmitRequest(request_id, self.gateway_id, pack_tokens(prompt_token_ids), params, eos_token_id)
+        req = SubmitRequest(
+            request_id,
+            self.gateway_id,
+            pack_tokens(prompt_token_ids),
+            params,
+            eos_token_id,
+            tenant=tenant,
+            retention_class=retention_class,
+        )
         submit = self.bus.request(self.subjects.submit, encode(req), self.submit_timeout_s)
         # Registered before the submit goes out, so no output can arrive before its queue exists.
         pending = self._pending[request_id] = Pending(params.n, params.logprobs)
@@ -198,6 +215,14 @@ class GatewayService:
         # A reader of ours joined already: its own claim has nothing to tell us.
         if claim.gateway_id != self.gateway_id and self._grace.claimed(claim.request_id):
             log.info("request %s resumed at %s: not cancelled", claim.request_id, claim.gateway_id)
+
+    async def _on_stats(self, msg: Message) -> None:
+        try:
+            stats = decode(KVCacheStats, msg.data)
+        except DecodeError as exc:
+            log.warning("undecodable KV-cache stats on %s: %s", msg.subject, exc)
+            return
+        self.kv_stats.update(stats, time.monotonic())
 
     def cancel_soon(self, request_id: str) -> None:
         """Publish a cancel without awaiting: safe from a cancelled task or a finally block."""

@@ -49,6 +49,7 @@ class FakeScheduler:
         self.eos = served.eos_token_id
         self.submitted: list[SubmitRequest] = []
         self.cancelled: list[str] = []
+        self.cached = 0  # prompt tokens each request reports as served from the prefix cache
         self.seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -86,7 +87,14 @@ class FakeScheduler:
                     lp = self.logprobs(new) if req.sampling_params.logprobs else None
                     outputs.append(
                         RequestOutput(
-                            req.request_id, pack_tokens(new), total, num_prompt, finish, index=i, logprobs=lp
+                            req.request_id,
+                            pack_tokens(new),
+                            total,
+                            num_prompt,
+                            finish,
+                            num_cached_tokens=min(self.cached, num_prompt),
+                            index=i,
+                            logprobs=lp,
                         )
                     )
             self.seq += 1

@@ -4,6 +4,7 @@ choices, loss detection per choice, logprobs checks, cancel of a request or of o
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import decode, encode, pack_floats, pack_tokens
+from libs.protocol.kv_messages import KVCacheStats, TierCounter
 from libs.protocol.messages import (
     CancelRequest,
     FinishReason,
@@ -147,6 +149,28 @@ async def test_rejections() -> None:
     assert info.value.status is SubmitStatus.QUEUE_FULL
     assert service.num_in_flight == 0
     await bus.close()
+
+
+async def test_the_submit_carries_the_tenant_and_the_retention_class(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, scheduler = gateway
+    (await service.submit("a", [1], PARAMS, 2, tenant="t1", retention_class="chat")).close()
+    (await service.submit("b", [1], PARAMS, 2)).close()
+    a, b = scheduler.submitted
+    assert (a.tenant, a.retention_class) == ("t1", "chat")
+    assert (b.tenant, b.retention_class) == ("", "")  # the shared tenant, the store's default class
+
+
+async def test_every_services_kv_stats_are_kept_per_publisher(gateway) -> None:  # type: ignore[no-untyped-def]
+    service, _ = gateway
+    first = KVCacheStats("s1", "scheduler", (TierCounter("hit_tokens", "G1", 3),))
+    newer = KVCacheStats("s1", "scheduler", (TierCounter("hit_tokens", "G1", 5),))
+    worker = KVCacheStats("w1", "worker", (TierCounter("loaded_blocks", "G3", 2),))
+    for kind, stats in (("scheduler", first), ("worker", worker), ("scheduler", newer)):
+        await service.bus.publish(SUBJECTS.stats(kind, stats.publisher_id), encode(stats))
+    await service.bus.publish(SUBJECTS.stats("worker", "w2"), b"not msgpack")  # logged, skipped
+    for _ in range(10):  # let the subscription's task take them in
+        await asyncio.sleep(0)
+    assert service.kv_stats.current(time.monotonic()) == [newer, worker]
 
 
 def tokens_by_choice(deltas: list[Delta], n: int) -> list[list[int]]:

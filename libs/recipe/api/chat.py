@@ -5,6 +5,7 @@ Extensions accepted beside OpenAI's fields: DeepSeek's ``thinking: {type}``, ass
 ``sampling``) and ``chat_template_kwargs`` (-> ``Conversation.extra``); and a regex output
 constraint spelled ``response_format: {"type": "regex", "regex": "..."}`` (the wheel's spelling;
 vLLM's ``guided_regex`` is not accepted). An unknown top-level field is a 400, as at OpenAI.
+``prompt_cache_retention`` is passed on as sent; ``prompt_cache_key`` is validated and unused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from libs.recipe.api.common import (
     metadata,
     model_name,
     output_format,
+    prompt_cache_retention,
     reject_present,
     require_json_word,
     resolve_thinking,
@@ -54,6 +56,7 @@ class ChatRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    cache_retention: str | None = None  # prompt_cache_retention as sent: the gateway maps it
 
 
 def _tool(tool: Any, where: str) -> ToolDefinition:
@@ -151,4 +154,5 @@ def parse_chat_request(body: Any) -> ChatRequest:
         sampling=parse_sampling(body),
         stream=boolean(body, "stream"),
         include_usage=include_usage(body),
+        cache_retention=prompt_cache_retention(body),
     )

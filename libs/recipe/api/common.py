@@ -29,6 +29,7 @@ EFFORTS: dict[str, Effort | None] = {
     "max": "max",
 }
 UNSUPPORTED_INPUT = "{kind} input is not supported by this model"
+MAX_PROMPT_CACHE_KEY_CHARS = 256
 
 
 def json_object(body: Any) -> dict[str, Any]:
@@ -82,6 +83,17 @@ def metadata(body: dict[str, Any]) -> dict[str, str]:
     if not ok:
         raise ApiError(400, "'metadata' must be at most 16 string key-value pairs", param="metadata")
     return dict(value)
+
+
+def prompt_cache_retention(body: dict[str, Any]) -> str | None:
+    """OpenAI's prompt-cache fields: ``prompt_cache_retention`` as sent (the gateway maps it to a
+    retention class), and ``prompt_cache_key``, only validated: blocks are shared by content
+    within a tenant already, so a routing hint adds nothing here."""
+    key = optional_str(body, "prompt_cache_key")
+    if key is not None and len(key) > MAX_PROMPT_CACHE_KEY_CHARS:
+        message = f"'prompt_cache_key' must be at most {MAX_PROMPT_CACHE_KEY_CHARS} characters"
+        raise ApiError(400, message, param="prompt_cache_key")
+    return optional_str(body, "prompt_cache_retention")
 
 
 def effort(value: Any, param: str) -> tuple[bool, Effort | None]:

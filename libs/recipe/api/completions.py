@@ -4,7 +4,8 @@ One prompt per request: a string, or a list of token ids (a one-element list of 
 unwrapped). Several prompts in one request are a 400, as are ``suffix`` (no fill-in-the-middle
 format) and ``logit_bias``. ``logprobs`` here is OpenAI's integer 0-5: how many top alternatives to
 return per token (0: just the sampled token's logprob). ``max_tokens`` defaults to 16, OpenAI's
-default for this endpoint.
+default for this endpoint. Chat's ``prompt_cache_key`` and ``prompt_cache_retention`` are
+accepted here too (OpenAI's legacy endpoint has neither), so one client setting fits both.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from libs.recipe.api.common import (
     include_usage,
     json_object,
     model_name,
+    prompt_cache_retention,
     reject_present,
 )
 from libs.recipe.fields import ApiError, boolean, is_token_ids, optional_int, optional_str
@@ -25,7 +27,7 @@ from libs.recipe.sampling import MAX_N, Sampling, read_sampling
 FIELDS = (
     "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
     "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
-    "top_p", "user",
+    "top_p", "user", "prompt_cache_key", "prompt_cache_retention",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM
 )  # fmt: skip
 UNSUPPORTED = ("suffix", "logit_bias")
@@ -41,6 +43,7 @@ class CompletionRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    cache_retention: str | None = None  # prompt_cache_retention as sent: the gateway maps it
 
 
 def _is_one_prompt(value: Any) -> bool:
@@ -93,4 +96,5 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         sampling=sampling,
         stream=boolean(body, "stream"),
         include_usage=include_usage(body),
+        cache_retention=prompt_cache_retention(body),
     )

@@ -20,6 +20,7 @@ from libs.recipe.api.common import (
     metadata,
     model_name,
     output_format,
+    prompt_cache_retention,
     reject_present,
     require_json_word,
     resolve_thinking,
@@ -68,6 +69,7 @@ class ResponsesRequest:
     echoed: dict[str, Any] = field(default_factory=dict)  # what ``echo`` returns, as validated
     # Without previous_response_id: the conversation, built (and so checked) as the body was parsed.
     checked: Conversation | None = None
+    cache_retention: str | None = None  # prompt_cache_retention as sent: the gateway maps it
 
     def conversation(self, history: tuple[Message, ...] = ()) -> Conversation:
         """instructions (as system) + ``history`` + this input, checked as one conversation."""
@@ -182,8 +184,7 @@ def _reasoning(body: dict[str, Any]) -> tuple[dict[str, Any], bool | None, Effor
 def _settings(body: dict[str, Any]) -> dict[str, Any]:
     """The top-level settings a Response repeats back, each validated once, with OpenAI's defaults
     filled in; the fields accepted but unused are validated here too."""
-    for key in ("safety_identifier", "prompt_cache_key"):
-        optional_str(body, key)
+    optional_str(body, "safety_identifier")
     optional_int(body, "max_tool_calls", 1)
     return {
         "instructions": optional_str(body, "instructions"),
@@ -260,6 +261,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         store=settings["store"],
         previous_response_id=settings["previous_response_id"],
         echoed=_echo(body, settings, text, reasoning, sampling),
+        cache_retention=prompt_cache_retention(body),
     )
     if request.previous_response_id is None:
         # Fail fast (nothing earlier can answer or open a tool call), and keep it for the gateway.
