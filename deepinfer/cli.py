@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from deepinfer import serve
 from deepinfer.settings import add_config_args
 from services.gateway.config import Config as GatewayConfig
+from services.kvcache.config import Config as KVCacheConfig
 from services.scheduler.config import Config as SchedulerConfig
 from services.worker.config import Config as WorkerConfig
 
@@ -21,6 +22,7 @@ SERVICES: dict[str, tuple[str, type]] = {
     "gateway": ("the OpenAI-compatible HTTP front", GatewayConfig),
     "scheduler": ("admission, batching and routing", SchedulerConfig),
     "worker": ("the model on one device", WorkerConfig),
+    "kvcache": ("the index of stored KV blocks: retention, eviction, lookups", KVCacheConfig),
 }
 
 

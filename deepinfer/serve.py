@@ -1,4 +1,4 @@
-"""``deepinfer serve``: an embedded nats-server plus worker, scheduler and gateway processes.
+"""``deepinfer serve``: an embedded nats-server plus worker, scheduler, kvcache and gateway processes.
 
 A plain supervisor (no event loop): start everything, wait for the gateway's /health, then watch.
 SIGINT/SIGTERM or any child's death stops every process it started, nats-server last. Children
@@ -25,6 +25,7 @@ from deepinfer.runtime import setup_logging
 from deepinfer.settings import add_config_args, build_config, to_argv
 from libs.bus.nats_server import EmbeddedNatsServer
 from services.gateway.config import Config as GatewayConfig
+from services.kvcache.config import Config as KVCacheConfig
 from services.scheduler.config import Config as SchedulerConfig
 from services.worker.config import Config as WorkerConfig
 
@@ -36,7 +37,8 @@ STOP_TIMEOUT_S = 10.0
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", default=None, help="use this NATS instead of an embedded one")
-    for cls in (GatewayConfig, WorkerConfig, SchedulerConfig):
+    # A field two services share (nats_url, cache_dir, kv_store_path, ...) is one flag for both.
+    for cls in (GatewayConfig, WorkerConfig, SchedulerConfig, KVCacheConfig):
         add_config_args(parser, cls)
 
 
@@ -127,6 +129,7 @@ def main(args: argparse.Namespace) -> None:
     configs = {
         "worker": dataclasses.replace(build_config(WorkerConfig, args, os.environ), nats_url=nats_url),
         "scheduler": dataclasses.replace(build_config(SchedulerConfig, args, os.environ), nats_url=nats_url),
+        "kvcache": dataclasses.replace(build_config(KVCacheConfig, args, os.environ), nats_url=nats_url),
         "gateway": dataclasses.replace(gateway, nats_url=nats_url),
     }
     stop = False

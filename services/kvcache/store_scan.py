@@ -10,6 +10,9 @@ change the index during ``rebuild_index`` or ``collect_garbage``. One index owns
 After ``collect_garbage`` the index's G3 entries and the valid block files are the same set, except
 for files younger than ``orphan_grace_s`` that no entry names yet: a worker writes a file before
 the kvcache service hears of it (``BlockStored``), and deleting such a file would race the writer.
+With ``adopt_orphans`` there is no such exception: a valid file no entry names is indexed from its
+header instead of deleted (the store is the truth for G3: a resync after lost events, or a start
+from a snapshot older than the store).
 Files that are not ours (other names, other directory shapes) and files an I/O error kept from
 being read (EIO on a network mount may pass) are reported and left alone, with their entries.
 """
@@ -72,6 +75,7 @@ class GcReport:
     deleted_bad: list[ScanIssue] = field(default_factory=list)  # corrupt or misplaced
     deleted_temp: list[Path] = field(default_factory=list)
     deleted_orphans: list[Path] = field(default_factory=list)  # valid, but no entry names them
+    adopted: list[Path] = field(default_factory=list)  # valid, no entry named them: indexed now
     young_orphans: list[Path] = field(default_factory=list)  # kept: their BlockStored may be on its way
     unknown: list[Path] = field(default_factory=list)  # not ours, or unreadable this time
     dangling: list[BlockEntry] = field(default_factory=list)  # entries whose file is gone
@@ -170,14 +174,18 @@ def rebuild_index(
     for item in scan_store(root, verify_payload=verify_payload):
         if isinstance(item, ScanIssue):
             issues.append(item)
-            continue
-        meta = item.header.meta
-        cls = policy.classes.get(meta.retention_class, policy.default)
-        last_use = max(meta.stored_at, item.mtime)
-        placement = Placement(Tier.G3, str(item.path), item.header.file_size, meta.fingerprint)
-        expires_at = max(meta.expires_at, cls.expires_at(last_use))
-        index.insert(meta.block_hash, placement, last_use, cls.name, expires_at=expires_at)
+        else:
+            _insert_scanned(index, item)
     return index, issues
+
+
+def _insert_scanned(index: BlockIndex, item: ScannedBlock) -> None:
+    meta = item.header.meta
+    cls = index.policy.classes.get(meta.retention_class, index.policy.default)
+    last_use = max(meta.stored_at, item.mtime)
+    placement = Placement(Tier.G3, str(item.path), item.header.file_size, meta.fingerprint)
+    expires_at = max(meta.expires_at, cls.expires_at(last_use))
+    index.insert(meta.block_hash, placement, last_use, cls.name, expires_at=expires_at)
 
 
 def _delete(path: Path, report: GcReport) -> bool:
@@ -204,25 +212,33 @@ def _hash_of_name(path: Path) -> bytes | None:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class _GcOptions:
+    orphan_grace_s: float
+    temp_grace_s: float
+    verify_payload: bool
+    adopt_orphans: bool
+
+
 def _reconcile_files(
-    index: BlockIndex,
-    root: Path,
-    now: float,
-    grace: tuple[float, float],
-    verify_payload: bool,
-    report: GcReport,
+    index: BlockIndex, root: Path, now: float, opts: _GcOptions, report: GcReport
 ) -> set[bytes]:
-    """Delete bad, stale temp and orphan files; returns the hashes whose entry has its file."""
-    orphan_grace_s, temp_grace_s = grace
+    """Delete bad, stale temp and orphan files (or adopt orphans); returns the hashes whose entry
+    has its file."""
+    orphan_grace_s, temp_grace_s = opts.orphan_grace_s, opts.temp_grace_s
     present: set[bytes] = set()
-    for item in scan_store(root, verify_payload=verify_payload):
+    for item in scan_store(root, verify_payload=opts.verify_payload):
         report.num_files_scanned += 1
         if isinstance(item, ScannedBlock):
             block_hash = item.header.meta.block_hash
             if _names(index.get(block_hash), item.path):
                 present.add(block_hash)
                 continue
-            if item.mtime > now - orphan_grace_s:
+            if opts.adopt_orphans:
+                _insert_scanned(index, item)
+                present.add(block_hash)
+                report.adopted.append(item.path)
+            elif item.mtime > now - orphan_grace_s:
                 report.young_orphans.append(item.path)
             elif _delete(item.path, report):
                 report.deleted_orphans.append(item.path)
@@ -267,6 +283,7 @@ def collect_garbage(
     orphan_grace_s: float = 600.0,
     temp_grace_s: float = 3600.0,
     verify_payload: bool = False,
+    adopt_orphans: bool = False,
 ) -> GcReport:
     """Make the index and the store under ``root`` agree, then trim the store to ``capacity_bytes``.
 
@@ -274,10 +291,12 @@ def collect_garbage(
     older than ``orphan_grace_s`` that no G3 entry names; removes G3 entries whose file is missing
     or invalid (dangling); then ``trim_store``. ``verify_payload`` also checksums every payload (a
     scrub; otherwise a damaged payload is only found, and refused, when a worker reads it).
+    ``adopt_orphans`` indexes valid files that no entry names (as ``rebuild_index`` would) instead
+    of deleting them.
     """
     report = GcReport()
-    grace = (orphan_grace_s, temp_grace_s)
-    present = _reconcile_files(index, Path(root), now, grace, verify_payload, report)
+    opts = _GcOptions(orphan_grace_s, temp_grace_s, verify_payload, adopt_orphans)
+    present = _reconcile_files(index, Path(root), now, opts, report)
     for entry in index.entries(Tier.G3):
         if entry.block_hash not in present:
             index.remove(entry.block_hash)

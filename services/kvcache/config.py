@@ -1,0 +1,78 @@
+"""KV-cache service configuration: one frozen Config, built once in main().
+
+``kv_store_path``, ``retention_classes`` and ``default_retention_class`` mean the same to the worker
+(which writes the store) and to this service (which indexes and trims it); ``deepinfer serve``
+gives both processes the same flag, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepinfer.settings import resolve_cache_dir
+from libs.kvstore.retention import RetentionPolicy, parse_retention_classes
+
+GIB = 1 << 30
+STORE_DIR_NAME = "kv-store"  # under the cache dir when kv_store_path is not set
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+    subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
+    kvcache_id: str = field(
+        default_factory=lambda: "kvcache-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
+    )
+    cache_dir: str = field(default="", metadata={"help": "cache dir (default: user cache dir)"})
+    kv_store_path: str = field(
+        default="",
+        metadata={"help": "the shared G3 store, one file per KV block (default: <cache dir>/kv-store)"},
+    )
+    retention_classes: str = field(
+        default="agent=3d:0,chat=7d:1",
+        metadata={"help": "stored-KV retention classes: name=ttl[:priority],... (lower priority goes first)"},
+    )
+    default_retention_class: str = field(
+        default="agent", metadata={"help": "class of stored KV whose request names none"}
+    )
+    store_capacity_gb: float = field(default=50.0, metadata={"help": "the G3 store's size limit, GiB"})
+    gc_interval_s: float = field(
+        default=60.0, metadata={"help": "period of the store's expiry, eviction and reconcile pass"}
+    )
+    stats_interval_s: float = field(default=5.0, metadata={"help": "period of the kvcache stats"})
+    log_level: str = field(default="info", metadata={"help": "logging level"})
+
+    def __post_init__(self) -> None:
+        for key in ("store_capacity_gb", "gc_interval_s", "stats_interval_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        # Checked now, so a bad spec fails at start and names its key; retention_policy cannot fail.
+        try:
+            names = [c.name for c in parse_retention_classes(self.retention_classes)]
+            if len(set(names)) != len(names):
+                raise ValueError("a class is defined twice")
+        except ValueError as exc:
+            raise ValueError(f"retention_classes={self.retention_classes!r}: {exc}") from None
+        if self.default_retention_class not in names:
+            raise ValueError(
+                f"default_retention_class={self.default_retention_class!r}: "
+                f"not one of the retention_classes ({', '.join(names)})"
+            )
+
+    @property
+    def retention_policy(self) -> RetentionPolicy:
+        return RetentionPolicy(parse_retention_classes(self.retention_classes), self.default_retention_class)
+
+    @property
+    def store_capacity_bytes(self) -> int:
+        return int(self.store_capacity_gb * GIB)
+
+
+def resolve_store_path(kv_store_path: str, cache_dir: str, env: Mapping[str, str]) -> str:
+    """``kv_store_path`` if set, else ``<cache dir>/kv-store``: the default the worker uses too."""
+    if kv_store_path:
+        return kv_store_path
+    return str(Path(resolve_cache_dir(cache_dir, env)) / STORE_DIR_NAME)

@@ -1,0 +1,28 @@
+"""KV-cache process: ``deepinfer kvcache --nats-url URL --kv-store-path DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from deepinfer.runtime import run_service, setup_logging
+from deepinfer.settings import build_config
+from libs.bus.nats_bus import NatsBus
+from services.kvcache.config import Config, resolve_store_path
+from services.kvcache.service import KVCacheService
+
+
+async def serve(config: Config, store_root: str, stop: asyncio.Event) -> None:
+    bus = await NatsBus.connect(config.nats_url, name=config.kvcache_id)
+    try:
+        await KVCacheService(config, bus, store_root).run(stop)
+    finally:
+        await bus.close()
+
+
+def main(args: argparse.Namespace) -> None:
+    config = build_config(Config, args, os.environ)
+    setup_logging(config.log_level, "kvcache")
+    store_root = resolve_store_path(config.kv_store_path, config.cache_dir, os.environ)
+    run_service(lambda stop: serve(config, store_root, stop))
