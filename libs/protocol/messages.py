@@ -225,6 +225,7 @@ class MemberKind(enum.IntEnum):
     GATEWAY = 1
     SCHEDULER = 2
     WORKER = 3
+    KVCACHE = 4
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Final, TypeVar
 
 from libs.bus.base import Bus, Message, Subscription
+from libs.bus.membership import announce
 from libs.kvstore.block_file import block_path, touch_block_file
 from libs.protocol.codec import DecodeError, decode, encode
 from libs.protocol.kv_messages import (
@@ -42,6 +43,7 @@ from libs.protocol.kv_messages import (
     join_hashes,
     split_hashes,
 )
+from libs.protocol.messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
 from services.kvcache.config import Config
 from services.kvcache.index import BlockEntry, BlockIndex, Placement, Tier
@@ -94,7 +96,9 @@ class KVCacheService:
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
         log.info("kvcache %s ready: %d blocks in %s", self.config.kvcache_id, len(self.index), self.root)
+        info = MemberInfo(MemberKind.KVCACHE, self.config.kvcache_id)
         async with asyncio.TaskGroup() as tg:
+            tg.create_task(announce(self.bus, self.subjects.members_bucket, info, stop))
             tg.create_task(self._gc_loop(stop))
             tg.create_task(self._stats_loop(stop))
             await stop.wait()
