@@ -4,6 +4,11 @@ what the services cost, and the harness for engine tests.
 With ``overlap`` the loop makes plan N+1 before it postprocesses result N, exactly as the
 scheduler service does with two plans in flight (the runner executes plans in order): both take
 their send/wait decisions from ``Scheduler.next_plan``.
+
+Lower KV tiers: plans carry the core's saves (store points) to the runner, and results report
+loads back. The core plans loads only from what it knows a tier holds: a runner with host memory
+tells it through ``core.note_host_blocks``; LocalEngine forwards nothing by itself, so unless
+its caller does, prompts start from G1 only.
 """
 
 from __future__ import annotations
@@ -82,6 +87,9 @@ class LocalEngine:
                 self.core.check_integrity()
         if self._in_flight and (plan is None or len(self._in_flight) >= self.max_in_flight):
             result = self._in_flight.popleft()
+            self.core.kv_tiers.record_loads(
+                result.num_loaded_host_blocks, result.num_loaded_store_blocks, result.num_failed_load_blocks
+            )
             sampled = unpack_tokens(result.sampled_token_ids)
             failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
             for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs, failed):

@@ -31,6 +31,24 @@ class Config:
             "(salted per tenant); false computes every prompt from scratch"
         },
     )
+    enable_kv_tiers: bool = field(
+        default=True,
+        metadata={
+            "help": "also start prompts on blocks in the worker's host memory (G2) or the shared store "
+            "(G3), and save full blocks there at the end of each prompt and each output (needs "
+            "prefix caching); false keeps only the worker's device pages (G1)"
+        },
+    )
+    kv_lookup_timeout_s: float = field(
+        default=0.05,
+        metadata={"help": "longest a submit waits for kvcache to say which prompt blocks G3 holds"},
+    )
+    kv_dump_timeout_s: float = field(
+        default=1.0, metadata={"help": "longest a resync waits for a worker's dump of its host blocks"}
+    )
+    kv_stats_interval_s: float = field(
+        default=5.0, metadata={"help": "period of the KV cache stats this scheduler publishes"}
+    )
     step_timeout_s: float = field(default=120.0, metadata={"help": "longest a worker step may take"})
     worker_timeout_s: float = field(default=5.0, metadata={"help": "silence after which a worker is dead"})
     out_max_age_s: float = field(default=600.0, metadata={"help": "how long step outputs stay replayable"})
@@ -43,6 +61,9 @@ class Config:
             "step_timeout_s",
             "worker_timeout_s",
             "out_max_age_s",
+            "kv_lookup_timeout_s",
+            "kv_dump_timeout_s",
+            "kv_stats_interval_s",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")

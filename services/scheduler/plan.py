@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from libs.protocol.codec import pack_tokens
+from libs.protocol.kv_messages import KVLoad, KVSave
 from libs.protocol.messages import NewSequence, SchedulerOutput
 from services.scheduler.sequence import Sequence
 
@@ -19,6 +20,7 @@ class Plan:
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
     new_seq_ids: set[str] = field(default_factory=set)
     num_computed_before: dict[str, int] = field(default_factory=dict)
+    kv_loads: dict[str, KVLoad] = field(default_factory=dict)  # new seq_id -> blocks from G2 / G3
     preempted: bool = False
 
     def to_output(
@@ -27,6 +29,7 @@ class Plan:
         block_tables: Mapping[str, list[int]],
         finished_seq_ids: tuple[str, ...],
         scheduler_id: str,
+        kv_saves: tuple[KVSave, ...] = (),
     ) -> SchedulerOutput:
         new_seqs: list[NewSequence] = []
         seq_ids: list[str] = []
@@ -45,6 +48,7 @@ class Plan:
                         block_ids=pack_tokens(block_tables[seq_id]),
                         num_computed_tokens=self.num_computed_before[seq_id],
                         num_scheduled_tokens=num_tokens,
+                        kv_load=self.kv_loads.get(seq_id),
                     )
                 )
             else:
@@ -59,4 +63,5 @@ class Plan:
             new_block_ids=tuple(new_block_ids),
             finished_seq_ids=finished_seq_ids,
             scheduler_id=scheduler_id,
+            kv_saves=kv_saves,
         )

@@ -132,6 +132,11 @@ class BlockHasher:
             )
         return seq.block_hashes
 
+    def chain(self, token_ids: Seq[int], tenant: str) -> list[bytes]:
+        """The hashes of the full blocks of ``token_ids`` under ``tenant`` (a prompt not yet a
+        Sequence: routing and G3 lookups hash it before it is queued)."""
+        return hash_blocks(token_ids, self.block_size, self.model_fingerprint, tenant)
+
     def check(self, seq: Sequence) -> None:
         """The chain is the hash of the sequence's tokens (integrity checks; rehashes everything)."""
         if not seq.block_hashes:

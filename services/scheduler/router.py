@@ -1,4 +1,5 @@
-"""Pick the worker for a new request. Pure: takes plain numbers per worker."""
+"""Pick the worker for a new request by cost: the prompt blocks it would not have to compute against
+its load. Pure: takes plain numbers per worker."""
 
 from __future__ import annotations
 
@@ -10,11 +11,32 @@ class WorkerState:
     worker_id: str
     num_seqs: int  # waiting + running on this worker, as this scheduler sees it
     max_num_seqs: int
+    num_cached_blocks: int = 0  # leading prompt blocks it holds in G1 or G2
+    num_prompt_blocks: int = 0  # prompt blocks a hit could skip (all but the last token's)
+
+    @property
+    def has_room(self) -> bool:
+        return self.num_seqs < self.max_num_seqs
+
+    @property
+    def load_fraction(self) -> float:
+        return self.num_seqs / max(self.max_num_seqs, 1)
+
+    @property
+    def cached_fraction(self) -> float:
+        return self.num_cached_blocks / self.num_prompt_blocks if self.num_prompt_blocks else 0.0
+
+    @property
+    def score(self) -> float:
+        """Share of the prompt it need not compute, less the share of its slots taken: a full
+        prefix hit is worth as much as an idle worker. G3 is left out: every worker reads it."""
+        return self.cached_fraction - self.load_fraction
 
 
 def pick_worker(workers: list[WorkerState]) -> str | None:
-    """Least loaded by fill ratio; ties go to the lowest id so the choice is deterministic."""
+    """The best score among the workers with room (all of them when none has room); ties go to
+    the less loaded, then to the lowest id, so the choice is deterministic."""
     if not workers:
         return None
-    best = min(workers, key=lambda w: (w.num_seqs / max(w.max_num_seqs, 1), w.worker_id))
+    best = min(workers, key=lambda w: (not w.has_room, -w.score, w.load_fraction, w.worker_id))
     return best.worker_id

@@ -21,6 +21,10 @@ rest, always including its last token, whose logits it samples from. Full blocks
 once the plans already made compute them, and stay cached after their owners finish or are
 preempted, until allocation evicts them (least recently used first).
 
+Lower tiers (G2 host memory, G3 shared store; ``KVTiers``): admission extends a G1 hit with the
+blocks that follow in G2 or G3, which the worker loads before the forward; store points queue
+saves of full blocks that ride in the next plan (see kv_tiers on why that is safe).
+
 NOTE: why reuse is safe with two plans in flight. The worker runs plans one after another in the
 order they are made. A block's hash is published (``cache_blocks``) only for tokens whose KV a plan
 made *before* the current one computes, so a plan that hits it reads KV its predecessors wrote. A
@@ -34,32 +38,16 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 
 from libs.protocol.errors import QueueFull
 from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_tiers import KVTiers
+from services.scheduler.limits import Limits as Limits  # re-exported: callers import it from here
 from services.scheduler.plan import Plan
 from services.scheduler.prefix_cache import BlockHasher, PrefixCacheStats
 from services.scheduler.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    num_blocks: int  # the worker's KV pages
-    block_size: int
-    max_num_seqs: int
-    max_model_len: int
-    max_num_batched_tokens: int  # tokens computed per step, prefill chunks included
-    max_num_waiting: int  # queued sequences before QueueFull
-    watermark: float = 0.01  # share of blocks admission leaves free, so decodes rarely preempt
-    enable_prefix_caching: bool = True  # reuse cached full blocks of a common prefix (G1)
-
-    @property
-    def context_len(self) -> int:
-        """The longest sequence: the model's window, or the whole KV pool if that is smaller."""
-        return min(self.max_model_len, self.num_blocks * self.block_size)
 
 
 class Scheduler:
@@ -68,6 +56,7 @@ class Scheduler:
         self.scheduler_id = scheduler_id
         self.block_manager = BlockManager(limits.num_blocks, limits.block_size)
         self._hasher = BlockHasher(limits.block_size, model_fingerprint)
+        self.kv_tiers = KVTiers(limits, self._hasher, self.block_manager.prefix_cache)
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, waiting or running
         self._waiting: list[tuple[tuple[int, int, int], str]] = []  # heap of (order, seq_id)
         self._running: list[Sequence] = []  # sorted by order
@@ -90,7 +79,14 @@ class Scheduler:
         return self.block_manager.prefix_cache.stats
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._finished_since_plan)
+        busy = self._waiting or self._running or self._finished_since_plan
+        return bool(busy) or self.kv_tiers.has_pending_saves
+
+    def note_host_blocks(
+        self, stored: Iterable[bytes] = (), removed: Iterable[bytes] = (), cleared: bool = False
+    ) -> None:
+        """The worker's G2 (host memory) content changed; see ``KVTiers.note_host_blocks``."""
+        self.kv_tiers.note_host_blocks(stored, removed, cleared)
 
     def add(self, seq: Sequence) -> list[Sequence]:
         """Queue a request's choices (``sampling_params.n`` of them); returns them."""
@@ -116,6 +112,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = Plan(next(self._step_ids), self.limits.max_num_batched_tokens)
+        kv_saves = self.kv_tiers.take_saves()  # queued before this plan: earlier plans computed them
         for decoding in (True, False):
             for seq in list(self._running):
                 if plan.budget == 0:
@@ -126,19 +123,21 @@ class Scheduler:
         if not plan.preempted:
             self._admit_waiting(plan)
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
-        return plan.to_output(self.seqs, self.block_manager.block_tables, finished, self.scheduler_id)
+        tables = self.block_manager.block_tables
+        return plan.to_output(self.seqs, tables, finished, self.scheduler_id, kv_saves)
 
     def next_plan(self, num_in_flight: int, max_in_flight: int) -> SchedulerOutput | None:
         """The plan to send now, or None: then the caller waits for its oldest result in flight
         (or, with none in flight, for work). The one send/wait policy of StepLoop and LocalEngine.
 
         A plan is made while fewer than ``max_in_flight`` are out (1, or 2 with overlap) and there
-        is work; one with nothing to run and nothing for the worker to drop is not sent.
+        is work; one with nothing to run, nothing for the worker to drop and nothing to save is
+        not sent.
         """
         if num_in_flight >= max_in_flight or not self.has_work():
             return None
         plan = self.schedule()
-        return plan if plan.num_scheduled_seqs or plan.finished_seq_ids else None
+        return plan if plan.num_scheduled_seqs or plan.finished_seq_ids or plan.kv_saves else None
 
     def postprocess(
         self,
@@ -180,6 +179,7 @@ class Scheduler:
         for seq in failed:
             self._finish(seq, FinishReason.ERROR)
         self._finished_since_plan = []
+        self.kv_tiers.discard_saves()
         return failed
 
     # --- planning --------------------------------------------------------------------------
@@ -243,15 +243,18 @@ class Scheduler:
             heapq.heappush(self._waiting, entry)
 
     def _try_admit(self, plan: Plan, seq: Sequence) -> bool:
-        num_hit_tokens = self._reuse_prefix(seq, plan.step_id)
+        num_hit_tokens = self._reuse_prefix(seq, plan)
         num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
         target = seq.num_computed_tokens + num_tokens
         if not self.block_manager.can_allocate(seq.seq_id, target, reserve=self._watermark_blocks):
             self.block_manager.free(seq.seq_id)  # gives back a shared prompt or cache hit
             seq.num_computed_tokens = 0
+            plan.kv_loads.pop(seq.seq_id, None)
             return False
         if num_hit_tokens is not None:
-            self.prefix_cache_stats.record(seq.num_tokens, num_hit_tokens)
+            load = plan.kv_loads.get(seq.seq_id)
+            num_device_tokens = self.kv_tiers.record_hit(seq.num_tokens, num_hit_tokens, load)
+            self.prefix_cache_stats.record(seq.num_tokens, num_device_tokens)
             if seq.num_preemptions == 0:  # usage reports the first admission's hit, and keeps it
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
         seq.status = SequenceStatus.RUNNING
@@ -260,16 +263,21 @@ class Scheduler:
         self._add_to_plan(plan, seq, num_tokens)
         return True
 
-    def _reuse_prefix(self, seq: Sequence, step_id: int) -> int | None:
-        """Start ``seq`` on KV that exists: choice 0's prompt blocks, else the prefix cache's
-        longest hit. Returns the tokens the cache held, or None when the cache was not asked."""
-        self._share_prompt(seq, step_id)
+    def _reuse_prefix(self, seq: Sequence, plan: Plan) -> int | None:
+        """Start ``seq`` on KV that exists: choice 0's prompt blocks, else the longest hit of the
+        prefix cache, extended by the blocks G2 / G3 hold after it (a load in ``plan``). Returns
+        the tokens the tiers held, or None when they were not asked."""
+        self._share_prompt(seq, plan.step_id)
         if seq.num_computed_tokens or not self.limits.enable_prefix_caching:
             return None
         # Never the block holding the last token: computing it gives the logits to sample from.
         max_blocks = max(0, seq.num_tokens - 1) // self.limits.block_size
         block_hashes = self._hasher.extend(seq, max_blocks)
         num_blocks = self.block_manager.match(seq.seq_id, block_hashes, max_blocks)
+        load = self.kv_tiers.extend_hit(seq, num_blocks, max_blocks)
+        if load is not None:
+            plan.kv_loads[seq.seq_id] = load
+            num_blocks += len(load.tiers)
         seq.num_computed_tokens = num_blocks * self.limits.block_size
         return seq.num_computed_tokens
 
@@ -282,6 +290,12 @@ class Scheduler:
         if num_blocks > self.block_manager.num_cached_blocks_of(seq.seq_id):  # a block filled up
             block_hashes = self._hasher.extend(seq, num_blocks)
             self.block_manager.cache_blocks(seq.seq_id, block_hashes, num_blocks)
+
+    def _save(self, seq: Sequence, num_tokens: int) -> None:
+        """Queue a save of the full blocks among ``seq``'s first ``num_tokens`` (computed by the
+        plans made so far) for the next plan."""
+        table = self.block_manager.block_tables[seq.seq_id]
+        self.kv_tiers.queue_save(seq, table, num_tokens // self.limits.block_size)
 
     def _release(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks; its computed full blocks stay cached for later plans."""
@@ -302,9 +316,11 @@ class Scheduler:
         if num_blocks > 0:
             self.block_manager.share(parent.seq_id, seq.seq_id, num_blocks)
             seq.num_computed_tokens = num_blocks * self.limits.block_size
+            seq.num_saved_blocks = min(parent.num_saved_blocks, num_blocks)  # saved in its prompt
 
     def _add_to_plan(self, plan: Plan, seq: Sequence, num_tokens: int) -> None:
-        self._cache_computed_blocks(seq)  # before this plan's chunk: earlier plans computed them
+        if seq.seq_id not in plan.kv_loads:  # blocks loaded by this plan are cached from the next
+            self._cache_computed_blocks(seq)  # before this plan's chunk: earlier plans computed them
         plan.num_computed_before[seq.seq_id] = seq.num_computed_tokens
         target = seq.num_computed_tokens + num_tokens
         plan.new_blocks[seq.seq_id] = self.block_manager.allocate(seq.seq_id, target)
@@ -315,6 +331,7 @@ class Scheduler:
         seq.num_computed_tokens = target
         if target >= seq.num_prompt_tokens and seq.prompt_done_step == 0:
             seq.prompt_done_step = plan.step_id
+            self._save(seq, seq.num_prompt_tokens)  # store point: the end of the user input
         if samples:
             seq.num_pending_tokens += 1
 
@@ -333,6 +350,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
+            if reason is not FinishReason.ERROR:  # store point: the end of the model output
+                self._save(seq, min(seq.num_computed_tokens, seq.num_tokens))
             self._release(seq)
             self._finished_since_plan.append(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
@@ -347,6 +366,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+        self.kv_tiers.check_integrity(self.prefix_cache_stats, self.limits.num_blocks)
         running = {s.seq_id for s in self.seqs.values() if s.status is SequenceStatus.RUNNING}
         assert running == {s.seq_id for s in self._running}, "running list disagrees with statuses"
         assert len(running) <= self.limits.max_num_seqs
@@ -357,6 +377,7 @@ class Scheduler:
         bs = self.limits.block_size
         for seq in self.seqs.values():
             assert 0 <= seq.num_pending_tokens <= 2, "more than two plans in flight"
+            assert seq.num_saved_blocks * bs <= seq.num_tokens, "saved a block that is not full"
             table = self.block_manager.block_tables.get(seq.seq_id, [])
             assert len(table) * bs >= seq.num_computed_tokens, "computed tokens outside the table"
             if seq.status is SequenceStatus.WAITING:

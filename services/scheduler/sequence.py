@@ -32,6 +32,7 @@ class Sequence:
     eos_token_id: int
     priority: int = 0  # lower runs first
     tenant: str = ""  # salts its block hashes: tenants never share KV
+    retention_class: str = ""  # how long G3 keeps the blocks it saves ("": the store's default)
     request_id: str = ""  # defaults to seq_id (choice 0)
     index: int = 0  # the choice
     arrival: int = 0  # admission order, the FCFS tie-break
@@ -44,7 +45,9 @@ class Sequence:
     num_pending_tokens: int = 0
     prompt_done_step: int = 0  # the step whose plan computes the prompt's last chunk (0: none yet)
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held at first admission
+    num_cached_tokens: int = 0  # prompt tokens whose KV G1, G2 or G3 held at first admission
+    num_stored_blocks: int = 0  # leading blocks of its prompt chain in G3 when it was submitted
+    num_saved_blocks: int = 0  # leading full blocks already sent to the worker in saves
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks, grown lazily
     unsent_logprobs: list[Logprobs] = field(default_factory=list)
     stop_token_ids: frozenset[int] = field(init=False)  # EOS unless ignore_eos, plus the request's
@@ -69,8 +72,10 @@ class Sequence:
             self.eos_token_id,
             priority=self.priority,
             tenant=self.tenant,
+            retention_class=self.retention_class,
             request_id=self.request_id,
             index=index,
+            num_stored_blocks=self.num_stored_blocks,
         )
 
     @property

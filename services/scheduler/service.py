@@ -1,8 +1,10 @@
 """Adapts bus messages to scheduler cores: one Scheduler core and one StepLoop per owned worker.
 
-submit (request/reply, queue group) -> route -> core.add; each worker's StepLoop runs
+submit (request/reply, queue group) -> route (the worker with the most of the prompt cached in
+G1 or G2, against its load) -> G3 lookup (kvcache) -> core.add; each worker's StepLoop runs
 plan = core.schedule(); result = worker.step(plan); core.postprocess(result), and this service
-publishes one StepOutputs per destination gateway per step into the durable OUT stream.
+publishes one StepOutputs per destination gateway per step into the durable OUT stream. KVSync
+keeps each core's view of its worker's host memory (G2) current from the workers' KV events.
 
 A worker serves one scheduler at a time (block tables are the scheduler's, so two schedulers
 would hand out the same KV pages): a scheduler claims a worker with an empty plan when it joins,
@@ -36,6 +38,7 @@ from libs.protocol.messages import (
 )
 from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
 from services.scheduler.config import Config
+from services.scheduler.kv_sync import KVSync
 from services.scheduler.router import WorkerState, pick_worker
 from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
@@ -53,22 +56,25 @@ class SchedulerService:
         self._foreign: set[str] = set()  # workers owned by another scheduler
         self._out_seq: dict[str, int] = defaultdict(int)  # gateway id -> last StepOutputs.seq
         self._tasks: asyncio.TaskGroup | None = None
+        self.kv = KVSync(config, bus, self.workers)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.bus.ensure_stream(
             self.subjects.out_stream, [self.subjects.out_all], self.config.out_max_age_s
         )
-        subs = [
-            await self.bus.subscribe(self.subjects.submit, self.on_submit, queue=QUEUE_SCHEDULERS),
-            await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
-            await self.bus.subscribe(self.subjects.load_all, self.on_load),
-        ]
         info = MemberInfo(MemberKind.SCHEDULER, self.config.scheduler_id)
-        log.info("scheduler %s ready", self.config.scheduler_id)
         async with asyncio.TaskGroup() as tg:
-            self._tasks = tg
+            self._tasks = tg  # before the subscriptions: their handlers start tasks in it
+            subs = [
+                await self.bus.subscribe(self.subjects.submit, self.on_submit, queue=QUEUE_SCHEDULERS),
+                await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
+                await self.bus.subscribe(self.subjects.load_all, self.on_load),
+                await self.bus.subscribe(self.subjects.kv_events, self.kv.on_kv_events),
+            ]
+            log.info("scheduler %s ready", self.config.scheduler_id)
             tg.create_task(announce(self.bus, self.subjects.members_bucket, info, stop))
             tg.create_task(self._reap_dead_workers(stop))
+            tg.create_task(self.kv.publish_stats(stop))
             await stop.wait()
             for sub in subs:
                 await sub.unsubscribe()
@@ -83,21 +89,43 @@ class SchedulerService:
         except DecodeError as exc:
             await self.bus.respond(msg, encode(SubmitReply(SubmitStatus.INVALID, str(exc))))
             return
-        reply = self.admit(req)
-        await self.bus.respond(msg, encode(reply))
+        assert self._tasks is not None, "subscribed before running"
+        # The G3 lookup may take up to kv_lookup_timeout_s: other submits do not queue behind it.
+        self._tasks.create_task(self._answer_submit(msg, req))
 
-    def admit(self, req: SubmitRequest) -> SubmitReply:
-        states = [WorkerState(wid, len(h.core.seqs), h.load.max_num_seqs) for wid, h in self.workers.items()]
+    async def _answer_submit(self, msg: Message, req: SubmitRequest) -> None:
+        try:
+            await self.bus.respond(msg, encode(await self.admit(req)))
+        except Exception:  # one failed submit must not take the service's TaskGroup down with it
+            log.exception("submit %s failed", req.request_id)
+
+    async def admit(self, req: SubmitRequest) -> SubmitReply:
+        prompt = unpack_tokens(req.prompt_token_ids)
+        chains = self._prompt_chains(prompt, req.tenant)
+        states = [
+            WorkerState(
+                wid,
+                len(h.core.seqs),
+                h.load.max_num_seqs,
+                h.core.kv_tiers.num_reusable_blocks(chains[wid]),
+                len(chains[wid]),
+            )
+            for wid, h in self.workers.items()
+        ]
         worker_id = pick_worker(states)
         if worker_id is None:
             return SubmitReply(SubmitStatus.NO_WORKERS, "no worker is available")
         handle = self.workers[worker_id]
-        prompt = unpack_tokens(req.prompt_token_ids)
         context_len = handle.core.limits.context_len
         if len(prompt) + 1 > context_len:
             return SubmitReply(
                 SubmitStatus.INVALID, f"prompt of {len(prompt)} tokens exceeds the context of {context_len}"
             )
+        chain = chains[worker_id]
+        tiers = handle.core.kv_tiers
+        num_stored_blocks = await self.kv.lookup(chain, tiers.model_fingerprint) if tiers.enabled else 0
+        if self.workers.get(worker_id) is not handle:
+            return SubmitReply(SubmitStatus.NO_WORKERS, f"worker {worker_id} left")
         seq = Sequence(
             req.request_id,
             req.gateway_id,
@@ -106,6 +134,9 @@ class SchedulerService:
             req.eos_token_id,
             priority=req.priority,
             tenant=req.tenant,
+            retention_class=req.retention_class,
+            num_stored_blocks=num_stored_blocks,
+            block_hashes=list(chain),  # hashed with this worker's fingerprint and block size
         )
         try:
             handle.core.add(seq)
@@ -113,6 +144,19 @@ class SchedulerService:
             return SubmitReply(SubmitStatus.QUEUE_FULL, str(exc))
         handle.wake.set()
         return SubmitReply(SubmitStatus.ACCEPTED, scheduler_id=self.config.scheduler_id)
+
+    def _prompt_chains(self, prompt: list[int], tenant: str) -> dict[str, list[bytes]]:
+        """Worker id -> the hashes of the prompt blocks a hit could skip there; workers that hash
+        alike (block size, model fingerprint) share one list."""
+        by_kind: dict[tuple[int, str, bool], list[bytes]] = {}
+        chains: dict[str, list[bytes]] = {}
+        for worker_id, handle in self.workers.items():
+            tiers, limits = handle.core.kv_tiers, handle.core.limits
+            kind = (limits.block_size, tiers.model_fingerprint, limits.enable_prefix_caching)
+            if kind not in by_kind:
+                by_kind[kind] = tiers.prompt_chain(prompt, tenant)
+            chains[worker_id] = by_kind[kind]
+        return chains
 
     async def on_cancel(self, msg: Message) -> None:
         """Ids are request ids (every choice) or sequence ids (one choice)."""
@@ -164,6 +208,7 @@ class SchedulerService:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_waiting=self.config.max_num_waiting,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            enable_kv_tiers=self.config.enable_kv_tiers,
         )
         core = Scheduler(limits, self.config.scheduler_id, load.model_fingerprint or load.model)
         handle = WorkerHandle(load, core, time.monotonic())
@@ -202,6 +247,7 @@ class SchedulerService:
         if handle.task is not None:
             handle.task.cancel()
         failed = handle.core.fail_all()
+        self.kv.retire(handle.core)
         if failed:
             log.warning("worker %s lost (%s): failing %d requests", handle.load.worker_id, why, len(failed))
             self._publish_soon(failed, error=f"worker lost: {why}")

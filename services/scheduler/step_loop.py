@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, encode, unpack_tokens
 from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerLoad
+from services.scheduler.kv_tiers import EventCursor
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.sequence import Sequence
 
@@ -36,6 +37,7 @@ class WorkerHandle:
     core: Scheduler
     last_seen: float
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    kv_cursor: EventCursor = field(default_factory=EventCursor)  # its KV events applied so far
     task: asyncio.Task[None] | None = None
 
 
@@ -93,8 +95,12 @@ class StepLoop:
             raise WorkerLost(f"step failed: {exc!r}") from exc
         if result.error:
             raise WorkerLost(result.error)
+        core = self.handle.core
+        core.kv_tiers.record_loads(
+            result.num_loaded_host_blocks, result.num_loaded_store_blocks, result.num_failed_load_blocks
+        )
         failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
-        changed = self.handle.core.postprocess(
+        changed = core.postprocess(
             result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs, failed
         )
         if changed:

@@ -5,13 +5,21 @@ Every KV slot stores the hash of the prefix that produced it. Before sampling, t
 that every position its sequence attends to holds exactly that sequence's prefix: a wrong block
 table, an overwritten shared block or a chunk that starts at the wrong position all show up as a
 mismatch, not as a flaky output.
+
+Lower tiers: a plan's saves copy blocks (their slots' values) into a host memory (G2, LRU, of
+``host_capacity`` blocks) and a store (G3) keyed by block hash, before the forward; a new
+sequence's load copies them back, and a block found in neither is recomputed (written with the
+right values) with every block after it, as the real worker must. So a save of a block whose KV
+is not (or no longer) what its hash says shows up as wrong KV when a later sequence loads it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from libs.protocol.codec import pack_tokens, unpack_tokens
+from libs.protocol.kv_messages import KVLoad, KVSave, split_hashes
 from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput
 
 VOCAB = 50
@@ -52,11 +60,72 @@ class _State:
     num_prompt: int
 
 
+BlockKV = tuple[int | None, ...]  # the slots of one block
+HostEvent = tuple[bool, list[bytes]]  # (stored, block hashes); (False, []) = G2 cleared
+
+
 class FakeWorker:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, host_capacity: int = 1 << 30) -> None:
         self.block_size = block_size
         self.kv: dict[int, int] = {}  # slot -> hash of the prefix whose last token's KV it holds
         self.seqs: dict[str, _State] = {}
+        self.host: OrderedDict[bytes, BlockKV] = OrderedDict()  # G2, least recently used first
+        self.host_capacity = host_capacity
+        self.store: dict[bytes, BlockKV] = {}  # G3
+        self.host_events: list[HostEvent] = []  # not yet taken by the scheduler
+        self.saves: list[KVSave] = []  # every save run, in order
+        self.last_loads = (0, 0, 0)  # the last step's blocks loaded from G2, from G3, recomputed
+
+    def take_host_events(self) -> list[HostEvent]:
+        events, self.host_events = self.host_events, []
+        return events
+
+    def clear_host(self) -> None:
+        self.host.clear()
+        self.host_events.append((False, []))
+
+    def _save(self, save: KVSave) -> None:
+        for block_id, block_hash in zip(
+            unpack_tokens(save.block_ids), split_hashes(save.block_hashes), strict=True
+        ):
+            slots = range(block_id * self.block_size, (block_id + 1) * self.block_size)
+            content = tuple(self.kv.get(slot) for slot in slots)
+            assert None not in content, f"saving block {block_id}, never written"
+            self.store[block_hash] = content
+            if block_hash in self.host:
+                self.host.move_to_end(block_hash)
+                continue
+            self.host[block_hash] = content
+            self.host_events.append((True, [block_hash]))
+            if len(self.host) > self.host_capacity:
+                evicted, _ = self.host.popitem(last=False)
+                self.host_events.append((False, [evicted]))
+        self.saves.append(save)
+
+    def _load(self, state: _State, load: KVLoad) -> tuple[int, int, int]:
+        """Fill the loaded blocks from G2 or G3; from the first one in neither, recompute."""
+        block_hashes = split_hashes(load.block_hashes)
+        assert len(load.tiers) == len(block_hashes) > 0
+        end = (load.first_block + len(block_hashes)) * self.block_size
+        assert end <= state.num_computed, "loading blocks past the computed tokens"
+        num_host = num_store = 0
+        for i, block_hash in enumerate(block_hashes):
+            content = self.host.get(block_hash) or self.store.get(block_hash)
+            if content is None:
+                start = (load.first_block + i) * self.block_size
+                for p in range(start, end):  # recompute: this block and every one after it
+                    self.kv[self._slot(state, p)] = hash(tuple(state.tokens[: p + 1]))
+                return num_host, num_store, len(block_hashes) - i
+            if block_hash in self.host:
+                self.host.move_to_end(block_hash)
+                num_host += 1
+            else:
+                num_store += 1
+            block_id = state.table[load.first_block + i]
+            for k, value in enumerate(content):
+                assert value is not None
+                self.kv[block_id * self.block_size + k] = value
+        return num_host, num_store, 0
 
     def _slot(self, state: _State, position: int) -> int:
         return state.table[position // self.block_size] * self.block_size + position % self.block_size
@@ -64,6 +133,9 @@ class FakeWorker:
     def execute(self, plan: SchedulerOutput) -> tuple[tuple[str, ...], list[int]]:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+        for save in plan.kv_saves:  # before the forward, which may overwrite a freed block
+            self._save(save)
+        loads = [0, 0, 0]
         rows: list[tuple[str, int]] = []
         for new in plan.new_seqs:
             assert new.seq_id not in self.seqs, f"{new.seq_id} sent as new twice"
@@ -76,7 +148,11 @@ class FakeWorker:
                 new.sampling_params.max_tokens,
                 len(prompt),
             )
+            if new.kv_load is not None:
+                for k, n in enumerate(self._load(self.seqs[new.seq_id], new.kv_load)):
+                    loads[k] += n
             rows.append((new.seq_id, new.num_scheduled_tokens))
+        self.last_loads = (loads[0], loads[1], loads[2])
         counts = unpack_tokens(plan.num_scheduled_tokens)
         for seq_id, count, blocks in zip(plan.seq_ids, counts, plan.new_block_ids, strict=True):
             self.seqs[seq_id].table += unpack_tokens(blocks)
@@ -115,12 +191,21 @@ class FakeWorker:
 class FakeRunner:
     """A FakeWorker behind the ModelRunner interface, for deepinfer.local_engine.LocalEngine."""
 
-    def __init__(self, block_size: int) -> None:
-        self.worker = FakeWorker(block_size)
+    def __init__(self, block_size: int, host_capacity: int = 1 << 30) -> None:
+        self.worker = FakeWorker(block_size, host_capacity)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         seq_ids, sampled = self.worker.execute(plan)
-        return ModelRunnerOutput(plan.step_id, seq_ids, pack_tokens(sampled), len(self.worker.seqs))
+        host, store, failed = self.worker.last_loads
+        return ModelRunnerOutput(
+            plan.step_id,
+            seq_ids,
+            pack_tokens(sampled),
+            len(self.worker.seqs),
+            num_loaded_host_blocks=host,
+            num_loaded_store_blocks=store,
+            num_failed_load_blocks=failed,
+        )
 
     def check_integrity(self) -> None:
         self.worker.check_integrity()

@@ -1,0 +1,262 @@
+"""The lower KV tiers as one worker's scheduler core sees them: admission hits past the G1 prefix
+cache, the saves queued at store points, the worker's host-memory (G2) content, and per-tier
+counters. Pure: no nats, asyncio or torch.
+
+G2 is a set of block hashes kept from the worker's HOST events (``note_host_blocks``); G3 is per
+sequence, ``Sequence.num_stored_blocks``: the leading blocks of its prompt chain that the shared
+store held when it was submitted. Both are hints. A block the worker cannot load (G2 evicted it,
+the G3 file is gone or corrupt) it recomputes in the same step, so a stale hint costs compute,
+never correctness, and the plan's accounting holds either way.
+
+Admission: after the G1 hit of n1 blocks, the consecutive blocks j = n1.. that G2 holds or that
+are among the sequence's stored ones (never the block holding its last token) count as computed;
+its NewSequence carries them as a ``KVLoad``, G2 preferred over G3.
+
+Store points (DeepSeek's: the end of the user input and the end of the model output, so that the
+next turn of a conversation hits): a sequence's full prompt blocks are queued for saving when the
+plan that computes its last prompt token is made, and all its full blocks whose KV the plans made
+so far compute when it finishes (stop, length, abort; not error, not preemption). A sequence never
+saves a block twice (``Sequence.num_saved_blocks``); hashes G2 already holds are skipped (the
+worker dedups G3 itself). A save queued while a plan is made, or between plans, rides in the NEXT
+plan (``take_saves`` at the start of ``schedule``); the worker runs it before that plan's forward.
+
+NOTE: why saving blocks that are already freed is safe. Every block in a save holds KV that a plan
+made before the save was queued computes; the worker runs plans in the order they are made, so
+that plan has run when the save (in a later plan) runs. A finished sequence's blocks are freed at
+once, and a freed block is handed out again only by allocation in a plan made after the free, that
+is the plan carrying the save or a later one. The worker saves before that plan's forward, so the
+save reads the block before any forward overwrites it, with two plans in flight as with one (a
+plan in flight when the sequence finished was made before the free, and writes into its blocks
+only the KV of tokens the save counts as computed). A plan that carries only saves is still sent.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from libs.protocol.codec import pack_tokens, unpack_tokens
+from libs.protocol.kv_messages import CacheTier, KVLoad, KVSave, TierCounter, join_hashes, split_hashes
+from services.scheduler.limits import Limits
+from services.scheduler.prefix_cache import BlockHasher, PrefixCache, PrefixCacheStats
+from services.scheduler.sequence import Sequence
+
+TIER_LABELS = {CacheTier.DEVICE: "G1", CacheTier.HOST: "G2", CacheTier.STORE: "G3"}
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters since start. Admission records a query (the hit rate of a tier is its hit tokens
+    over the query tokens); the worker reports what it actually loaded."""
+
+    num_queries: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: dict[CacheTier, int] = field(default_factory=lambda: dict.fromkeys(CacheTier, 0))
+    num_saves: int = 0  # KVSave messages sent
+    num_saved_blocks: dict[str, int] = field(default_factory=dict)  # retention class -> blocks
+    num_loaded_host_blocks: int = 0  # worker-reported
+    num_loaded_store_blocks: int = 0
+    num_failed_load_blocks: int = 0  # planned loads the worker recomputed instead
+
+    def counters(self, block_size: int) -> dict[tuple[str, str], float]:
+        """(name, label) -> value; a load planned is a hit of G2 or G3, in blocks."""
+        out: dict[tuple[str, str], float] = {
+            ("queries", "all"): self.num_queries,
+            ("query_tokens", "all"): self.num_query_tokens,
+            ("saves", "all"): self.num_saves,
+            ("loaded_blocks", "G2"): self.num_loaded_host_blocks,
+            ("loaded_blocks", "G3"): self.num_loaded_store_blocks,
+            ("failed_load_blocks", "all"): self.num_failed_load_blocks,
+        }
+        for tier, tokens in self.num_hit_tokens.items():
+            out["hit_tokens", TIER_LABELS[tier]] = tokens
+            if tier is not CacheTier.DEVICE:
+                out["planned_load_blocks", TIER_LABELS[tier]] = tokens // block_size
+        for retention_class, num_blocks in self.num_saved_blocks.items():
+            out["saved_blocks", retention_class or "default"] = num_blocks
+        return out
+
+
+def to_counters(values: dict[tuple[str, str], float]) -> tuple[TierCounter, ...]:
+    return tuple(TierCounter(name, label, value) for (name, label), value in sorted(values.items()))
+
+
+class KVTiers:
+    """One worker's G2 view, pending saves and tier counters, next to its BlockManager."""
+
+    def __init__(self, limits: Limits, hasher: BlockHasher, prefix_cache: PrefixCache) -> None:
+        self.block_size = limits.block_size
+        self._hasher = hasher
+        self._prefix_cache = prefix_cache
+        self._use_prefix_cache = limits.enable_prefix_caching
+        # G2/G3 hold the same hashed blocks as G1: without hashes there is nothing to look up
+        self.enabled = limits.enable_prefix_caching and limits.enable_kv_tiers
+        self._host: set[bytes] = set()  # hashes the worker's G2 holds, as its events last said
+        self._pending_saves: list[KVSave] = []  # for the next plan
+        self.stats = TierStats()
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self._hasher.model_fingerprint
+
+    # --- G2 content ------------------------------------------------------------------------
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._host)
+
+    def note_host_blocks(
+        self, stored: Iterable[bytes] = (), removed: Iterable[bytes] = (), cleared: bool = False
+    ) -> None:
+        """The worker's G2 changed: ``cleared`` empties it first (a CLEARED event, or a dump that
+        replaces it: pass the dump's hashes as ``stored``), then ``removed`` go and ``stored`` come."""
+        if not self.enabled:
+            return
+        if cleared:
+            self._host.clear()
+        self._host.difference_update(removed)
+        self._host.update(stored)
+
+    # --- admission -------------------------------------------------------------------------
+
+    def prompt_chain(self, prompt: Seq[int], tenant: str) -> list[bytes]:
+        """The hashes of the prompt blocks admission may reuse (never the last token's block);
+        empty with prefix caching off."""
+        if not self._use_prefix_cache:
+            return []
+        num_blocks = max(0, len(prompt) - 1) // self.block_size
+        return self._hasher.chain(prompt[: num_blocks * self.block_size], tenant)
+
+    def num_reusable_blocks(self, block_hashes: Seq[bytes]) -> int:
+        """Leading blocks of a chain this worker holds in G1 or G2 (routing; no side effects)."""
+        n = len(self._prefix_cache.lookup(block_hashes, len(block_hashes)))
+        while self.enabled and n < len(block_hashes) and block_hashes[n] in self._host:
+            n += 1
+        return n
+
+    def extend_hit(self, seq: Sequence, first_block: int, max_blocks: int) -> KVLoad | None:
+        """Blocks ``first_block ..`` (after the G1 hit) that G2 or G3 hold, as a load; None if none.
+        ``seq.block_hashes`` holds at least ``max_blocks`` hashes."""
+        if not self.enabled:
+            return None
+        tiers = bytearray()
+        for j in range(first_block, max_blocks):
+            if seq.block_hashes[j] in self._host:
+                tiers.append(CacheTier.HOST)
+            elif j < seq.num_stored_blocks:
+                tiers.append(CacheTier.STORE)
+            else:
+                break
+        if not tiers:
+            return None
+        hashes = seq.block_hashes[first_block : first_block + len(tiers)]
+        return KVLoad(first_block, join_hashes(hashes), bytes(tiers))
+
+    def record_hit(self, num_tokens: int, num_hit_tokens: int, load: KVLoad | None) -> int:
+        """Count an admission that asked the caches; returns the tokens G1 held."""
+        num_loaded = {CacheTier.HOST: 0, CacheTier.STORE: 0}
+        for tier in load.tiers if load is not None else b"":
+            num_loaded[CacheTier(tier)] += 1
+        num_device_tokens = num_hit_tokens - sum(num_loaded.values()) * self.block_size
+        self.stats.num_queries += 1
+        self.stats.num_query_tokens += num_tokens
+        self.stats.num_hit_tokens[CacheTier.DEVICE] += num_device_tokens
+        for tier, num_blocks in num_loaded.items():
+            self.stats.num_hit_tokens[tier] += num_blocks * self.block_size
+        return num_device_tokens
+
+    def record_loads(self, num_host_blocks: int, num_store_blocks: int, num_failed_blocks: int) -> None:
+        """What the worker loaded (or recomputed instead) for one step's new sequences."""
+        self.stats.num_loaded_host_blocks += num_host_blocks
+        self.stats.num_loaded_store_blocks += num_store_blocks
+        self.stats.num_failed_load_blocks += num_failed_blocks
+
+    # --- store points ----------------------------------------------------------------------
+
+    @property
+    def has_pending_saves(self) -> bool:
+        return bool(self._pending_saves)
+
+    def queue_save(self, seq: Sequence, block_table: Seq[int], num_blocks: int) -> None:
+        """Save ``seq``'s first ``num_blocks`` full blocks (their KV computed by plans made so far)
+        in the next plan, less those it saved before and those G2 holds."""
+        if not self.enabled or num_blocks <= seq.num_saved_blocks:
+            return
+        block_hashes = self._hasher.extend(seq, num_blocks)
+        wanted = [i for i in range(seq.num_saved_blocks, num_blocks) if block_hashes[i] not in self._host]
+        seq.num_saved_blocks = num_blocks
+        if not wanted:
+            return
+        save = KVSave(
+            block_ids=pack_tokens([block_table[i] for i in wanted]),
+            block_hashes=join_hashes([block_hashes[i] for i in wanted]),
+            retention_class=seq.retention_class,
+        )
+        self._pending_saves.append(save)
+        self.stats.num_saves += 1
+        saved = self.stats.num_saved_blocks
+        saved[seq.retention_class] = saved.get(seq.retention_class, 0) + len(wanted)
+
+    def take_saves(self) -> tuple[KVSave, ...]:
+        """The saves for the plan being made: everything queued before it."""
+        saves, self._pending_saves = tuple(self._pending_saves), []
+        return saves
+
+    def discard_saves(self) -> None:
+        """The worker is gone, and its blocks with it."""
+        self._pending_saves = []
+
+    def counters(self) -> dict[tuple[str, str], float]:
+        """This core's counters, (name, label) -> value, for KVCacheStats."""
+        counters = self.stats.counters(self.block_size)
+        counters["evicted_blocks", "G1"] = self._prefix_cache.stats.num_evicted_blocks
+        return counters
+
+    def check_integrity(self, g1_stats: PrefixCacheStats, num_blocks: int) -> None:
+        stats = self.stats
+        assert stats.num_queries == g1_stats.num_queries, "G1 and tier stats count other queries"
+        assert stats.num_hit_tokens[CacheTier.DEVICE] == g1_stats.num_hit_tokens, "G1 hits disagree"
+        assert sum(stats.num_hit_tokens.values()) <= stats.num_query_tokens, "more hits than queried"
+        assert all(n % self.block_size == 0 for n in stats.num_hit_tokens.values())
+        assert self.enabled or not (self._host or self._pending_saves), "tiers off, yet in use"
+        for save in self._pending_saves:
+            block_ids, block_hashes = unpack_tokens(save.block_ids), split_hashes(save.block_hashes)
+            assert len(block_ids) == len(block_hashes) > 0, "a save's ids and hashes differ"
+            for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+                assert 0 <= block_id < num_blocks, "a save names no block"
+                # Until the plan that carries it is made, a saved block is handed out to nobody
+                # else: if it is cached, then under the hash it is saved under.
+                assert self._prefix_cache.hash_of(block_id) in (None, block_hash), "a saved block was reused"
+
+
+class EventVerdict(enum.Enum):
+    APPLY = enum.auto()  # the next message in order
+    RESTART = enum.auto()  # seq 1: the worker (re)started with an empty G2; clear, then apply
+    IGNORE = enum.auto()  # already applied, or older than the dump in use
+    RESYNC = enum.auto()  # a gap, or nothing to continue from: replace G2 from a KVDump
+
+
+@dataclass(slots=True)
+class EventCursor:
+    """How far one worker's KV events are applied to this scheduler's view of its G2."""
+
+    last_seq: int = 0
+    synced: bool = False  # a dump or seq 1 was seen, and no gap since
+
+    def accept(self, seq: int) -> EventVerdict:
+        if seq == 1:
+            self.last_seq, self.synced = 1, True
+            return EventVerdict.RESTART
+        if self.synced and seq == self.last_seq + 1:
+            self.last_seq = seq
+            return EventVerdict.APPLY
+        if self.synced and seq <= self.last_seq:
+            return EventVerdict.IGNORE
+        self.synced = False
+        return EventVerdict.RESYNC
+
+    def resynced(self, dump_seq: int) -> None:
+        """A dump as of ``dump_seq`` replaced G2: events up to it are ignored from now on."""
+        self.last_seq, self.synced = dump_seq, True
