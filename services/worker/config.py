@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from libs.kvstore.retention import RetentionPolicy, UnknownRetentionClass, parse_retention_classes
+
 
 @dataclass(frozen=True, slots=True)
 class Config:
@@ -34,6 +36,25 @@ class Config:
     orphan_timeout_s: float = field(
         default=30.0, metadata={"help": "scheduler silence after which its sequences here are dropped"}
     )
+    host_cache_gb: float = field(
+        default=1.0, metadata={"help": "host memory for KV blocks (G2), GiB; 0 turns G2 off"}
+    )
+    kv_store_path: str = field(
+        default="",
+        metadata={
+            "help": "shared KV block store directory (G3): '' = <cache dir>/kv-store, 'none' turns G3 off"
+        },
+    )
+    retention_classes: str = field(
+        default="agent=3d:0,chat=7d:1",
+        metadata={"help": "G3 retention classes, name=ttl[:priority],... (ttl: 90s, 30m, 12h, 3d)"},
+    )
+    default_retention_class: str = field(
+        default="agent", metadata={"help": "class of saved blocks that name none, or an unknown one"}
+    )
+    kv_store_fsync: bool = field(
+        default=False, metadata={"help": "fsync each G3 block file (survives power loss; slower)"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -46,3 +67,18 @@ class Config:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("max_model_len and num_threads must be >= 0")
+        if not self.host_cache_gb >= 0:
+            raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
+        self.retention_policy()  # errors name the key
+
+    def retention_policy(self) -> RetentionPolicy:
+        try:
+            classes = parse_retention_classes(self.retention_classes)
+        except ValueError as e:
+            raise ValueError(f"retention_classes={self.retention_classes!r}: {e}") from None
+        try:
+            return RetentionPolicy(classes, self.default_retention_class)
+        except UnknownRetentionClass as e:
+            raise ValueError(f"default_retention_class={self.default_retention_class!r}: {e}") from None
+        except ValueError as e:  # a class defined twice
+            raise ValueError(f"retention_classes={self.retention_classes!r}: {e}") from None

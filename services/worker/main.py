@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from deepinfer.runtime import run_service, setup_logging
 from deepinfer.settings import build_config, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
+from libs.kvstore.block_file import KVLayout as BlockLayout
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
@@ -20,6 +22,10 @@ from libs.models.registry import resolve_model_path
 from libs.recipe.tokenizer import Tokenizer
 from services.worker.config import Config
 from services.worker.grammar import DEFAULT_BACKEND, Grammars
+from services.worker.host_cache import HostCache
+from services.worker.kv_cache import KVLayout
+from services.worker.kv_store import DISABLED_PATH, KVStore, dtype_name, kv_fingerprint
+from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
 
@@ -54,8 +60,42 @@ def grammar_vocab(path: Path, cache_dir: Path, vocab_size: int) -> list[bytes]:
     return [b"" if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
 
 
-def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]:
-    """Load the model and size the KV pool; returns (runner, max_model_len, model name)."""
+def kv_store_root(kv_store_path: str, cache_dir: str) -> Path | None:
+    """The G3 directory a config names: "" -> ``<cache_dir>/kv-store``; "none" -> None (off)."""
+    if kv_store_path.strip().lower() == DISABLED_PATH:
+        return None
+    return Path(kv_store_path).expanduser() if kv_store_path else Path(cache_dir) / "kv-store"
+
+
+def build_kv_tiers(
+    config: Config, cache_dir: str, fingerprint: str, layout: KVLayout, dtype: torch.dtype
+) -> KVTiers | None:
+    """G2 sized by ``host_cache_gb`` and G3 at ``kv_store_path``; None when both are off."""
+    host = None
+    num_host_blocks = int(config.host_cache_gb * 2**30) // layout.bytes_per_block(config.block_size, dtype)
+    if num_host_blocks > 0:
+        pin = torch.device(config.device).type == "cuda"  # pinned: full-bandwidth copies to the GPU
+        host = HostCache(num_host_blocks, layout.block_shape(config.block_size), dtype, pin_memory=pin)
+    root = kv_store_root(config.kv_store_path, cache_dir)
+    store = None
+    if root is not None:
+        block_layout = BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, config.block_size)
+        policy = config.retention_policy()
+        store = KVStore(root, fingerprint, block_layout, dtype, policy, fsync=config.kv_store_fsync)
+    log.info("KV tiers: G2 %d blocks, G3 %s (fingerprint %s)", num_host_blocks, root or "off", fingerprint)
+    return KVTiers(host, store) if host is not None or store is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    runner: ModelRunner
+    max_model_len: int
+    model_name: str
+    fingerprint: str  # identity of the KV it computes, for block hashes and G3 paths
+
+
+def build_worker(config: Config, cache_dir: str) -> Worker:
+    """Load the model, size the KV pool and the KV tiers."""
     path = resolve_model_path(config.model)
     dtype = resolve_dtype(config.dtype)
     model = load_model(path, Path(cache_dir), config.dtype)
@@ -65,17 +105,33 @@ def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]
     log.info("model %s dtype=%s, %d KV blocks of %d tokens", path.name, dtype, num_blocks, config.block_size)
     grammars = Grammars(grammar_vocab(path, Path(cache_dir), model.config.vocab_size))
     grammars.warm(DEFAULT_BACKEND)  # the other backend is built on its first request
-    runner = ModelRunner(model, shape, num_blocks, config.block_size, dtype, grammars=grammars)
-    return runner, max_model_len, path.name.split(".")[0]
+    weights = config.dtype if config.dtype in ("int8", "int4") else dtype_name(dtype)  # "auto" resolved
+    fingerprint = kv_fingerprint(path, weights, dtype, shape.layout)
+    kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.layout, dtype)
+    runner = ModelRunner(
+        model, shape, num_blocks, config.block_size, dtype, grammars=grammars, kv_tiers=kv_tiers
+    )
+    return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint)
+
+
+def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]:
+    """``build_worker`` as (runner, max_model_len, model name), for the benchmarks."""
+    worker = build_worker(config, cache_dir)
+    return worker.runner, worker.max_model_len, worker.model_name
 
 
 async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
-    runner, max_model_len, model_name = await asyncio.to_thread(build_runner, config, cache_dir)
+    worker = await asyncio.to_thread(build_worker, config, cache_dir)
     bus = await NatsBus.connect(config.nats_url, name=config.worker_id)
     try:
-        await WorkerService(config, bus, runner, max_model_len, model_name).run(stop)
+        service = WorkerService(
+            config, bus, worker.runner, worker.max_model_len, worker.model_name, worker.fingerprint
+        )
+        await service.run(stop)
     finally:
         await bus.close()
+        if worker.runner.kv_tiers is not None:
+            await asyncio.to_thread(worker.runner.kv_tiers.close)  # the queued G3 writes finish
 
 
 def main(args: argparse.Namespace) -> None:

@@ -5,6 +5,11 @@ to append to its block table and how many tokens to compute after those already 
 runner lays the step out flat (rows with several tokens first, then single-token rows, as the
 attention backend wants), runs the model once, and samples for the rows whose computed tokens
 reach the end of what they know: a prefill's last chunk, or a decode.
+
+With KV tiers (``kv_tiers``), a plan's ``kv_saves`` are copied out first, before anything in the
+step can overwrite a freed page, then new sequences' ``kv_load`` blocks are filled from G2 / G3.
+A block that cannot be filled is recomputed in this same forward with every block after it: its
+row starts earlier and computes more tokens, and ends where the plan said.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from libs.kernels.paged_attention import PagedAttentionMetadata, make_attention_
 from libs.models.attention import AttentionFn
 from libs.models.config import LlamaConfig
 from libs.protocol.codec import pack_tokens, unpack_tokens
+from libs.protocol.kv_messages import HASH_NUM_BYTES, split_hashes
 from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, SchedulerOutput
 from services.worker.grammar import Grammars, MaskJob, MaskResult, SequenceGrammar
 from services.worker.kv_cache import KVCache, KVLayout, StepAttention
+from services.worker.kv_tiers import KVTiers, LoadResult
 from services.worker.sampler import GrammarMask, Sampler
 from services.worker.sequence_state import SequenceState
 
@@ -76,6 +83,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         grammars: Grammars | None = None,
+        kv_tiers: KVTiers | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -87,6 +95,7 @@ class ModelRunner:
         self.seqs: dict[str, SequenceState] = {}
         self.grammars = grammars if grammars is not None else Grammars(None)
         self._masks: MaskJob | None = None  # made on the first constrained step
+        self.kv_tiers = kv_tiers  # None: no G2 / G3; a plan's loads are all recomputed
 
     @property
     def num_running_seqs(self) -> int:
@@ -100,7 +109,15 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
-        rows = [self._add(new) for new in plan.new_seqs]
+        self._save(plan)
+        rows: list[_Row] = []
+        loads: list[LoadResult] = []
+        for new in plan.new_seqs:
+            row = self._add(new)
+            if new.kv_load is not None:
+                row, loaded = self._load(row, new.kv_load.first_block, new.kv_load.block_hashes)
+                loads.append(loaded)
+            rows.append(row)
         counts = unpack_tokens(plan.num_scheduled_tokens)
         if not len(counts) == len(plan.seq_ids) == len(plan.new_block_ids):
             raise PlanError("seq_ids, num_scheduled_tokens and new_block_ids differ in length")
@@ -124,7 +141,48 @@ class ModelRunner:
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             failed_seq_ids=tuple(sampled.failed),
             failed_errors=tuple(sampled.failed.values()),
+            num_loaded_host_blocks=sum(r.num_host_blocks for r in loads),
+            num_loaded_store_blocks=sum(r.num_store_blocks for r in loads),
+            num_failed_load_blocks=sum(r.num_failed_blocks for r in loads),
         )
+
+    def prefetch(self, plan: SchedulerOutput) -> None:
+        """Start reading the plan's G3 loads now, before its turn (any thread; cheap)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.prefetch(plan)
+
+    def _save(self, plan: SchedulerOutput) -> None:
+        for save in plan.kv_saves:
+            block_ids = unpack_tokens(save.block_ids)
+            self._check_blocks("kv_saves", block_ids)
+            if len(save.block_hashes) != HASH_NUM_BYTES * len(block_ids):
+                raise PlanError(f"kv_saves: {len(block_ids)} blocks, {len(save.block_hashes)} hash bytes")
+            if self.kv_tiers is not None:
+                self.kv_tiers.save(self.kv_cache, save)
+
+    def _load(self, row: _Row, first_block: int, hashes: bytes) -> tuple[_Row, LoadResult]:
+        """Fill the row's loaded blocks; if only some load, the row starts at the first that did not."""
+        state = row.state
+        try:
+            block_hashes = split_hashes(hashes)
+        except ValueError as e:
+            raise PlanError(f"{state.seq_id}: kv_load: {e}") from None
+        end = first_block + len(block_hashes)
+        if first_block < 0 or end * self.block_size > min(
+            state.num_computed_tokens, len(state.block_table) * self.block_size
+        ):
+            raise PlanError(f"{state.seq_id}: kv_load of blocks {first_block}..{end} beyond its computed KV")
+        block_ids = state.block_table[first_block:end]
+        if self.kv_tiers is not None:
+            loaded = self.kv_tiers.load(self.kv_cache, block_ids, block_hashes)
+        else:
+            loaded = LoadResult(0, 0, len(block_hashes))
+        if not loaded.num_failed_blocks:
+            return row, loaded
+        restart = (first_block + loaded.num_loaded_blocks) * self.block_size
+        num_recomputed = state.num_computed_tokens - restart
+        state.num_computed_tokens = restart
+        return _Row(state, row.num_tokens + num_recomputed), loaded
 
     def _add(self, new: NewSequence) -> _Row:
         prompt = unpack_tokens(new.prompt_token_ids)

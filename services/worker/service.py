@@ -4,6 +4,10 @@ The worker serves one scheduler at a time, its owner: the first scheduler to sen
 from any other scheduler are refused while the owner lives, because block tables are the
 owner's. The worker lets go of an idle owner that left the members bucket, and of an owner that
 holds sequences here but has been silent for ``orphan_timeout_s`` (its sequences are dropped).
+
+With KV tiers it also publishes their events (``KVEvents``, seq +1 per message, the first one
+saying this worker's G2 starts empty), answers ``KVDumpRequest`` with its G2 content, and
+publishes ``KVCacheStats`` with each periodic load report.
 """
 
 from __future__ import annotations
@@ -16,6 +20,16 @@ import time
 from libs.bus.base import Bus, Message
 from libs.bus.membership import MEMBER_TTL_S, announce, live_members
 from libs.protocol.codec import DecodeError, decode, encode
+from libs.protocol.kv_messages import (
+    CacheTier,
+    KVCacheStats,
+    KVDump,
+    KVDumpRequest,
+    KVEvent,
+    KVEvents,
+    RemovalReason,
+    join_hashes,
+)
 from libs.protocol.messages import MemberInfo, MemberKind, ModelRunnerOutput, SchedulerOutput, WorkerLoad
 from libs.protocol.subjects import Subjects
 from services.worker.config import Config
@@ -26,28 +40,43 @@ log = logging.getLogger(__name__)
 
 class WorkerService:
     def __init__(
-        self, config: Config, bus: Bus, runner: ModelRunner, max_model_len: int, model_name: str
+        self,
+        config: Config,
+        bus: Bus,
+        runner: ModelRunner,
+        max_model_len: int,
+        model_name: str,
+        model_fingerprint: str = "",
     ) -> None:
         self.config = config
         self.bus = bus
         self.runner = runner
         self.max_model_len = max_model_len
         self.model_name = model_name
+        self.model_fingerprint = model_fingerprint
+        self.kv_seq = 0  # of the last KVEvents published
+        self._publishing_kv = asyncio.Lock()  # KVEvents leave in seq order
         self.subjects = Subjects(config.subject_prefix)
         self._last_step_ms = 0.0
         self.owner = ""  # the scheduler this worker serves ("": none yet)
         self._owner_seen = 0.0  # monotonic time of the owner's last plan
         self._stepping = asyncio.Lock()  # orphan checks never run while a step holds the runner
+        self._steps: set[asyncio.Task[None]] = set()  # steps accepted, running or waiting their turn
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)
+        subs = [await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)]
+        if self.runner.kv_tiers is not None:
+            await self.publish_kv_events()  # seq 1: this worker's G2 starts empty
+            subs.append(await self.bus.subscribe(self.subjects.kv_dump(self.config.worker_id), self.on_dump))
         info = MemberInfo(MemberKind.WORKER, self.config.worker_id, model=self.model_name)
         log.info("worker %s ready (max_num_seqs=%d)", self.config.worker_id, self.config.max_num_seqs)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(announce(self.bus, self.subjects.members_bucket, info, stop))
             tg.create_task(self._report_load(stop))
             await stop.wait()
-            await sub.unsubscribe()
+            for sub in subs:
+                await sub.unsubscribe()
+            await asyncio.gather(*self._steps)  # accepted steps still run and reply
 
     async def on_step(self, msg: Message) -> None:
         try:
@@ -63,8 +92,19 @@ class WorkerService:
             )
             return
         self.owner = plan.scheduler_id
-        start = time.perf_counter()
+        # Overlap scheduling sends the next plan while one runs. Its G3 reads start now, during
+        # the step in progress, and its step waits in a task of its own: the bus hands a
+        # subscription's messages over one at a time, so awaiting the step here would hold this
+        # plan back until the previous reply. Steps still run one at a time in arrival order
+        # (tasks start in creation order; the lock's waiters are FIFO).
+        self.runner.prefetch(plan)
+        task = asyncio.create_task(self._step(msg, plan))
+        self._steps.add(task)
+        task.add_done_callback(self._steps.discard)
+
+    async def _step(self, msg: Message, plan: SchedulerOutput) -> None:
         async with self._stepping:
+            start = time.perf_counter()
             try:
                 # The forward runs off the event loop so load reports and other messages keep flowing.
                 result = await asyncio.to_thread(self.runner.execute, plan)
@@ -73,9 +113,13 @@ class WorkerService:
                 self.runner.reset()  # the scheduler fails every request it had here
                 result = ModelRunnerOutput(plan.step_id, (), b"", 0, error=repr(exc))
             self._owner_seen = time.monotonic()
-        self._last_step_ms = (time.perf_counter() - start) * 1e3
-        await self.bus.respond(msg, encode(result))
-        await self._publish_load()
+            self._last_step_ms = (time.perf_counter() - start) * 1e3
+        try:
+            await self.bus.respond(msg, encode(result))
+            await self._publish_load()
+            await self.publish_kv_events()
+        except Exception:  # nobody awaits this task: say it here
+            log.exception("step %d: reply or reports failed", plan.step_id)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(
@@ -88,10 +132,48 @@ class WorkerService:
             step_time_ms=self._last_step_ms,
             model=self.model_name,
             owner=self.owner,
+            model_fingerprint=self.model_fingerprint,
         )
 
     async def _publish_load(self) -> None:
         await self.bus.publish(self.subjects.load(self.config.worker_id), encode(self.load()))
+
+    async def publish_kv_events(self) -> None:
+        """The tiers' events since the last message, if any (the first message always goes)."""
+        tiers = self.runner.kv_tiers
+        if tiers is None:
+            return
+        async with self._publishing_kv:
+            events = tiers.drain_events()
+            if self.kv_seq == 0:
+                events.insert(0, KVEvent(CacheTier.HOST, False, b"", RemovalReason.CLEARED))
+            if not events:
+                return
+            self.kv_seq += 1
+            message = KVEvents(self.config.worker_id, self.kv_seq, tuple(events), self.model_fingerprint)
+            await self.bus.publish(self.subjects.kv_events, encode(message))
+
+    async def on_dump(self, msg: Message) -> None:
+        """G2's content as of the events published so far: taken between steps, after publishing
+        what the last step changed, so a consumer that continues from ``seq`` misses nothing."""
+        tiers = self.runner.kv_tiers
+        try:
+            decode(KVDumpRequest, msg.data)
+        except DecodeError as exc:
+            log.warning("bad KV dump request: %s", exc)
+            return
+        assert tiers is not None  # subscribed only with tiers
+        async with self._stepping:
+            await self.publish_kv_events()
+            dump = KVDump(self.config.worker_id, self.kv_seq, join_hashes(tiers.dump()))
+        await self.bus.respond(msg, encode(dump))
+
+    async def _publish_stats(self) -> None:
+        tiers = self.runner.kv_tiers
+        if tiers is None:
+            return
+        stats = KVCacheStats(self.config.worker_id, "worker", tiers.stats())
+        await self.bus.publish(self.subjects.stats("worker", self.config.worker_id), encode(stats))
 
     async def drop_orphans(self) -> int:
         """Let go of an owner that is gone; returns how many of its sequences were dropped.
@@ -133,5 +215,7 @@ class WorkerService:
         while not stop.is_set():
             await self.drop_orphans()
             await self._publish_load()
+            await self.publish_kv_events()  # G3 writes finish between steps too
+            await self._publish_stats()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.load_interval_s)

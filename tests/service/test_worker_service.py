@@ -1,18 +1,38 @@
-"""The worker service on the in-memory bus with a tiny random-weight model: steps, load, ownership."""
+"""The worker service on the in-memory bus with a tiny random-weight model: steps, load, ownership,
+and with KV tiers: events in sequence, G2 dumps, stats, the model fingerprint."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
+from libs.kvstore.block_file import KVLayout as BlockLayout
+from libs.kvstore.block_hash import hash_blocks
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import decode, encode, pack_tokens
+from libs.protocol.kv_messages import (
+    CacheTier,
+    KVCacheStats,
+    KVDump,
+    KVDumpRequest,
+    KVEvent,
+    KVEvents,
+    KVLoad,
+    KVSave,
+    RemovalReason,
+    join_hashes,
+)
 from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput, WorkerLoad
 from libs.protocol.subjects import Subjects
 from services.worker.config import Config
+from services.worker.host_cache import HostCache
+from services.worker.kv_store import KVStore
+from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
 from tests.tiny_models import TINY_LLAMA
@@ -66,4 +86,113 @@ async def test_owner_steps_others_are_refused_and_a_silent_owner_is_released() -
     assert decode(ModelRunnerOutput, bad).error
     stop.set()
     await asyncio.wait_for(task, 5)
+    await bus.close()
+
+
+FP = "tiny-0123456789abcdef"
+PROMPT = [3, 4, 5, 6, 7, 8, 9, 10, 11]  # 2 full blocks of 4, then 1 token
+HASHES = hash_blocks(PROMPT, 4, FP)
+
+
+def make_tiered_service(bus: InMemoryBus, root: Path) -> WorkerService:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(TINY_LLAMA).eval()
+    shape = ModelShape.of(TINY_LLAMA)
+    host = HostCache(8, shape.layout.block_shape(4), torch.float32)
+    layout = shape.layout
+    store = KVStore(
+        root, FP, BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, 4), torch.float32
+    )
+    runner = ModelRunner(model, shape, 16, 4, torch.float32, kv_tiers=KVTiers(host, store))
+    config = Config(worker_id="w1", load_interval_s=3600)
+    return WorkerService(config, bus, runner, max_model_len=64, model_name="tiny", model_fingerprint=FP)
+
+
+def new_seq(seq_id: str, blocks: list[int], kv_load: KVLoad | None = None) -> NewSequence:
+    num_computed = 8 if kv_load is not None else 0
+    params = SamplingParams(temperature=0.0)
+    return NewSequence(
+        seq_id,
+        pack_tokens(PROMPT),
+        b"",
+        params,
+        (2,),
+        pack_tokens(blocks),
+        num_computed,
+        9 - num_computed,
+        kv_load,
+    )
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait for messages published after a reply (events, loads); fails after 5 s of nothing."""
+    async with asyncio.timeout(5):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_kv_events_in_sequence_dumps_stats_and_fingerprint(tmp_path: Path) -> None:
+    bus = InMemoryBus()
+    service = make_tiered_service(bus, tmp_path)
+    events: list[KVEvents] = []
+    loads: list[WorkerLoad] = []
+    stats: list[KVCacheStats] = []
+
+    async def on_events(msg: Message) -> None:
+        events.append(decode(KVEvents, msg.data))
+
+    async def on_load(msg: Message) -> None:
+        loads.append(decode(WorkerLoad, msg.data))
+
+    async def on_stats(msg: Message) -> None:
+        stats.append(decode(KVCacheStats, msg.data))
+
+    await bus.subscribe(SUBJECTS.kv_events, on_events)
+    await bus.subscribe(SUBJECTS.load("w1"), on_load)
+    await bus.subscribe(SUBJECTS.stats("worker", "w1"), on_stats)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    await until(lambda: bool(events and loads and stats))
+    assert events[0] == KVEvents("w1", 1, (KVEvent(CacheTier.HOST, False, b"", RemovalReason.CLEARED),), FP)
+    assert loads[-1].model_fingerprint == FP
+    assert stats[0].publisher_id == "w1" and stats[0].kind == "worker" and stats[0].counters
+
+    assert not (
+        await step(bus, encode(SchedulerOutput(1, (new_seq("a", [0, 1, 2]),), scheduler_id="s1")))
+    ).error
+    save = KVSave(pack_tokens([0, 1]), join_hashes(HASHES), "chat")
+    out = await step(
+        bus, encode(SchedulerOutput(2, finished_seq_ids=("a",), kv_saves=(save,), scheduler_id="s1"))
+    )
+    assert not out.error
+    await until(lambda: len(events) >= 2)
+    assert events[1].seq == 2 and events[1].events[0] == KVEvent(
+        CacheTier.HOST, True, join_hashes(HASHES), num_bytes=2048
+    )
+
+    assert service.runner.kv_tiers is not None
+    service.runner.kv_tiers.flush()  # the G3 writes, published with the next message
+    plan = SchedulerOutput(3, (new_seq("b", [5, 6, 7], KVLoad(0, join_hashes(HASHES))),), scheduler_id="s1")
+    decode_b = SchedulerOutput(4, (), ("b",), pack_tokens([1]), (b"",), scheduler_id="s1")
+    # sent back to back, as overlap scheduling does: the second waits for the first, in order
+    out, then = await asyncio.gather(step(bus, encode(plan)), step(bus, encode(decode_b)))
+    assert out.num_loaded_host_blocks == 2 and out.num_failed_load_blocks == 0 and out.seq_ids == ("b",)
+    assert not then.error and then.seq_ids == ("b",)
+
+    def store_events() -> list[KVEvent]:  # the writer thread's: they go with whichever message follows
+        return [e for m in events for e in m.events if e.tier is CacheTier.STORE]
+
+    await until(lambda: len(store_events()) == 2)
+    stored = store_events()
+    assert [e.block_hashes for e in stored] == HASHES and all(e.retention_class == "chat" for e in stored)
+
+    dump = decode(KVDump, await bus.request(SUBJECTS.kv_dump("w1"), encode(KVDumpRequest("s1")), 5))
+    assert dump == KVDump("w1", service.kv_seq, join_hashes(HASHES))
+    await until(lambda: events[-1].seq == dump.seq)  # every event up to the dump was published
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    service.runner.check_integrity()
+    service.runner.kv_tiers.check_integrity()
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    service.runner.kv_tiers.close()
     await bus.close()
