@@ -6,9 +6,9 @@ scheduler service does with two plans in flight (the runner executes plans in or
 their send/wait decisions from ``Scheduler.next_plan``.
 
 Lower KV tiers: plans carry the core's saves (store points) to the runner, and results report
-loads back. The core plans loads only from what it knows a tier holds: a runner with host memory
-tells it through ``core.note_host_blocks``; LocalEngine forwards nothing by itself, so unless
-its caller does, prompts start from G1 only.
+loads back. The runner's tier events take the place of the bus: its G2 changes go to the core
+(``note_host_blocks``), and the blocks it wrote to G3 are remembered here and looked up when a
+request is added, as the kvcache service answers the scheduler service.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from libs.protocol.codec import unpack_tokens
+from libs.protocol.kv_messages import CacheTier, KVEvent, RemovalReason, split_hashes
 from libs.protocol.messages import FinishReason, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
@@ -51,15 +52,46 @@ class LocalEngine:
         self.num_steps = 0
         self.num_preemptions = 0  # over finished sequences
         self._in_flight: deque[ModelRunnerOutput] = deque()
+        self.stored_hashes: set[bytes] = set()  # blocks the runner wrote to G3
 
     def add(
         self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0, tenant: str = ""
     ) -> list[Sequence]:
         """Queue a request; returns its choices (``params.n`` of them)."""
+        self.apply_tier_events()
+        chain = self.core.kv_tiers.prompt_chain(list(prompt), tenant)
+        num_stored = next((i for i, h in enumerate(chain) if h not in self.stored_hashes), len(chain))
         seq = Sequence(
-            request_id, "", list(prompt), params, self.eos_token_id, priority=priority, tenant=tenant
+            request_id,
+            "",
+            list(prompt),
+            params,
+            self.eos_token_id,
+            priority=priority,
+            tenant=tenant,
+            num_stored_blocks=num_stored if self.core.kv_tiers.enabled else 0,
+            block_hashes=list(chain),
         )
         return self.core.add(seq)
+
+    def apply_tier_events(self) -> None:
+        """What the runner's tiers did since the last call: G2 to the core, G3 to ``stored_hashes``."""
+        tiers = getattr(self.runner, "kv_tiers", None)
+        for event in tiers.drain_events() if tiers is not None else ():
+            self._apply(event)
+
+    def _apply(self, event: KVEvent) -> None:
+        hashes = split_hashes(event.block_hashes)
+        if event.tier is CacheTier.HOST:
+            cleared = not event.stored and event.reason is RemovalReason.CLEARED
+            self.core.note_host_blocks(
+                stored=hashes if event.stored else (), removed=() if event.stored else hashes, cleared=cleared
+            )
+        elif event.tier is CacheTier.STORE:
+            if event.stored:
+                self.stored_hashes.update(hashes)
+            else:
+                self.stored_hashes.difference_update(hashes)
 
     def abort(self, request_or_seq_id: str) -> list[Sequence]:
         """Finish a request, or one of its choices, as aborted; returns what was finished."""
@@ -82,6 +114,7 @@ class LocalEngine:
         plan = self.core.next_plan(len(self._in_flight), self.max_in_flight)
         if plan is not None:
             self._in_flight.append(self.runner.execute(plan))
+            self.apply_tier_events()
             self.num_steps += 1
             if self.check:
                 self.core.check_integrity()

@@ -1,15 +1,21 @@
-"""Start the real stack for system tests: nats-server, worker, scheduler and gateway processes."""
+"""Start the real stack for system tests: nats-server, worker, scheduler, kvcache and gateway processes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepinfer import serve
+from libs.bus.membership import live_members
+from libs.bus.nats_bus import NatsBus
 from libs.bus.nats_server import EmbeddedNatsServer, free_port
+from libs.protocol.messages import MemberKind
+from libs.protocol.subjects import Subjects
 
 READY_TIMEOUT_S = 180.0
 RESUME_GRACE_S = 5.0  # a client that drops has this long to resume before its request is cancelled
@@ -44,6 +50,7 @@ class Stack:
     worker_id: str
     log: Path
     cache_dir: Path
+    kv_store: Path  # G3: block files, kept across a stop and a start on the same path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -55,13 +62,16 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, cache_dir: Path, log: Path, dtype: str = "float32") -> Stack:
+    def start(cls, cache_dir: Path, log: Path, dtype: str = "float32", kv_store: Path | None = None) -> Stack:
         nats = EmbeddedNatsServer()
         nats.start()
-        stack = cls(nats, free_port(), "worker-test", log, cache_dir)
+        kv_store = kv_store or cache_dir / "kv-store"
+        stack = cls(nats, free_port(), "worker-test", log, cache_dir, kv_store)
         common = ("--nats-url", nats.url, "--log-level", "info")
+        store = ("--kv-store-path", str(kv_store))
         try:
             stack.procs = [
+                spawn("kvcache", *common, *store, "--cache-dir", str(cache_dir), log=log),
                 spawn(
                     "worker",
                     *common,
@@ -75,14 +85,18 @@ class Stack:
                     "0.5",
                     "--max-num-seqs",
                     "16",
+                    *store,
                     log=log,
                 ),
                 # Overlap on: the harder path (two plans in flight over real NATS); serve's test runs
-                # the default.
-                spawn("scheduler", *common, "--overlap", "true", log=log),
+                # the default. Stats often, so /metrics shows a request's hits soon after it ends.
+                spawn("scheduler", *common, "--overlap", "true", "--kv-stats-interval-s", "0.2", log=log),
                 stack.spawn_gateway(stack.port),
             ]
             wait_healthy(f"{stack.root_url}/health", stack.procs, log, READY_TIMEOUT_S)
+            # /health needs a scheduler and a worker; G3 lookups need the kvcache's index loaded,
+            # which it announces only once it has.
+            asyncio.run(wait_member(nats.url, MemberKind.KVCACHE, READY_TIMEOUT_S))
         except BaseException:
             stack.stop()
             raise
@@ -108,3 +122,15 @@ class Stack:
                 proc.kill()
                 proc.wait()
         self.nats.stop()
+
+
+async def wait_member(nats_url: str, kind: MemberKind, timeout_s: float) -> None:
+    bus = await NatsBus.connect(nats_url, name="system-test")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not await live_members(bus, Subjects().members_bucket, kind):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {kind.name} member within {timeout_s} s")
+            await asyncio.sleep(0.1)
+    finally:
+        await bus.close()

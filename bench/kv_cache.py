@@ -1,0 +1,260 @@
+"""Long-term KV cache end to end: time to first token of a ~4k-token prompt whose first 90% is
+cached, served from each tier, against the same prompt length uncached, in the same run; then the
+hit rate of a multi-turn agent conversation.
+
+    python bench/kv_cache.py                       # ~4 min on 2 idle cores
+    python bench/kv_cache.py --prompt-tokens 2048 --repeats 2
+
+Prompts are token ids sent to /v1/completions (no chat template: exact lengths), greedy, one new
+token, streamed; TTFT is the time from sending to the first token's event. The cached part is
+--prompt-tokens * 0.9 rounded down to whole KV blocks; each measured request adds a fresh suffix.
+
+- uncached: a fresh random prompt each time (nothing to hit).
+- G1: the prefix computed once, then requests that share it (device pages).
+- G2: the same, but before each request other prompts evict the prefix from the worker's KV pages
+  (a small --kv-cache-gb), so it comes back from the worker's host memory.
+- G3: the same with host memory off (--host-cache-gb 0): it comes back from the store directory.
+- G3 after restart: every process stopped and started again on the same store directory (fresh
+  device and host memory); host memory off and the prefix evicted before each request, so each
+  measured request reads the store.
+Targets: G1 and G2 <= 0.12x of uncached, G3 after restart <= 0.15x.
+
+Agent workload: one conversation of --turns turns through /v1/chat/completions (a long system
+prompt of tool descriptions, then per turn a tool result and a short answer); hit rate = cached
+prompt tokens / prompt tokens over the turns after the first, from each response's usage, and the
+stack's /metrics hit rate per tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from throughput import running_serve
+
+from deepinfer.settings import resolve_cache_dir
+
+MODEL = "SmolLM2-135M-Instruct"
+BLOCK_SIZE = 16  # the worker's default --block-size
+TARGETS = {"G1": 0.12, "G2": 0.12, "G3 after restart": 0.15}
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]  # ordinary vocabulary, no specials
+
+
+async def ttft(http: httpx.AsyncClient, prompt: list[int]) -> tuple[float, int]:
+    """(seconds to the first token's event, cached prompt tokens from the usage chunk)."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    cached = -1
+    async with http.stream("POST", "/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if first is None and event.get("choices"):
+                first = time.perf_counter() - start
+            usage = event.get("usage")
+            if usage:
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    if first is None:
+        raise RuntimeError("the stream had no token event")
+    return first, cached
+
+
+class Case:
+    """One ~4k-token prompt family: a cached prefix and a fresh suffix per request."""
+
+    def __init__(self, rng: random.Random, prompt_tokens: int) -> None:
+        self.rng = rng
+        self.num_prefix = int(prompt_tokens * 0.9) // BLOCK_SIZE * BLOCK_SIZE
+        self.num_suffix = prompt_tokens - self.num_prefix
+        self.prefix = random_tokens(rng, self.num_prefix)
+
+    def request(self) -> list[int]:
+        return self.prefix + random_tokens(self.rng, self.num_suffix)
+
+    def fresh(self) -> list[int]:
+        return random_tokens(self.rng, self.num_prefix + self.num_suffix)
+
+
+async def measure(
+    http: httpx.AsyncClient, make: Any, repeats: int, evict: Any = None
+) -> tuple[float, list[int]]:
+    """Median TTFT over ``repeats`` requests of ``make()`` (``evict()`` awaited before each)."""
+    times, cached = [], []
+    for _ in range(repeats):
+        if evict is not None:
+            await evict()
+        seconds, num_cached = await ttft(http, make())
+        times.append(seconds)
+        cached.append(num_cached)
+    return statistics.median(times), cached
+
+
+def flags(args: argparse.Namespace, store: Path, host_cache_gb: float) -> dict[str, str]:
+    return {
+        "--model": "smollm2",
+        "--dtype": args.dtype,
+        "--num-threads": str(args.threads),
+        "--kv-cache-gb": str(args.kv_cache_gb),
+        "--host-cache-gb": str(host_cache_gb),
+        "--kv-store-path": str(store),
+        "--max-num-batched-tokens": "4096",
+        "--cache-dir": args.cache_dir,
+        "--log-level": "warning",
+    }
+
+
+async def wait_for_store(store: Path, timeout_s: float = 60.0) -> None:
+    """Block files are written off the step path: wait until their number holds still for a second."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while time.monotonic() < deadline:
+        count = sum(1 for _ in store.rglob("*.kvb"))
+        if count == last:
+            return
+        last = count
+        await asyncio.sleep(1.0)
+
+
+async def first_stack(args: argparse.Namespace, case: Case, store: Path, log: Path) -> dict[str, Any]:
+    """uncached, G1 and G2 on one stack (host memory on); the prefix also lands in the store."""
+    out: dict[str, Any] = {}
+    with running_serve(flags(args, store, args.host_cache_gb), log, "the first stack") as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            await ttft(http, case.fresh())  # warm-up: first-request costs out of the way
+            out["uncached"] = await measure(http, case.fresh, args.repeats)
+            await ttft(http, case.request())  # computes the prefix, saves it to G2 and G3
+            out["G1"] = await measure(http, case.request, args.repeats)
+
+            async def evict() -> None:
+                for _ in range(args.evictors):
+                    await ttft(http, case.fresh())
+
+            out["G2"] = await measure(http, case.request, args.repeats, evict)
+            await wait_for_store(store)
+    return out
+
+
+async def store_stack(args: argparse.Namespace, case: Case, store: Path, log: Path, label: str) -> Any:
+    """Host memory off, the prefix evicted from device pages before each request: G3 reads."""
+    with running_serve(flags(args, store, 0.0), log, label) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            await ttft(http, case.fresh())  # warm-up
+
+            async def evict() -> None:
+                for _ in range(args.evictors):
+                    await ttft(http, case.fresh())
+
+            return await measure(http, case.request, args.repeats, evict)
+
+
+AGENT_SYSTEM = "You are an agent with tools. " + " ".join(
+    f"Tool {i}: tool_{i}(query: string, limit: integer) looks up record kind {i} and returns JSON rows."
+    for i in range(60)
+)
+
+
+async def agent_workload(args: argparse.Namespace, store: Path, log: Path) -> dict[str, Any]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": AGENT_SYSTEM}]
+    prompt_tokens, cached_tokens = [], []
+    with running_serve(flags(args, store, args.host_cache_gb), log, "the agent stack") as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            for turn in range(args.turns):
+                rows = ", ".join(
+                    f'{{"id": {turn * 100 + i}, "value": "row {i} of turn {turn}"}}' for i in range(12)
+                )
+                messages.append({"role": "user", "content": f"Tool result: [{rows}]. What next?"})
+                body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+                resp = (await http.post("/chat/completions", json=body)).json()
+                usage = resp["usage"]
+                prompt_tokens.append(int(usage["prompt_tokens"]))
+                cached_tokens.append(int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
+                messages.append({"role": "assistant", "content": resp["choices"][0]["message"]["content"]})
+            metrics = (await http.get(url.removesuffix("/v1") + "/metrics")).text
+    rates = [line for line in metrics.splitlines() if line.startswith("deepinfer_kv_hit_rate")]
+    return {"prompt": prompt_tokens, "cached": cached_tokens, "metrics": rates}
+
+
+def report(results: dict[str, Any], case: Case) -> None:
+    base, _ = results["uncached"]
+    print(f"\nTTFT, {case.num_prefix + case.num_suffix}-token prompt, {case.num_prefix} cached:")
+    print(f"{'case':20s}{'TTFT ms':>10s}{'vs uncached':>13s}  cached tokens   target")
+    for name in ("uncached", "G1", "G2", "G3", "G3 after restart"):
+        seconds, cached = results[name]
+        ratio = seconds / base
+        target = TARGETS.get(name)
+        verdict = "" if target is None else f"<= {target:.2f}x {'met' if ratio <= target else 'NOT met'}"
+        print(f"{name:20s}{seconds * 1e3:10.1f}{ratio:12.3f}x  {cached!s:15s} {verdict}")
+
+
+def print_agent(agent: dict[str, Any]) -> None:
+    prompt, cached = agent["prompt"], agent["cached"]
+    rate = sum(cached[1:]) / max(sum(prompt[1:]), 1)
+    print(f"\nagent workload, {len(prompt)} turns: prompt tokens {prompt}")
+    print(f"  cached tokens {cached}")
+    print(f"  hit rate over turns 2..{len(prompt)}: {rate:.1%}  (all turns: {sum(cached) / sum(prompt):.1%})")
+    for line in agent["metrics"]:
+        print(f"  /metrics: {line}")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    case = Case(random.Random(args.seed), args.prompt_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        store, log = Path(tmp) / "kv-store", Path(tmp) / "serve.log"
+        results = await first_stack(args, case, store, log)
+        results["G3"] = await store_stack(args, case, store, log, "the store stack")
+        # A full restart: every process above is gone; only the store directory remains.
+        results["G3 after restart"] = await store_stack(args, case, store, log, "the restarted stack")
+        report(results, case)
+        print_agent(await agent_workload(args, Path(tmp) / "agent-store", log))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3, help="measured requests per case (median)")
+    parser.add_argument(
+        "--evictors", type=int, default=3, help="fresh prompts sent to evict before each request"
+    )
+    parser.add_argument(
+        "--kv-cache-gb", type=float, default=0.2, help="device KV pages: ~2.3 prompts, less than --evictors"
+    )
+    parser.add_argument("--host-cache-gb", type=float, default=2.0)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", default=resolve_cache_dir("", os.environ))
+    args = parser.parse_args()
+    one, five, _ = os.getloadavg()
+    print(f"load average {one:.1f} / {five:.1f} on {os.cpu_count()} cores", file=sys.stderr)
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
