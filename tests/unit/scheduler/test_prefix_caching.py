@@ -7,10 +7,11 @@ to holds that sequence's own prefix, so a wrong hit fails loudly rather than cha
 from __future__ import annotations
 
 from libs.protocol.codec import unpack_tokens
-from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
+from libs.protocol.messages import NewSequence, SamplingParams
 from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
-from tests.unit.scheduler.fake_worker import EOS, FakeWorker, reference_output
+from tests.unit.scheduler.driver import Driver
+from tests.unit.scheduler.fake_worker import EOS, reference_output
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -27,38 +28,6 @@ def make_seq(seq_id: str, prompt: list[int], max_tokens: int = 3, tenant: str = 
     return Sequence(seq_id, "gw", list(prompt), params, EOS, tenant=tenant)
 
 
-class Driver:
-    """Runs plans through a FakeWorker, keeping up to ``max_in_flight`` in flight like StepLoop."""
-
-    def __init__(self, sched: Scheduler, max_in_flight: int = 1) -> None:
-        self.sched = sched
-        self.worker = FakeWorker(BLOCK_SIZE)
-        self.max_in_flight = max_in_flight
-        self.in_flight: list[tuple[tuple[str, ...], list[int]]] = []
-        self.plans: list[SchedulerOutput] = []
-        self.outputs: dict[str, list[int]] = {}
-
-    def step(self) -> None:
-        plan = self.sched.next_plan(len(self.in_flight), self.max_in_flight)
-        if plan is not None:
-            self.plans.append(plan)
-            self.in_flight.append(self.worker.execute(plan))
-            self.sched.check_integrity()
-        if self.in_flight and (plan is None or len(self.in_flight) >= self.max_in_flight):
-            for seq in self.sched.postprocess(*self.in_flight.pop(0)):
-                if seq.is_finished:
-                    self.outputs[seq.seq_id] = seq.output_token_ids
-            self.sched.check_integrity()
-
-    def run(self) -> dict[str, list[int]]:
-        while self.sched.has_work() or self.in_flight:
-            self.step()
-        return self.outputs
-
-    def admissions(self, seq_id: str) -> list[NewSequence]:
-        return [new for plan in self.plans for new in plan.new_seqs if new.seq_id == seq_id]
-
-
 def serve(driver: Driver, seq: Sequence) -> NewSequence:
     """Add ``seq``, run until idle; returns its first admission, after checking its output."""
     driver.sched.add(seq)
@@ -70,7 +39,7 @@ def serve(driver: Driver, seq: Sequence) -> NewSequence:
 
 
 def test_a_second_prompt_with_the_same_prefix_computes_only_the_rest() -> None:
-    driver = Driver(make_scheduler())
+    driver = Driver(make_scheduler(), events=False)
     first = serve(driver, make_seq("a", [*PREFIX, 1, 2, 3]))
     assert first.num_computed_tokens == 0 and first.num_scheduled_tokens == 11
     second = make_seq("b", [*PREFIX, 4, 5, 6, 7, 8])
@@ -84,7 +53,7 @@ def test_a_second_prompt_with_the_same_prefix_computes_only_the_rest() -> None:
 
 
 def test_the_last_prompt_token_is_always_computed() -> None:
-    driver = Driver(make_scheduler())
+    driver = Driver(make_scheduler(), events=False)
     serve(driver, make_seq("a", [*PREFIX, 1], max_tokens=4))  # 3 full blocks of KV once done
     exact = serve(driver, make_seq("b", PREFIX))  # the whole prompt is cached: its last block is not
     assert (exact.num_computed_tokens, exact.num_scheduled_tokens) == (4, 4)
@@ -95,7 +64,7 @@ def test_the_last_prompt_token_is_always_computed() -> None:
 
 
 def test_tenants_share_nothing() -> None:
-    driver = Driver(make_scheduler())
+    driver = Driver(make_scheduler(), events=False)
     serve(driver, make_seq("a", [*PREFIX, 1], tenant="acme"))
     assert serve(driver, make_seq("b", [*PREFIX, 2], tenant="globex")).num_computed_tokens == 0
     assert serve(driver, make_seq("c", [*PREFIX, 3])).num_computed_tokens == 0  # no tenant is a tenant too
@@ -103,7 +72,7 @@ def test_tenants_share_nothing() -> None:
 
 
 def test_disabled_prefix_caching_computes_every_prompt() -> None:
-    driver = Driver(make_scheduler(enable=False))
+    driver = Driver(make_scheduler(enable=False), events=False)
     serve(driver, make_seq("a", [*PREFIX, 1]))
     assert serve(driver, make_seq("b", [*PREFIX, 1])).num_computed_tokens == 0
     assert driver.sched.prefix_cache_stats.num_queries == 0
@@ -111,7 +80,7 @@ def test_disabled_prefix_caching_computes_every_prompt() -> None:
 
 
 def test_pressure_evicts_least_recently_used_blocks_first() -> None:
-    driver = Driver(make_scheduler(num_blocks=8))
+    driver = Driver(make_scheduler(num_blocks=8), events=False)
     serve(driver, make_seq("old", [*PREFIX, 1], max_tokens=1))  # 2 cached blocks
     serve(driver, make_seq("new", [*range(30, 38), 1], max_tokens=1))  # 2 more, used later
     assert driver.sched.block_manager.prefix_cache.num_evictable_blocks == 4
@@ -126,7 +95,7 @@ def test_pressure_evicts_least_recently_used_blocks_first() -> None:
 def test_a_preempted_sequence_finds_its_own_blocks_when_readmitted() -> None:
     # 8 blocks of 4: two sequences of 10 prompt tokens outgrow them after a few decodes; the
     # victim's blocks park in the cache, tail first, and its head survives until it resumes.
-    driver = Driver(make_scheduler(num_blocks=8))
+    driver = Driver(make_scheduler(num_blocks=8), events=False)
     prompt = list(range(10, 20))
     driver.sched.add(make_seq("a", prompt, max_tokens=12))
     victim = make_seq("b", list(range(20, 30)), max_tokens=12)
@@ -142,7 +111,7 @@ def test_a_preempted_sequence_finds_its_own_blocks_when_readmitted() -> None:
 
 
 def test_choices_hit_the_cache_then_share_choice_zeros_blocks() -> None:
-    driver = Driver(make_scheduler())
+    driver = Driver(make_scheduler(), events=False)
     serve(driver, make_seq("a", [*PREFIX, 1, 2, 3, 4, 5]))
     choices = driver.sched.add(make_seq("r", [*PREFIX, 1, 2, 3, 9, 6], n=3))
     driver.run()
@@ -179,7 +148,7 @@ def test_with_a_plan_in_flight_hits_come_only_from_earlier_plans() -> None:
 def test_a_prefix_is_found_while_its_prompt_is_still_in_chunked_prefill() -> None:
     limits = Limits(64, BLOCK_SIZE, 4, MAX_MODEL_LEN, 10, 16, 0.0)  # 10 tokens per step
     sched = Scheduler(limits)
-    driver = Driver(sched)
+    driver = Driver(sched, events=False)
     long_prompt = list(range(10, 35))
     sched.add(make_seq("long", long_prompt))
     driver.step()  # tokens 0..9
