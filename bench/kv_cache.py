@@ -17,7 +17,15 @@ token, streamed; TTFT is the time from sending to the first token's event. The c
 - G3 after restart: every process stopped and started again on the same store directory (fresh
   device and host memory); host memory off and the prefix evicted before each request, so each
   measured request reads the store.
+Before each measured request the stack is let settle: a tiny request carries the saves still
+queued by the previous ones (store points ride in the next plan) and the store's background
+writes are waited for, so no case pays for another's writes.
 Targets: G1 and G2 <= 0.12x of uncached, G3 after restart <= 0.15x.
+
+G1 is the floor of every tier: the uncached tenth still attends to all ~4k positions, i.e. a fifth
+of the full prompt's causal attention. Where attention is most of the prefill (a small model on a
+CPU: SmolLM2-135M here) that floor is above 0.12x; where the weights dominate (bigger models) it
+approaches 0.1x. The report prints each tier's extra cost over G1 too.
 
 Agent workload: one conversation of --turns turns through /v1/chat/completions (a long system
 prompt of tool descriptions, then per turn a tool result and a short answer); hit rate = cached
@@ -99,14 +107,11 @@ class Case:
         return random_tokens(self.rng, self.num_prefix + self.num_suffix)
 
 
-async def measure(
-    http: httpx.AsyncClient, make: Any, repeats: int, evict: Any = None
-) -> tuple[float, list[int]]:
-    """Median TTFT over ``repeats`` requests of ``make()`` (``evict()`` awaited before each)."""
+async def measure(http: httpx.AsyncClient, make: Any, repeats: int, before: Any) -> tuple[float, list[int]]:
+    """Median TTFT over ``repeats`` requests of ``make()`` (``before()`` awaited before each)."""
     times, cached = [], []
     for _ in range(repeats):
-        if evict is not None:
-            await evict()
+        await before()
         seconds, num_cached = await ttft(http, make())
         times.append(seconds)
         cached.append(num_cached)
@@ -139,22 +144,34 @@ async def wait_for_store(store: Path, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(1.0)
 
 
+class Stack:
+    """What runs before a measured request on one stack."""
+
+    def __init__(self, http: httpx.AsyncClient, case: Case, store: Path, evictors: int) -> None:
+        self.http, self.case, self.store, self.evictors = http, case, store, evictors
+
+    async def settle(self) -> None:
+        await ttft(self.http, random_tokens(self.case.rng, 4))  # carries the queued saves
+        await wait_for_store(self.store)
+
+    async def evict(self) -> None:
+        """Fresh prompts that take every device page, so the prefix is gone from G1."""
+        for _ in range(self.evictors):
+            await ttft(self.http, self.case.fresh())
+        await self.settle()
+
+
 async def first_stack(args: argparse.Namespace, case: Case, store: Path, log: Path) -> dict[str, Any]:
     """uncached, G1 and G2 on one stack (host memory on); the prefix also lands in the store."""
     out: dict[str, Any] = {}
     with running_serve(flags(args, store, args.host_cache_gb), log, "the first stack") as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            stack = Stack(http, case, store, args.evictors)
             await ttft(http, case.fresh())  # warm-up: first-request costs out of the way
-            out["uncached"] = await measure(http, case.fresh, args.repeats)
+            out["uncached"] = await measure(http, case.fresh, args.repeats, stack.settle)
             await ttft(http, case.request())  # computes the prefix, saves it to G2 and G3
-            out["G1"] = await measure(http, case.request, args.repeats)
-
-            async def evict() -> None:
-                for _ in range(args.evictors):
-                    await ttft(http, case.fresh())
-
-            out["G2"] = await measure(http, case.request, args.repeats, evict)
-            await wait_for_store(store)
+            out["G1"] = await measure(http, case.request, args.repeats, stack.settle)
+            out["G2"] = await measure(http, case.request, args.repeats, stack.evict)
     return out
 
 
@@ -162,13 +179,9 @@ async def store_stack(args: argparse.Namespace, case: Case, store: Path, log: Pa
     """Host memory off, the prefix evicted from device pages before each request: G3 reads."""
     with running_serve(flags(args, store, 0.0), log, label) as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            stack = Stack(http, case, store, args.evictors)
             await ttft(http, case.fresh())  # warm-up
-
-            async def evict() -> None:
-                for _ in range(args.evictors):
-                    await ttft(http, case.fresh())
-
-            return await measure(http, case.request, args.repeats, evict)
+            return await measure(http, case.request, args.repeats, stack.evict)
 
 
 AGENT_SYSTEM = "You are an agent with tools. " + " ".join(
@@ -201,13 +214,15 @@ async def agent_workload(args: argparse.Namespace, store: Path, log: Path) -> di
 def report(results: dict[str, Any], case: Case) -> None:
     base, _ = results["uncached"]
     print(f"\nTTFT, {case.num_prefix + case.num_suffix}-token prompt, {case.num_prefix} cached:")
-    print(f"{'case':20s}{'TTFT ms':>10s}{'vs uncached':>13s}  cached tokens   target")
+    g1, _ = results["G1"]
+    print(f"{'case':20s}{'TTFT ms':>10s}{'vs uncached':>13s}{'over G1 ms':>12s}  cached tokens   target")
     for name in ("uncached", "G1", "G2", "G3", "G3 after restart"):
         seconds, cached = results[name]
         ratio = seconds / base
         target = TARGETS.get(name)
         verdict = "" if target is None else f"<= {target:.2f}x {'met' if ratio <= target else 'NOT met'}"
-        print(f"{name:20s}{seconds * 1e3:10.1f}{ratio:12.3f}x  {cached!s:15s} {verdict}")
+        over = "" if name == "uncached" else f"{(seconds - g1) * 1e3:+.1f}"
+        print(f"{name:20s}{seconds * 1e3:10.1f}{ratio:12.3f}x{over:>12s}  {cached!s:15s} {verdict}")
 
 
 def print_agent(agent: dict[str, Any]) -> None:

@@ -3,6 +3,8 @@
 Each Config field becomes ``--field-name`` (help from ``field(metadata={"help": ...})``) whose default
 is ``$DEEPINFER_FIELD_NAME`` when set, else the dataclass default. Precedence: flag > env > default.
 Values are converted by the field's type; a bad value names its key. Only ``main()`` calls this.
+The paths that several services read from one flag (cache dir, G3 store) are resolved here too, so
+that they read it alike.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 ENV_PREFIX = "DEEPINFER_"
+KV_STORE_OFF = "none"  # the kv_store_path that turns G3 off (any case)
+KV_STORE_DIR_NAME = "kv-store"  # under the cache dir when kv_store_path is not set
 
 
 def env_name(field_name: str) -> str:
@@ -90,3 +94,12 @@ def resolve_cache_dir(configured: str, env: Mapping[str, str]) -> str:
         return configured
     base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", ".")) / ".cache")
     return str(Path(base) / "deepinfer")
+
+
+def kv_store_root(kv_store_path: str, cache_dir: str) -> Path | None:
+    """The G3 store directory ``kv_store_path`` names, given the resolved ``cache_dir``: "" ->
+    ``<cache_dir>/kv-store``; "none" -> None (G3 off); "~" expanded. The worker (which writes the
+    store) and kvcache (which indexes and trims it) both read the shared flag through this."""
+    if kv_store_path.strip().lower() == KV_STORE_OFF:
+        return None
+    return Path(kv_store_path).expanduser() if kv_store_path else Path(cache_dir) / KV_STORE_DIR_NAME

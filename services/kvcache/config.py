@@ -2,21 +2,18 @@
 
 ``kv_store_path``, ``retention_classes`` and ``default_retention_class`` mean the same to the worker
 (which writes the store) and to this service (which indexes and trims it); ``deepinfer serve``
-gives both processes the same flag, so they cannot disagree.
+gives both processes the same flag, and both read it with ``deepinfer.settings.kv_store_root``, so
+they cannot disagree ("none": G3 is off for both).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from deepinfer.settings import resolve_cache_dir
 from libs.kvstore.retention import RetentionPolicy, parse_retention_classes
 
 GIB = 1 << 30
-STORE_DIR_NAME = "kv-store"  # under the cache dir when kv_store_path is not set
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +26,9 @@ class Config:
     cache_dir: str = field(default="", metadata={"help": "cache dir (default: user cache dir)"})
     kv_store_path: str = field(
         default="",
-        metadata={"help": "the shared G3 store, one file per KV block (default: <cache dir>/kv-store)"},
+        metadata={
+            "help": "the shared G3 store, one file per KV block: '' = <cache dir>/kv-store, 'none' = off"
+        },
     )
     retention_classes: str = field(
         default="agent=3d:0,chat=7d:1",
@@ -69,10 +68,3 @@ class Config:
     @property
     def store_capacity_bytes(self) -> int:
         return int(self.store_capacity_gb * GIB)
-
-
-def resolve_store_path(kv_store_path: str, cache_dir: str, env: Mapping[str, str]) -> str:
-    """``kv_store_path`` if set, else ``<cache dir>/kv-store``: the default the worker uses too."""
-    if kv_store_path:
-        return kv_store_path
-    return str(Path(resolve_cache_dir(cache_dir, env)) / STORE_DIR_NAME)

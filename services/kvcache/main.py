@@ -1,19 +1,20 @@
-"""KV-cache process: ``deepinfer kvcache --nats-url URL --kv-store-path DIR``."""
+"""KV-cache process: ``deepinfer kvcache --nats-url URL --kv-store-path DIR|none``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+from pathlib import Path
 
 from deepinfer.runtime import run_service, setup_logging
-from deepinfer.settings import build_config
+from deepinfer.settings import build_config, kv_store_root, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
-from services.kvcache.config import Config, resolve_store_path
+from services.kvcache.config import Config
 from services.kvcache.service import KVCacheService
 
 
-async def serve(config: Config, store_root: str, stop: asyncio.Event) -> None:
+async def serve(config: Config, store_root: Path | None, stop: asyncio.Event) -> None:
     bus = await NatsBus.connect(config.nats_url, name=config.kvcache_id)
     try:
         await KVCacheService(config, bus, store_root).run(stop)
@@ -24,5 +25,5 @@ async def serve(config: Config, store_root: str, stop: asyncio.Event) -> None:
 def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     setup_logging(config.log_level, "kvcache")
-    store_root = resolve_store_path(config.kv_store_path, config.cache_dir, os.environ)
+    store_root = kv_store_root(config.kv_store_path, resolve_cache_dir(config.cache_dir, os.environ))
     run_service(lambda stop: serve(config, store_root, stop))

@@ -12,6 +12,10 @@ store_scan / snapshot I/O that must not see it change). While one runs, event up
 touches are queued and applied in order when it ends. Lookups still read the index meanwhile: each
 dict read is atomic under the GIL, and a stale answer costs a recompute, never a wrong block
 (a worker checks every block file it loads).
+
+With no store (``kv_store_path`` "none": G3 off) it still subscribes, so schedulers get an answer
+at once rather than wait out their lookup timeout: every lookup answers 0, events are ignored, and
+there is no GC pass and no snapshot.
 """
 
 from __future__ import annotations
@@ -72,10 +76,10 @@ def is_gap(last_seq: int | None, seq: int) -> bool:
 
 
 class KVCacheService:
-    def __init__(self, config: Config, bus: Bus, store_root: Path | str, clock: Clock = time.time) -> None:
+    def __init__(self, config: Config, bus: Bus, store_root: Path | None, clock: Clock = time.time) -> None:
         self.config = config
         self.bus = bus
-        self.root = Path(store_root)
+        self._root = store_root  # None: G3 off
         self.clock = clock
         self.subjects = Subjects(config.subject_prefix)
         self.policy = config.retention_policy
@@ -93,13 +97,26 @@ class KVCacheService:
         self._subs: list[Subscription] = []
         self.ready = asyncio.Event()  # set once start() has loaded and reconciled the index
 
+    @property
+    def enabled(self) -> bool:
+        """Whether there is a G3 store to index."""
+        return self._root is not None
+
+    @property
+    def root(self) -> Path:
+        """The store's directory; only asked for with G3 on."""
+        assert self._root is not None, "G3 is off: there is no store"
+        return self._root
+
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
-        log.info("kvcache %s ready: %d blocks in %s", self.config.kvcache_id, len(self.index), self.root)
+        where = f"{len(self.index)} blocks in {self._root}" if self.enabled else "G3 is off, lookups answer 0"
+        log.info("kvcache %s ready: %s", self.config.kvcache_id, where)
         info = MemberInfo(MemberKind.KVCACHE, self.config.kvcache_id)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(announce(self.bus, self.subjects.members_bucket, info, stop))
-            tg.create_task(self._gc_loop(stop))
+            if self.enabled:
+                tg.create_task(self._gc_loop(stop))
             tg.create_task(self._stats_loop(stop))
             await stop.wait()
             self._wake.set()
@@ -112,6 +129,9 @@ class KVCacheService:
             await self.bus.subscribe(self.subjects.kv_events, self.on_events),
             await self.bus.subscribe(self.subjects.kv_lookup, self.on_lookup),
         ]
+        if not self.enabled:
+            self.ready.set()  # the index stays empty: lookups answer 0
+            return
         now = self.clock()
         report = await self._exclusive(lambda: self._load_job(now))
         await self._finish_pass(report)
@@ -122,6 +142,8 @@ class KVCacheService:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs = []
+        if not self.enabled:
+            return
         now = self.clock()
         touched, self._touched = self._touched, {}
         try:
@@ -143,6 +165,9 @@ class KVCacheService:
             return
         if batch.publisher_id == self.config.kvcache_id:
             return  # our own removals, already applied
+        if not self.enabled:  # a worker with a store of its own: there is none here to index
+            self._last_seq[batch.publisher_id] = batch.seq
+            return
         if is_gap(self._last_seq.get(batch.publisher_id), batch.seq):
             log.warning(
                 "kv events of %s jumped from seq %d to %d: resyncing with the store",

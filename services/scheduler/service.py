@@ -1,7 +1,7 @@
 """Adapts bus messages to scheduler cores: one Scheduler core and one StepLoop per owned worker.
 
-submit (request/reply, queue group) -> route (the worker with the most of the prompt cached in
-G1 or G2, against its load) -> G3 lookup (kvcache) -> core.add; each worker's StepLoop runs
+submit (request/reply, queue group) -> G3 lookup (kvcache) -> route (the worker with the most of the
+prompt cached in G1 or G2, against its load) -> core.add; each worker's StepLoop runs
 plan = core.schedule(); result = worker.step(plan); core.postprocess(result), and this service
 publishes one StepOutputs per destination gateway per step into the durable OUT stream. KVSync
 keeps each core's view of its worker's host memory (G2) current from the workers' KV events.
@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
+from typing import NamedTuple
 
 from libs.bus.base import Bus, Message
 from libs.bus.membership import announce
@@ -45,6 +46,14 @@ from services.scheduler.sequence import Sequence
 from services.scheduler.step_loop import StepLoop, WorkerHandle, WorkerLost
 
 log = logging.getLogger(__name__)
+
+
+class ChainKind(NamedTuple):
+    """What a worker's hashes of a prompt depend on: workers alike share one chain."""
+
+    block_size: int
+    fingerprint: str  # the model's
+    prefix_caching: bool  # off: no chain
 
 
 class SchedulerService:
@@ -101,14 +110,18 @@ class SchedulerService:
 
     async def admit(self, req: SubmitRequest) -> SubmitReply:
         prompt = unpack_tokens(req.prompt_token_ids)
-        chains = self._prompt_chains(prompt, req.tenant)
+        chains: dict[ChainKind, list[bytes]] = {}
+        stored = await self._lookup_stored(self._chain_kinds(prompt, req.tenant, chains), chains)
+        # NOTE: no await from here to core.add. Submits run as concurrent tasks: a worker picked
+        # before the lookup would be picked by every submit arriving during it, on the same load.
+        kinds = self._chain_kinds(prompt, req.tenant, chains)  # workers may have come or gone since
         states = [
             WorkerState(
                 wid,
                 len(h.core.seqs),
                 h.load.max_num_seqs,
-                h.core.kv_tiers.num_reusable_blocks(chains[wid]),
-                len(chains[wid]),
+                h.core.kv_tiers.num_reusable_blocks(chains[kinds[wid]]),
+                len(chains[kinds[wid]]),
             )
             for wid, h in self.workers.items()
         ]
@@ -121,11 +134,7 @@ class SchedulerService:
             return SubmitReply(
                 SubmitStatus.INVALID, f"prompt of {len(prompt)} tokens exceeds the context of {context_len}"
             )
-        chain = chains[worker_id]
-        tiers = handle.core.kv_tiers
-        num_stored_blocks = await self.kv.lookup(chain, tiers.model_fingerprint) if tiers.enabled else 0
-        if self.workers.get(worker_id) is not handle:
-            return SubmitReply(SubmitStatus.NO_WORKERS, f"worker {worker_id} left")
+        kind = kinds[worker_id]
         seq = Sequence(
             req.request_id,
             req.gateway_id,
@@ -135,8 +144,8 @@ class SchedulerService:
             priority=req.priority,
             tenant=req.tenant,
             retention_class=req.retention_class,
-            num_stored_blocks=num_stored_blocks,
-            block_hashes=list(chain),  # hashed with this worker's fingerprint and block size
+            num_stored_blocks=stored.get(kind, 0),  # absent: G3 off, or a kind new since the lookup
+            block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
         )
         try:
             handle.core.add(seq)
@@ -145,18 +154,29 @@ class SchedulerService:
         handle.wake.set()
         return SubmitReply(SubmitStatus.ACCEPTED, scheduler_id=self.config.scheduler_id)
 
-    def _prompt_chains(self, prompt: list[int], tenant: str) -> dict[str, list[bytes]]:
-        """Worker id -> the hashes of the prompt blocks a hit could skip there; workers that hash
-        alike (block size, model fingerprint) share one list."""
-        by_kind: dict[tuple[int, str, bool], list[bytes]] = {}
-        chains: dict[str, list[bytes]] = {}
+    def _chain_kinds(
+        self, prompt: list[int], tenant: str, chains: dict[ChainKind, list[bytes]]
+    ) -> dict[str, ChainKind]:
+        """Worker id -> how it hashes the prompt; ``chains`` gets, for each kind it lacks, the
+        hashes of the prompt blocks a hit could skip (workers that hash alike share one list)."""
+        kinds: dict[str, ChainKind] = {}
         for worker_id, handle in self.workers.items():
             tiers, limits = handle.core.kv_tiers, handle.core.limits
-            kind = (limits.block_size, tiers.model_fingerprint, limits.enable_prefix_caching)
-            if kind not in by_kind:
-                by_kind[kind] = tiers.prompt_chain(prompt, tenant)
-            chains[worker_id] = by_kind[kind]
-        return chains
+            kind = ChainKind(limits.block_size, tiers.model_fingerprint, limits.enable_prefix_caching)
+            if kind not in chains:
+                chains[kind] = tiers.prompt_chain(prompt, tenant)
+            kinds[worker_id] = kind
+        return kinds
+
+    async def _lookup_stored(
+        self, kinds: dict[str, ChainKind], chains: dict[ChainKind, list[bytes]]
+    ) -> dict[ChainKind, int]:
+        """The leading blocks of each chain that G3 holds, for the kinds of workers with the lower
+        tiers on: usually one chain (workers of one model hash alike); several are looked up at
+        once, so a submit waits at most one kv_lookup_timeout_s."""
+        wanted = list(dict.fromkeys(k for wid, k in kinds.items() if self.workers[wid].core.kv_tiers.enabled))
+        counts = await asyncio.gather(*(self.kv.lookup(chains[k], k.fingerprint) for k in wanted))
+        return dict(zip(wanted, counts, strict=True))
 
     async def on_cancel(self, msg: Message) -> None:
         """Ids are request ids (every choice) or sequence ids (one choice)."""

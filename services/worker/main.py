@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.runtime import run_service, setup_logging
-from deepinfer.settings import build_config, resolve_cache_dir
+from deepinfer.settings import build_config, kv_store_root, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
 from libs.kvstore.block_file import KVLayout as BlockLayout
 from libs.models.gguf_loader import load_llama
@@ -24,7 +24,7 @@ from services.worker.config import Config
 from services.worker.grammar import DEFAULT_BACKEND, Grammars
 from services.worker.host_cache import HostCache
 from services.worker.kv_cache import KVLayout
-from services.worker.kv_store import DISABLED_PATH, KVStore, dtype_name, kv_fingerprint
+from services.worker.kv_store import KVStore, dtype_name, kv_fingerprint
 from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
@@ -58,13 +58,6 @@ def grammar_vocab(path: Path, cache_dir: Path, vocab_size: int) -> list[bytes]:
     tokenizer = Tokenizer.from_gguf(path, cache_dir)
     special = tokenizer.special_token_ids
     return [b"" if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
-
-
-def kv_store_root(kv_store_path: str, cache_dir: str) -> Path | None:
-    """The G3 directory a config names: "" -> ``<cache_dir>/kv-store``; "none" -> None (off)."""
-    if kv_store_path.strip().lower() == DISABLED_PATH:
-        return None
-    return Path(kv_store_path).expanduser() if kv_store_path else Path(cache_dir) / "kv-store"
 
 
 def build_kv_tiers(

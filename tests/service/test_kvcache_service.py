@@ -7,6 +7,7 @@ stands in for the worker's ``kv_events``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer.settings import kv_store_root
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
 from libs.kvstore.block_file import BLOCK_FILE_SUFFIX, read_header
@@ -33,6 +35,7 @@ from libs.protocol.kv_messages import (
     split_hashes,
 )
 from libs.protocol.subjects import Subjects
+from services.kvcache import main as kvcache_main
 from services.kvcache import service as service_module
 from services.kvcache.config import GIB, Config
 from services.kvcache.index import BlockEntry, BlockIndex, Tier
@@ -70,7 +73,7 @@ def config(**overrides: object) -> Config:
 
 @contextlib.asynccontextmanager
 async def running(
-    root: Path, clock: Clock, cfg: Config | None = None, bus: InMemoryBus | None = None
+    root: Path | None, clock: Clock, cfg: Config | None = None, bus: InMemoryBus | None = None
 ) -> AsyncIterator[tuple[InMemoryBus, KVCacheService]]:
     bus = bus or InMemoryBus()
     svc = KVCacheService(cfg or config(), bus, root, clock)
@@ -381,3 +384,34 @@ async def test_stats_report_the_store_and_the_counters(tmp_path: Path) -> None:
         ("lookup_hit_blocks", "G3"): 4,
         ("resyncs", ""): 1,
     }
+
+
+async def test_with_g3_off_lookups_answer_0_and_no_store_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger=service_module.__name__)
+    monkeypatch.chdir(tmp_path)  # the old bug: a directory named ./none, scanned and trimmed
+    blocks = [put(tmp_path / "elsewhere", i) for i in range(2)]  # a worker with a store of its own
+    async with running(None, Clock()) as (bus, svc):
+        await Publisher(bus, svc).send(stored(blocks))
+        assert await lookup(bus, blocks) == 0 and len(svc.index) == 0
+        assert svc.counters["lookups", "G3"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["elsewhere"]  # no store, no snapshot
+    assert caplog.text.count("G3 is off") == 1
+
+
+@pytest.mark.parametrize("flag", ["none", " None ", "~/kv", ""])
+def test_main_reads_kv_store_path_as_the_worker_does(
+    flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    roots: list[Path | None] = []
+
+    async def serve(cfg: Config, store_root: Path | None, stop: asyncio.Event) -> None:
+        roots.append(store_root)
+
+    monkeypatch.setattr(kvcache_main, "serve", serve)
+    monkeypatch.setattr(kvcache_main, "setup_logging", lambda *args: None)
+    monkeypatch.setattr(kvcache_main, "run_service", lambda start: asyncio.run(start(asyncio.Event())))
+    kvcache_main.main(argparse.Namespace(kv_store_path=flag, cache_dir=str(tmp_path)))
+    want = {"": tmp_path / "kv-store", "~/kv": Path.home() / "kv"}.get(flag)  # "none": G3 off
+    assert roots == [want] == [kv_store_root(flag, str(tmp_path))]

@@ -392,3 +392,28 @@ async def test_a_silent_kvcache_never_fails_a_submit() -> None:
         prompt = list(range(20, 30))
         assert (await submit(bus, "r1", prompt=prompt)).status is SubmitStatus.ACCEPTED
         assert (await run_to_end(outputs)).num_cached_tokens == 0
+
+
+async def test_a_burst_of_submits_spreads_over_the_workers() -> None:
+    # Every lookup is in flight at once: a worker picked before its answer would take the burst.
+    async with running_service(Config(scheduler_id="s1", kv_lookup_timeout_s=5)) as (service, bus, w1, _):
+        w2 = ScriptedWorker(bus, "w2")
+        await w2.start()
+        await asyncio.sleep(0.01)
+        w1.gate.clear()  # nothing finishes during the burst
+        w2.gate.clear()
+        held: list[Message] = []
+
+        async def answer_when_all_came(msg: Message) -> None:
+            held.append(msg)
+            if len(held) == 8:
+                for lookup_msg in held:
+                    await bus.respond(lookup_msg, encode(KVLookupReply(0)))
+
+        await bus.subscribe(SUBJECTS.kv_lookup, answer_when_all_came)
+        prompt = list(range(20, 30))
+        replies = await asyncio.gather(*(submit(bus, f"r{i}", prompt=prompt) for i in range(8)))
+        assert all(r.status is SubmitStatus.ACCEPTED for r in replies) and len(held) == 8
+        assert {wid: len(h.core.seqs) for wid, h in service.workers.items()} == {"w1": 4, "w2": 4}
+        w1.gate.set()
+        w2.gate.set()
