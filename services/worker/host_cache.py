@@ -3,8 +3,8 @@
 A slot holds one block's payload ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (see
 ``KVLayout.block_shape``). The pool is allocated once (pinned when the pages live on a GPU, so the
 copies to and from the device can run at full bandwidth) and slots are reused: full, it evicts the
-least recently used block. Only the step thread mutates it; the event loop reads membership and
-``hashes()`` only while no step runs.
+least recently used block. It takes no lock of its own: ``KVTiers`` holds one around its changes
+(only ever on the step thread) and around the ``hashes()`` of a dump (any time).
 """
 
 from __future__ import annotations

@@ -10,13 +10,18 @@ hash): a block that fails any check raises ``BlockFileError`` to the caller, whi
 the bad file is deleted first so no other reader trips on it (one that could not be read at all,
 an I/O error, is kept: that may pass). A block still queued for writing is read from memory.
 
+A save of a block already on disk (or still queued) reports the stronger of the two claims: the
+class ``RetentionPolicy.stronger`` picks and the later expiry. The file is not rewritten for it.
+
 The store is best effort: on the first ``OSError`` of a write (a full disk, a read-only mount, a
-root that is a file) it logs one warning and turns itself off, writes and reads alike, and the
-worker serves on without G3.
+root that is a file) it logs one warning and stops writing, and the worker serves on without G3
+writes. Reads stay on: what was written before still serves, and a read that fails is a miss of
+that one block (the caller recomputes it), so one bad write must not cost every good block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -51,12 +56,29 @@ from services.worker.kv_cache import KVLayout
 
 log = logging.getLogger(__name__)
 
-DISABLED_PATH: Final = "none"  # the kv_store_path that turns G3 off
 _MAX_PREFETCHED: Final = 4096  # reads kept for a load that may never come (a step that failed)
 _UNSAFE: Final = re.compile(r"[^A-Za-z0-9._-]+")
 
 WriteFn = Callable[..., BlockFileHeader]  # write_block_file's signature
-OnStored = Callable[[bytes, BlockFileHeader], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """What a store event reports of one block: its file, and the claim on it, which is the file's
+    class and expiry, or stronger when a save asked for more than the file's header says."""
+
+    header: BlockFileHeader  # as on disk
+    retention_class: str
+    expires_at: float
+
+
+OnStored = Callable[[bytes, StoredBlock], None]
+
+
+@dataclasses.dataclass(slots=True)
+class _QueuedWrite:
+    payload: memoryview
+    cls: RetentionClass  # raised under the store's lock by a later save asking for a stronger one
 
 
 def kv_fingerprint(model_path: Path, weights: str, dtype: torch.dtype, layout: KVLayout) -> str:
@@ -105,14 +127,14 @@ class KVStore:
         self._write_file = write_file
         self._clock = clock
         self._lock = threading.Lock()  # guards the maps below: step, writer and reader threads
-        self._pending: dict[bytes, memoryview] = {}  # queued writes: a read serves these from memory
+        self._pending: dict[bytes, _QueuedWrite] = {}  # queued writes: a read serves these from memory
         self._pending_bytes = 0
         self.max_pending_bytes = max_pending_bytes  # past it, writes are dropped, not queued
         self._prefetched: OrderedDict[bytes, Future[bytearray]] = OrderedDict()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-store-write")
         self._readers = ThreadPoolExecutor(num_readers, thread_name_prefix="kv-store-read")
-        self.enabled = True
-        self.disabled_reason = ""
+        self.writable = True  # False after a write's OSError: reads go on
+        self.unwritable_reason = ""
         self.num_written_blocks = 0
         self.num_written_bytes = 0
         self.num_present_blocks = 0  # writes skipped: another worker had stored the block
@@ -137,62 +159,95 @@ class KVStore:
     # --- writes -----------------------------------------------------------------------------
 
     def write(self, block_hash: bytes, payload: memoryview, retention_class: str = "") -> bool:
-        """Queue one block for the writer thread; False when skipped (off, already queued, or the
-        queue is full: a disk slower than the saves must not grow memory, nor stall the step).
-        ``payload`` must stay unchanged from now on: the caller hands over a private copy.
+        """Queue one block for the writer thread; False when skipped (writes off, already queued,
+        or the queue is full: a disk slower than the saves must not grow memory, nor stall the
+        step). ``payload`` must stay unchanged from now on: the caller hands over a private copy.
 
-        A block already on disk is not written again, but that is checked on the writer thread
-        (a stat and a header), never remembered: the kvcache service may have collected it since.
+        A block already queued keeps its place, with the stronger of the two classes: its event
+        reports that one. A block already on disk is not written again, but that is checked on the
+        writer thread (a stat and a header), never remembered: kvcache may have collected it since.
         """
-        if not self.enabled:
+        if not self.writable:
             return False
+        cls = self.retention_class(retention_class)
         with self._lock:
-            if block_hash in self._pending:
+            queued = self._pending.get(block_hash)
+            if queued is not None:
+                queued.cls = self.policy.stronger(queued.cls, cls)
                 return False
             if self._pending_bytes + payload.nbytes > self.max_pending_bytes:
                 self.num_dropped_writes += 1
                 return False
-            self._pending[block_hash] = payload
+            queued = self._pending[block_hash] = _QueuedWrite(payload, cls)
             self._pending_bytes += payload.nbytes
-        self._writer.submit(self._write, block_hash, payload, self.retention_class(retention_class))
+        self._writer.submit(self._write, block_hash, queued)
         return True
 
-    def _write(self, block_hash: bytes, payload: memoryview, cls: RetentionClass) -> None:
+    def _write(self, block_hash: bytes, queued: _QueuedWrite) -> None:
+        stored = None
         try:
-            if self.enabled:
-                self._store(block_hash, payload, cls)
+            if self.writable:
+                stored = self._store(block_hash, queued.payload, queued.cls)
         except OSError as e:
             self.num_write_failures += 1
-            self.disable(f"{type(e).__name__}: {e}")
+            self.stop_writing(f"{type(e).__name__}: {e}")
         except Exception:  # a bug here must not kill the writer thread and every later write
             self.num_write_failures += 1
             log.exception("KV store write of %s failed", block_hash.hex()[:16])
         finally:
+            # Leaving the queue and reading the final class are one step under the lock: a save
+            # that raised the class before it is reported below; one after it queues a new write,
+            # which finds the file present and reports its own claim.
             with self._lock:
                 del self._pending[block_hash]
-                self._pending_bytes -= payload.nbytes
+                self._pending_bytes -= queued.payload.nbytes
+                cls = queued.cls
+        if stored is not None and self.on_stored is not None:
+            header, claimed_at = stored
+            try:
+                self.on_stored(block_hash, self._claim(header, cls, claimed_at))
+            except Exception:  # the event is lost, not the writer thread
+                log.exception("KV store event of %s failed", block_hash.hex()[:16])
 
-    def _store(self, block_hash: bytes, payload: memoryview, cls: RetentionClass) -> None:
+    def _store(
+        self, block_hash: bytes, payload: memoryview, cls: RetentionClass
+    ) -> tuple[BlockFileHeader, float]:
+        """The header of the block's file and when this save claims it: the file already there
+        (another worker, or an earlier save of this one, stored it) now, else the one written with
+        ``cls`` as of its ``stored_at`` (so the claim is that header's own, unless a save raised
+        the class meanwhile)."""
         path = self.path(block_hash)
         header = self._present(path, block_hash)
         if header is not None:
             self.num_present_blocks += 1
-        else:
-            now = self._clock()
-            meta = BlockMeta(
-                block_hash,
-                self.fingerprint,
-                self.layout,
-                dtype_name(self.dtype),
-                cls.name,
-                stored_at=now,
-                expires_at=cls.expires_at(now),
-            )
-            header = self._write_file(path, meta, payload, fsync=self.fsync)
-            self.num_written_blocks += 1
-            self.num_written_bytes += header.file_size
-        if self.on_stored is not None:
-            self.on_stored(block_hash, header)
+            return header, self._clock()
+        now = self._clock()
+        meta = BlockMeta(
+            block_hash,
+            self.fingerprint,
+            self.layout,
+            dtype_name(self.dtype),
+            cls.name,
+            stored_at=now,
+            expires_at=cls.expires_at(now),
+        )
+        header = self._write_file(path, meta, payload, fsync=self.fsync)
+        self.num_written_blocks += 1
+        self.num_written_bytes += header.file_size
+        return header, now
+
+    def _claim(self, header: BlockFileHeader, cls: RetentionClass, now: float) -> StoredBlock:
+        """The claim a save of class ``cls`` makes on the block in ``header``'s file: the stronger
+        class and the later expiry of the two. The file is not rewritten to say so: the kvcache
+        index keeps the stronger class from this event, while a rebuild of the index by a scan of
+        the store sees the header's class (the block is as safe as its writer asked, no less)."""
+        meta = header.meta
+        expires_at = max(meta.expires_at, cls.expires_at(now))
+        # A class this worker's config does not name (another config wrote the file): report
+        # ours; the index, which merges every claim on a block, keeps the stronger anyway.
+        with contextlib.suppress(UnknownRetentionClass):
+            cls = self.policy.stronger(self.policy.get(meta.retention_class), cls)
+        return StoredBlock(header, cls.name, expires_at)
 
     def _present(self, path: Path, block_hash: bytes) -> BlockFileHeader | None:
         """The header of a sound-looking file for this block already at ``path`` (another worker
@@ -213,17 +268,14 @@ class KVStore:
         )
         return header if ours and header.payload_len == self.block_num_bytes else None
 
-    def disable(self, why: str) -> None:
+    def stop_writing(self, why: str) -> None:
+        """Turn writes off for good (one warning); reads go on."""
         with self._lock:
-            if not self.enabled:
+            if not self.writable:
                 return
-            self.enabled = False
-            self.disabled_reason = why
-            prefetched = list(self._prefetched.values())
-            self._prefetched.clear()
-        for future in prefetched:
-            future.cancel()
-        log.warning("KV store %s unwritable: %s; serving on without G3", self.root, why)
+            self.writable = False
+            self.unwritable_reason = why
+        log.warning("KV store %s unwritable: %s; serving on without G3 writes", self.root, why)
 
     def flush(self) -> None:
         """Wait until every write queued so far is done (tests, shutdown)."""
@@ -238,8 +290,6 @@ class KVStore:
 
     def prefetch(self, block_hashes: Iterable[bytes]) -> None:
         """Start reading these blocks on the reader threads; ``read`` joins them."""
-        if not self.enabled:
-            return
         with self._lock:
             for block_hash in block_hashes:
                 if block_hash in self._prefetched or block_hash in self._pending:
@@ -255,17 +305,14 @@ class KVStore:
         if future is not None:
             future.cancel()
 
-    def read(self, block_hash: bytes) -> bytearray | None:
-        """The block's payload (``block_num_bytes``), joining its prefetch if there is one; None
-        when the store is off. Raises ``BlockFileError`` for a block that is missing or unsound
-        (a bad file is already deleted)."""
+    def read(self, block_hash: bytes) -> bytearray:
+        """The block's payload (``block_num_bytes``), joining its prefetch if there is one. Raises
+        ``BlockFileError`` for a block that is missing or unsound (a bad file is already deleted)."""
         with self._lock:
             future = self._prefetched.pop(block_hash, None)
             pending = self._pending.get(block_hash)
-        if not self.enabled:
-            return None
         if pending is not None:  # queued here, maybe not on disk yet: read our own write
-            return bytearray(pending)
+            return bytearray(pending.payload)
         joined = future is not None and not future.cancelled()
         payload = future.result() if future is not None and joined else self._read(block_hash)
         self.num_read_blocks += 1

@@ -7,8 +7,12 @@ missing or unsound block never reaches attention. Every change of what G2 or G3 
 ``KVEvent`` in a thread-safe outbox (the G3 writer thread adds to it too), which the service
 drains into ``KVEvents`` messages.
 
-Threads: ``save`` and ``load`` run on the step thread; ``prefetch`` on the event loop (it only
-submits reads); the store's writer and reader threads touch only the store and the outbox.
+Threads: ``save`` and ``load`` run on the step thread, the only one that changes G2; ``dump``
+runs whenever a dump is asked for, steps or not, so G2's changes (each with its event) and the
+dump's read of it hold one lock, ``_host_lock``. ``prefetch`` runs on the event loop and only reads
+G2's membership, a hint (a wrong answer costs one useless read or one read later), so it takes no
+lock: a step's G2 copy must not stall the event loop. The store's writer and reader threads touch
+only the store and the outbox.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from libs.kvstore.block_file import BlockFileError, BlockFileFault, BlockFileHeader
+from libs.kvstore.block_file import BlockFileError, BlockFileFault
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.kv_messages import (
     CacheTier,
@@ -35,7 +39,7 @@ from libs.protocol.kv_messages import (
 from libs.protocol.messages import SchedulerOutput
 from services.worker.host_cache import HostCache
 from services.worker.kv_cache import KVCache
-from services.worker.kv_store import KVStore
+from services.worker.kv_store import KVStore, StoredBlock
 
 _STORE_OFF = "store off"  # failed-load label: not in G2, and no G3 to ask
 
@@ -73,6 +77,7 @@ class KVTiers:
         self.host = host
         self.store = store
         self.outbox = EventOutbox()
+        self._host_lock = threading.Lock()  # G2's changes and the dump's read of it; see the module doc
         if store is not None:
             store.on_stored = self._on_stored  # called on the store's writer thread
         self.num_loaded_host_blocks = 0
@@ -81,8 +86,8 @@ class KVTiers:
         self.read_faults: Counter[str] = Counter()  # by BlockFileFault value
 
     @property
-    def store_enabled(self) -> bool:
-        return self.store is not None and self.store.enabled
+    def store_writable(self) -> bool:
+        return self.store is not None and self.store.writable
 
     # --- saves ------------------------------------------------------------------------------
 
@@ -94,9 +99,10 @@ class KVTiers:
         block_hashes = split_hashes(save.block_hashes)
         if len(block_ids) != len(block_hashes):
             raise ValueError(f"KVSave of {len(block_ids)} blocks carries {len(block_hashes)} hashes")
-        host, store_on = self.host, self.store_enabled
+        host, store_on = self.host, self.store_writable
         if host is not None:
-            host.touch(block_hashes)  # wanted again: the last to evict
+            with self._host_lock:
+                host.touch(block_hashes)  # wanted again: the last to evict
         rows = [i for i, h in enumerate(block_hashes) if store_on or (host is not None and h not in host)]
         if not rows:
             return
@@ -112,23 +118,25 @@ class KVTiers:
 
     def _put_host(self, block_hashes: list[bytes], payloads: Tensor) -> None:
         assert self.host is not None
-        stored, evicted = self.host.put_many(block_hashes, payloads)
-        if evicted:
-            self.outbox.add(KVEvent(CacheTier.HOST, False, join_hashes(evicted), RemovalReason.CAPACITY))
-        if stored:
-            num_bytes = payloads[0].numel() * payloads.element_size()
-            self.outbox.add(KVEvent(CacheTier.HOST, True, join_hashes(stored), num_bytes=num_bytes))
+        # Each event enters the outbox with its change, under the lock, so a dump never falls
+        # between the two: see WorkerService.on_dump for why that makes the dump consistent.
+        with self._host_lock:
+            stored, evicted = self.host.put_many(block_hashes, payloads)
+            if evicted:
+                self.outbox.add(KVEvent(CacheTier.HOST, False, join_hashes(evicted), RemovalReason.CAPACITY))
+            if stored:
+                num_bytes = payloads[0].numel() * payloads.element_size()
+                self.outbox.add(KVEvent(CacheTier.HOST, True, join_hashes(stored), num_bytes=num_bytes))
 
-    def _on_stored(self, block_hash: bytes, header: BlockFileHeader) -> None:
-        meta = header.meta
+    def _on_stored(self, block_hash: bytes, stored: StoredBlock) -> None:
         self.outbox.add(
             KVEvent(
                 CacheTier.STORE,
                 True,
                 block_hash,
-                retention_class=meta.retention_class,
-                expires_at=meta.expires_at,
-                num_bytes=header.file_size,
+                retention_class=stored.retention_class,
+                expires_at=stored.expires_at,
+                num_bytes=stored.header.file_size,
             )
         )
 
@@ -137,7 +145,7 @@ class KVTiers:
     def prefetch(self, plan: SchedulerOutput) -> None:
         """Start the G3 reads of the plan's loads (the blocks not in G2): called as soon as a plan
         arrives, so they overlap the step in progress."""
-        if self.store is None or not self.store.enabled:
+        if self.store is None:
             return
         for new in plan.new_seqs:
             if new.kv_load is None:
@@ -173,7 +181,8 @@ class KVTiers:
         # G2 first: putting the G3 hits into G2 below may evict a slot these rows read.
         if host_rows:
             assert self.host is not None
-            payloads = self.host.gather([block_hashes[i] for i in host_rows])
+            with self._host_lock:  # gather marks the blocks used: a change of G2's order
+                payloads = self.host.gather([block_hashes[i] for i in host_rows])
             kv_cache.scatter_blocks([block_ids[i] for i in host_rows], payloads)
         if store_rows:
             payloads = torch.stack(store_payloads)
@@ -200,9 +209,6 @@ class KVTiers:
             self.read_faults[e.reason.value] += 1
             self.failed_load_blocks[e.reason.value] += num_recomputed
             return None
-        if payload is None:
-            self.failed_load_blocks[_STORE_OFF] += num_recomputed
-            return None
         return (
             torch.frombuffer(payload, dtype=torch.uint8).view(self.store.dtype).view(self.store.block_shape)
         )
@@ -213,8 +219,11 @@ class KVTiers:
         return self.outbox.drain()
 
     def dump(self) -> list[bytes]:
-        """Every block in G2 (least recently used first); call it while no step runs."""
-        return self.host.hashes() if self.host is not None else []
+        """Every block in G2 (least recently used first), as of now: safe while a step runs."""
+        if self.host is None:
+            return []
+        with self._host_lock:
+            return self.host.hashes()
 
     def stats(self) -> tuple[TierCounter, ...]:
         counters = [
@@ -239,7 +248,7 @@ class KVTiers:
                 TierCounter("present_blocks", "G3", store.num_present_blocks),
                 TierCounter("write_failures", "G3", store.num_write_failures),
                 TierCounter("dropped_writes", "G3", store.num_dropped_writes),
-                TierCounter("enabled", "G3", float(store.enabled)),
+                TierCounter("writable", "G3", float(store.writable)),
             ]
         return tuple(counters)
 
@@ -254,4 +263,5 @@ class KVTiers:
 
     def check_integrity(self) -> None:
         if self.host is not None:
-            self.host.check_integrity()
+            with self._host_lock:
+                self.host.check_integrity()

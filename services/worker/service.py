@@ -6,8 +6,8 @@ owner's. The worker lets go of an idle owner that left the members bucket, and o
 holds sequences here but has been silent for ``orphan_timeout_s`` (its sequences are dropped).
 
 With KV tiers it also publishes their events (``KVEvents``, seq +1 per message, the first one
-saying this worker's G2 starts empty), answers ``KVDumpRequest`` with its G2 content, and
-publishes ``KVCacheStats`` with each periodic load report.
+saying this worker's G2 starts empty), answers ``KVDumpRequest`` with its G2 content without
+waiting for a running step, and publishes ``KVCacheStats`` with each periodic load report.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class WorkerService:
         if tiers is None:
             return
         async with self._publishing_kv:
+            # Drained and numbered with no await in between: on_dump relies on it.
             events = tiers.drain_events()
             if self.kv_seq == 0:
                 events.insert(0, KVEvent(CacheTier.HOST, False, b"", RemovalReason.CLEARED))
@@ -154,8 +155,18 @@ class WorkerService:
             await self.bus.publish(self.subjects.kv_events, encode(message))
 
     async def on_dump(self, msg: Message) -> None:
-        """G2's content as of the events published so far: taken between steps, after publishing
-        what the last step changed, so a consumer that continues from ``seq`` misses nothing."""
+        """G2's content, with the seq of the last KVEvents published; answered at once, even while
+        a step runs (a CPU step may take longer than the consumer waits for a dump).
+
+        Why that is consistent for a consumer, which replaces its view by the dump and then applies
+        every message after ``seq`` in order: the seq is read first, and a message's events are
+        drained and its seq taken in one go on this loop, so every event published by ``seq`` was
+        in the outbox before the G2 read below; each event enters the outbox with its change, under
+        the tiers' lock (``KVTiers._put_host``), so the read sees all those changes. It may see
+        later ones too, whose events are still in the outbox or drained since: they come with
+        higher seqs and are applied on top. Every event says "these blocks are in" or "are out",
+        so applying one the dump already reflects changes nothing, and the view converges to G2.
+        """
         tiers = self.runner.kv_tiers
         try:
             decode(KVDumpRequest, msg.data)
@@ -163,9 +174,10 @@ class WorkerService:
             log.warning("bad KV dump request: %s", exc)
             return
         assert tiers is not None  # subscribed only with tiers
-        async with self._stepping:
-            await self.publish_kv_events()
-            dump = KVDump(self.config.worker_id, self.kv_seq, join_hashes(tiers.dump()))
+        seq = self.kv_seq  # before the read: see above
+        # Off the loop: the lock may be held for one G2 copy of the running step.
+        host_block_hashes = await asyncio.to_thread(tiers.dump)
+        dump = KVDump(self.config.worker_id, seq, join_hashes(host_block_hashes))
         await self.bus.respond(msg, encode(dump))
 
     async def _publish_stats(self) -> None:

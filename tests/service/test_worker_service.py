@@ -1,9 +1,11 @@
 """The worker service on the in-memory bus with a tiny random-weight model: steps, load, ownership,
-and with KV tiers: events in sequence, G2 dumps, stats, the model fingerprint."""
+and with KV tiers: events in sequence, G2 dumps (answered while a step runs), stats, the model
+fingerprint."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -194,5 +196,55 @@ async def test_kv_events_in_sequence_dumps_stats_and_fingerprint(tmp_path: Path)
     service.runner.kv_tiers.check_integrity()
     stop.set()
     await asyncio.wait_for(task, 5)
+    service.runner.kv_tiers.close()
+    await bus.close()
+
+
+async def test_a_dump_is_answered_while_a_step_runs(tmp_path: Path) -> None:
+    """A step that saved blocks to G2 and has not finished yet: the dump has them, with the seq of
+    the last message published; their event comes after it, and re-applying it changes nothing."""
+    bus = InMemoryBus()
+    service = make_tiered_service(bus, tmp_path)
+    events: list[KVEvents] = []
+
+    async def on_events(msg: Message) -> None:
+        events.append(decode(KVEvents, msg.data))
+
+    await bus.subscribe(SUBJECTS.kv_events, on_events)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    await until(lambda: bool(events))
+    assert not (
+        await step(bus, encode(SchedulerOutput(1, (new_seq("a", [0, 1, 2]),), scheduler_id="s1")))
+    ).error
+    await until(lambda: events[-1].seq == service.kv_seq)
+    seq_before = service.kv_seq
+
+    inside, release = threading.Event(), threading.Event()
+    execute = service.runner.execute
+
+    def held_execute(plan: SchedulerOutput) -> ModelRunnerOutput:
+        out = execute(plan)  # G2 holds the saved blocks from here on
+        inside.set()
+        release.wait(10)  # a long step: the dump must not wait for it
+        return out
+
+    service.runner.execute = held_execute  # type: ignore[method-assign]
+    save = KVSave(pack_tokens([0, 1]), join_hashes(HASHES), "chat")
+    plan = SchedulerOutput(2, finished_seq_ids=("a",), kv_saves=(save,), scheduler_id="s1")
+    running = asyncio.create_task(step(bus, encode(plan)))
+    await until(inside.is_set)
+    try:
+        data = await bus.request(SUBJECTS.kv_dump("w1"), encode(KVDumpRequest("s1")), 5)
+        assert not running.done()
+    finally:
+        release.set()
+    assert decode(KVDump, data) == KVDump("w1", seq_before, join_hashes(HASHES))
+    assert not (await running).error
+    await until(lambda: events[-1].seq == seq_before + 1)
+    assert KVEvent(CacheTier.HOST, True, join_hashes(HASHES), num_bytes=2048) in events[-1].events
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert service.runner.kv_tiers is not None
     service.runner.kv_tiers.close()
     await bus.close()

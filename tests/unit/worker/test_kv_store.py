@@ -1,6 +1,7 @@
-"""KVStore (the worker's G3): background writes stamped with their retention class, reads checked
-against the exact expectation (a bad file is deleted and reported), prefetch, read-your-writes,
-and a store that cannot be written turning itself off with one warning. Also the fingerprint."""
+"""KVStore (the worker's G3): background writes stamped with their retention class, a save of a
+block already stored or queued reporting the stronger claim, reads checked against the exact
+expectation (a bad file is deleted and reported), prefetch, read-your-writes, and a store that
+cannot be written stopping its writes with one warning while reads go on. Also the fingerprint."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from libs.kvstore.block_file import (
 )
 from libs.kvstore.retention import RetentionClass, RetentionPolicy
 from services.worker.kv_cache import KVLayout as WorkerLayout
-from services.worker.kv_store import KVStore, kv_fingerprint
+from services.worker.kv_store import KVStore, StoredBlock, kv_fingerprint
 
 FP = "tiny-0123456789abcdef"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
@@ -47,10 +48,13 @@ class Stored:
     """The store's on_stored callback, recorded (it runs on the writer thread)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[bytes, BlockFileHeader]] = []
+        self.calls: list[tuple[bytes, StoredBlock]] = []
 
-    def __call__(self, block_hash: bytes, header: BlockFileHeader) -> None:
-        self.calls.append((block_hash, header))
+    def __call__(self, block_hash: bytes, stored: StoredBlock) -> None:
+        self.calls.append((block_hash, stored))
+
+    def claims(self) -> list[tuple[bytes, str, float]]:
+        return [(h, s.retention_class, s.expires_at) for h, s in self.calls]
 
 
 def make_store(root: Path, **kwargs: Any) -> KVStore:
@@ -64,8 +68,12 @@ def test_write_then_read_round_trips_with_the_retention_class_stamped(tmp_path: 
     assert store.write(block_hash(2), payload(2), "no-such-class")  # falls back to the default
     assert store.write(block_hash(3), payload(3))
     store.flush()
-    headers = {h: header for h, header in stored.calls}
-    assert [h for h, _ in stored.calls] == [block_hash(1), block_hash(2), block_hash(3)]
+    headers = {h: s.header for h, s in stored.calls}
+    assert stored.claims() == [  # a fresh file's claim is its header's
+        (block_hash(1), "chat", NOW + 700.0),
+        (block_hash(2), "agent", NOW + 100.0),
+        (block_hash(3), "agent", NOW + 100.0),
+    ]
     assert headers[block_hash(1)].meta.retention_class == "chat"
     assert headers[block_hash(1)].meta.expires_at == NOW + 700.0
     assert headers[block_hash(2)].meta.retention_class == "agent"
@@ -94,8 +102,54 @@ def test_a_block_already_on_disk_is_not_rewritten_but_reported(tmp_path: Path) -
     second.flush()
     assert second.num_written_blocks == 0 and second.num_present_blocks == 1
     assert path.stat().st_mtime == 7.0
-    assert stored.calls[0][1].meta.retention_class == "chat"  # the file's own header
+    assert stored.claims() == [(block_hash(1), "chat", NOW + 700.0)]  # a weaker save weakens nothing
+    assert stored.calls[0][1].header == read_header(path)
     second.close()
+
+
+def test_a_stronger_save_of_a_stored_block_reports_the_stronger_claim(tmp_path: Path) -> None:
+    now = [NOW]
+    first = make_store(tmp_path)
+    first.write(block_hash(1), payload(1), "agent")
+    first.close()
+    header = read_header(first.path(block_hash(1)))
+    stored = Stored()
+    store = KVStore(tmp_path, FP, LAYOUT, torch.float32, POLICY, clock=lambda: now[0], on_stored=stored)
+    now[0] = NOW + 50.0
+    assert store.write(block_hash(1), payload(1), "chat")
+    store.flush()
+    now[0] = NOW + 60.0  # agent again: its ttl from now ends later than the file's
+    assert store.write(block_hash(1), payload(1), "agent")
+    store.flush()
+    assert stored.claims() == [
+        (block_hash(1), "chat", NOW + 50.0 + 700.0),
+        (block_hash(1), "agent", NOW + 60.0 + 100.0),
+    ]
+    assert read_header(store.path(block_hash(1))) == header  # not rewritten: a scan sees "agent"
+    assert store.num_written_blocks == 0 and store.num_present_blocks == 2
+    store.close()
+
+
+def test_a_stronger_save_of_a_queued_block_raises_its_claim(tmp_path: Path) -> None:
+    writing, release = threading.Event(), threading.Event()
+
+    def slow_write(*args: Any, **kwargs: Any) -> BlockFileHeader:
+        writing.set()  # the header is built: the class raised from now on is not in the file
+        release.wait(10)
+        return write_block_file(*args, **kwargs)
+
+    stored = Stored()
+    store = make_store(tmp_path, write_file=slow_write, on_stored=stored)
+    assert store.write(block_hash(1), payload(1), "agent")
+    assert writing.wait(10)
+    assert not store.write(block_hash(1), payload(1), "chat")  # queued already: the class is raised
+    assert not store.write(block_hash(1), payload(1), "agent")  # and never lowered again
+    release.set()
+    store.flush()
+    assert stored.claims() == [(block_hash(1), "chat", NOW + 700.0)]
+    assert read_header(store.path(block_hash(1))).meta.retention_class == "agent"
+    assert store.num_written_blocks == 1
+    store.close()
 
 
 def test_a_queued_write_is_read_from_memory_queued_once_and_bounded(tmp_path: Path) -> None:
@@ -206,7 +260,7 @@ def unwritable_stores(tmp_path: Path) -> dict[str, KVStore]:
     return stores
 
 
-def test_an_unwritable_store_warns_once_and_turns_itself_off(
+def test_an_unwritable_store_warns_once_and_stops_writing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     for name, store in unwritable_stores(tmp_path).items():
@@ -218,13 +272,40 @@ def test_an_unwritable_store_warns_once_and_turns_itself_off(
             assert not store.write(block_hash(3), payload(3))
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1, name
-        assert (
-            "unwritable" in warnings[0].getMessage() and "serving on without G3" in warnings[0].getMessage()
-        )
-        assert not store.enabled and store.num_write_failures == 1, name
-        assert store.read(block_hash(1)) is None  # reads are off too
+        assert "unwritable" in warnings[0].getMessage()
+        assert "serving on without G3 writes" in warnings[0].getMessage()
+        assert not store.writable and store.num_write_failures == 1, name
         store.prefetch([block_hash(1)])
+        with pytest.raises(BlockFileError):  # reads go on: a block never written is a miss
+            store.read(block_hash(1))
         store.close()
+
+
+def test_blocks_written_before_a_write_failure_are_still_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[Path] = []
+
+    def full_after_one(path: Path, *args: Any, **kwargs: Any) -> BlockFileHeader:
+        calls.append(path)
+        return write_block_file(path, *args, **kwargs) if len(calls) == 1 else enospc()
+
+    store = make_store(tmp_path, write_file=full_after_one)
+    assert store.write(block_hash(1), payload(1))
+    store.flush()
+    with caplog.at_level(logging.WARNING, logger="services.worker.kv_store"):
+        assert store.write(block_hash(2), payload(2))
+        store.flush()
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert not store.writable and store.num_write_failures == 1
+    assert not store.write(block_hash(3), payload(3))
+    assert store.read(block_hash(1)) == bytes(payload(1))
+    store.prefetch([block_hash(1)])
+    assert store.read(block_hash(1)) == bytes(payload(1))
+    with pytest.raises(BlockFileError) as info:
+        store.read(block_hash(2))
+    assert info.value.reason is BlockFileFault.MISSING
+    store.close()
 
 
 def test_a_bad_fingerprint_is_refused_up_front(tmp_path: Path) -> None:

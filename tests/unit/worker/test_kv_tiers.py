@@ -2,7 +2,8 @@
 first blocks are loaded from G2, or from G3 (after a restart), gives the greedy tokens and top-5
 logprobs (within 1e-5) of the same prompt computed cold. A block G3 cannot give soundly (corrupt,
 truncated, of another model or another hash, missing) is reported, deleted and recomputed with
-every block after it, to the same output; so is everything when the store cannot be written.
+every block after it, to the same output; so is everything when the store cannot be written
+(its writes stop, its reads go on).
 
 Greedy tokens of the random model say little (it mostly repeats its last token), so the logprobs
 of the runner-up tokens carry the check: ``test_the_check_sees_wrong_kv`` shows they move when a
@@ -288,10 +289,10 @@ def test_an_unwritable_store_warns_once_and_serving_goes_on(
         assert_same(serve(make_runner(model, tiers), FRESH, num_loaded=3, save=True), cold)  # G2 serves
         tiers.flush()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "serving on without G3" in warnings[0]
-    assert not store.enabled and tiers.num_loaded_host_blocks == 3
-    assert ("enabled", "G3", 0.0) in [(c.name, c.label, c.value) for c in tiers.stats()]
-    restarted = KVTiers(None, store)  # G2 gone, G3 off: everything is recomputed
+    assert len(warnings) == 1 and "serving on without G3 writes" in warnings[0]
+    assert not store.writable and tiers.num_loaded_host_blocks == 3
+    assert ("writable", "G3", 0.0) in [(c.name, c.label, c.value) for c in tiers.stats()]
+    restarted = KVTiers(None, store)  # G2 gone, nothing ever reached G3: everything is recomputed
     run = serve(make_runner(model, restarted), FRESH, num_loaded=3)
     assert_same(run, cold)
     assert run.first.num_failed_load_blocks == 3
@@ -331,6 +332,13 @@ def test_events_come_in_the_order_the_tiers_changed(model: LlamaForCausalLM, tmp
     counters = {(c.name, c.label): c.value for c in tiers.stats()}
     assert counters[("stored_blocks", "G2")] == 3 and counters[("evicted_blocks", "G2")] == 1
     assert counters[("stored_blocks", "G3")] == 3 and counters[("stored_bytes", "G3")] == sum(file_sizes)
+    # Saved again as "chat": the file keeps its header, the event claims the stronger class.
+    execute(runner, SchedulerOutput(12, kv_saves=(KVSave(pack_tokens([2]), HASHES[2], "chat"),)))
+    tiers.flush()
+    assert tiers.drain_events() == [
+        KVEvent(CacheTier.STORE, True, HASHES[2], None, "chat", NOW + week, file_sizes[2])
+    ]
+    assert [c.value for c in tiers.stats() if (c.name, c.label) == ("present_blocks", "G3")] == [1]
     tiers.close()
 
 
