@@ -27,6 +27,10 @@ of the full prompt's causal attention. Where attention is most of the prefill (a
 CPU: SmolLM2-135M here) that floor is above 0.12x; where the weights dominate (bigger models) it
 approaches 0.1x. The report prints each tier's extra cost over G1 too.
 
+Decode cost of the tiers: --streams concurrent streams of 64 greedy tokens (EOS ignored) with
+G2 and G3 on (every finished request saves its blocks: copies to host memory on the step path,
+file writes on a thread) against the same stack with both off, same prompts, best of 3 rounds.
+
 Agent workload: one conversation of --turns turns through /v1/chat/completions (a long system
 prompt of tool descriptions, then per turn a tool result and a short answer); hit rate = cached
 prompt tokens / prompt tokens over the turns after the first, from each response's usage, and the
@@ -48,7 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from throughput import running_serve
+from prompts import bench_prompts
+from throughput import running_serve, stream_level
 
 from deepinfer.settings import resolve_cache_dir
 
@@ -235,6 +240,23 @@ def print_agent(agent: dict[str, Any]) -> None:
         print(f"  /metrics: {line}")
 
 
+async def decode_cost(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    """Output tokens/s at --streams streams with the tiers on, and off (the baseline)."""
+    rates = {}
+    prompts = bench_prompts(args.streams)
+    for label, host_gb, store in (("tiers off", 0.0, "none"), ("tiers on", args.host_cache_gb, "")):
+        stack_flags = flags(args, tmp / f"decode-store-{host_gb}", host_gb)
+        stack_flags["--kv-cache-gb"] = "1.0"
+        if store:
+            stack_flags["--kv-store-path"] = store
+        with running_serve(stack_flags, tmp / "decode.log", f"the stack with {label}") as (url, _):
+            result = await stream_level(url, MODEL, prompts, 64, 3)
+            if result.errors:
+                raise RuntimeError(f"{label}: {result.errors[:3]}")
+            rates[label] = result.tokens_per_s
+    return rates
+
+
 async def main_async(args: argparse.Namespace) -> None:
     case = Case(random.Random(args.seed), args.prompt_tokens)
     with tempfile.TemporaryDirectory() as tmp:
@@ -245,6 +267,10 @@ async def main_async(args: argparse.Namespace) -> None:
         results["G3 after restart"] = await store_stack(args, case, store, log, "the restarted stack")
         report(results, case)
         print_agent(await agent_workload(args, Path(tmp) / "agent-store", log))
+        rates = await decode_cost(args, Path(tmp))
+        off, on = rates["tiers off"], rates["tiers on"]
+        print(f"\ndecode, {args.streams} streams x 64 tokens: tiers off {off:.1f} tok/s (baseline), ", end="")
+        print(f"tiers on {on:.1f} tok/s: {on / off:.3f}x")
 
 
 def main() -> None:
@@ -261,6 +287,7 @@ def main() -> None:
     )
     parser.add_argument("--host-cache-gb", type=float, default=2.0)
     parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--streams", type=int, default=32, help="concurrent streams of the decode-cost part")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
