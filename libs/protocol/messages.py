@@ -254,6 +254,7 @@ class WorkerLoad:
     # identity of the KV it computes (weights, dtype, KV layout), folded into every block hash;
     # empty: the scheduler falls back to ``model``
     model_fingerprint: str = ""
+    has_kv_store: bool = False  # it reads the shared store (G3): only then are G3 loads planned for it
 
 
 def seq_id_of(request_id: str, index: int) -> str:

@@ -144,7 +144,8 @@ class SchedulerService:
             priority=req.priority,
             tenant=req.tenant,
             retention_class=req.retention_class,
-            num_stored_blocks=stored.get(kind, 0),  # absent: G3 off, or a kind new since the lookup
+            # absent: G3 off, or a kind new since the lookup; a worker without the store loads none
+            num_stored_blocks=stored.get(kind, 0) if handle.load.has_kv_store else 0,
             block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
         )
         try:
@@ -174,7 +175,7 @@ class SchedulerService:
         """The leading blocks of each chain that G3 holds, for the kinds of workers with the lower
         tiers on: usually one chain (workers of one model hash alike); several are looked up at
         once, so a submit waits at most one kv_lookup_timeout_s."""
-        wanted = list(dict.fromkeys(k for wid, k in kinds.items() if self.workers[wid].core.kv_tiers.enabled))
+        wanted = list(dict.fromkeys(k for wid, k in kinds.items() if _reads_store(self.workers[wid])))
         counts = await asyncio.gather(*(self.kv.lookup(chains[k], k.fingerprint) for k in wanted))
         return dict(zip(wanted, counts, strict=True))
 
@@ -328,3 +329,8 @@ def _take_logprobs(seq: Sequence) -> Logprobs | None:
         top_logprobs=b"".join(p.top_logprobs for p in parts),
         num_top=parts[0].num_top,
     )
+
+
+def _reads_store(handle: WorkerHandle) -> bool:
+    """G3 lookups are for workers that plan lower tiers and can read the shared store."""
+    return handle.core.kv_tiers.enabled and handle.load.has_kv_store

@@ -133,6 +133,7 @@ class WorkerService:
             model=self.model_name,
             owner=self.owner,
             model_fingerprint=self.model_fingerprint,
+            has_kv_store=self.runner.kv_tiers is not None and self.runner.kv_tiers.store is not None,
         )
 
     async def _publish_load(self) -> None:

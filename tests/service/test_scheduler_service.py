@@ -56,9 +56,15 @@ class ScriptedWorker:
     """A FakeWorker (hash "model", KV checks) on the worker's subjects; records plans."""
 
     def __init__(
-        self, bus: InMemoryBus, worker_id: str = "w1", max_num_seqs: int = 4, owner: str = ""
+        self,
+        bus: InMemoryBus,
+        worker_id: str = "w1",
+        max_num_seqs: int = 4,
+        owner: str = "",
+        has_kv_store: bool = True,
     ) -> None:
         self.bus = bus
+        self.has_kv_store = has_kv_store
         self.worker_id = worker_id
         self.max_num_seqs = max_num_seqs
         self.owner = owner
@@ -73,7 +79,11 @@ class ScriptedWorker:
 
     async def start(self) -> None:
         await self.bus.subscribe(SUBJECTS.worker_step(self.worker_id), self.on_step)
+        await self.publish_load()
+
+    async def publish_load(self) -> None:
         load = WorkerLoad(self.worker_id, 0, self.max_num_seqs, 64, 32, BLOCK_SIZE, owner=self.owner)
+        load = dataclasses.replace(load, has_kv_store=self.has_kv_store)
         await self.bus.publish(SUBJECTS.load(self.worker_id), encode(load))
 
     async def on_step(self, msg: Message) -> None:
@@ -336,6 +346,21 @@ async def test_a_prompt_kvcache_holds_is_loaded_from_the_store(stack) -> None:  
             break
         await asyncio.sleep(0.01)
     assert third in worker.fake.store
+
+
+async def test_a_worker_without_the_store_gets_no_store_loads(stack) -> None:  # type: ignore[no-untyped-def]
+    bus, worker, outputs = stack
+    worker.has_kv_store = False  # started with G3 off (the store others share is not its)
+    await worker.publish_load()
+    prompt = list(range(20, 30))
+    worker.fake.store.update(stored_blocks(prompt[:8]))
+    lookups: list[KVLookup] = []
+    await serve_kvcache(bus, worker, lookups)
+    await asyncio.sleep(0.01)
+    assert (await submit(bus, "r1", prompt=prompt)).status is SubmitStatus.ACCEPTED
+    assert (await run_to_end(outputs)).num_cached_tokens == 0
+    assert lookups == []  # nobody asked kvcache for a worker that could not read what it holds
+    assert all(n.kv_load is None for plan in worker.plans for n in plan.new_seqs)
 
 
 async def test_host_events_with_a_gap_are_resynced_by_a_dump() -> None:
