@@ -49,6 +49,8 @@ DEFAULT_RETENTION_CLASSES: Final = (
     RetentionClass("chat", 7 * SECONDS_PER_DAY, priority=1),
 )
 DEFAULT_RETENTION_CLASS: Final = "agent"
+# The same defaults as a config string: the gateway, worker and kvcache configs share these flags.
+DEFAULT_RETENTION_SPEC: Final = "agent=3d:0,chat=7d:1"
 
 
 class UnknownRetentionClass(ValueError):
@@ -139,3 +141,18 @@ def parse_retention_classes(spec: str) -> tuple[RetentionClass, ...]:
     if not classes:
         raise ValueError("no retention classes given")
     return tuple(classes)
+
+
+def policy_from_config(retention_classes: str, default_retention_class: str) -> RetentionPolicy:
+    """The policy a service's ``retention_classes`` / ``default_retention_class`` config values
+    describe; a ValueError names the key at fault (services build it in ``__post_init__``)."""
+    try:
+        classes = parse_retention_classes(retention_classes)
+    except ValueError as e:
+        raise ValueError(f"retention_classes={retention_classes!r}: {e}") from None
+    try:
+        return RetentionPolicy(classes, default_retention_class)
+    except UnknownRetentionClass as e:
+        raise ValueError(f"default_retention_class={default_retention_class!r}: {e}") from None
+    except ValueError as e:  # a class defined twice
+        raise ValueError(f"retention_classes={retention_classes!r}: {e}") from None

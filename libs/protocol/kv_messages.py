@@ -115,6 +115,9 @@ class KVDump:
 class KVLookup:
     block_hashes: bytes  # a prompt's chain, concatenated, 32 bytes each, first block first
     fingerprint: str = ""
+    # the asking request's class: every stored block of its prefix is kept at least that long from
+    # now (a reuse renews and may raise a block's retention); "": the block keeps its own class
+    retention_class: str = ""
 
 
 @dataclass(frozen=True, slots=True)

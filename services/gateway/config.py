@@ -6,7 +6,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from libs.kvstore.retention import RetentionPolicy, UnknownRetentionClass, parse_retention_classes
+from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 from libs.recipe.chat_formats import FORMATS
 
 _HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
@@ -59,7 +59,7 @@ class Config:
     # The next two share their flags with the kvcache config (and the worker's, which writes the
     # store): `deepinfer serve` has one namespace of flags, so names, types and defaults must match.
     retention_classes: str = field(
-        default="agent=3d:0,chat=7d:1",
+        default=DEFAULT_RETENTION_SPEC,
         metadata={"help": "KV retention classes, name=ttl[:priority],... (lower priority evicted first)"},
     )
     default_retention_class: str = field(
@@ -93,16 +93,8 @@ class Config:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.tenant_header and not _HEADER_NAME.fullmatch(self.tenant_header):
             raise ValueError(f"tenant_header must be an HTTP header name, got {self.tenant_header!r}")
-        # Built once now, so a bad spec fails at start and names its key.
-        try:
-            self.retention_policy  # noqa: B018
-        except UnknownRetentionClass as exc:
-            known = ", ".join(exc.known)
-            message = f"default_retention_class={self.default_retention_class!r}: not one of {known}"
-            raise ValueError(message) from None
-        except ValueError as exc:
-            raise ValueError(f"retention_classes={self.retention_classes!r}: {exc}") from None
+        self.retention_policy  # noqa: B018  (built now: a bad spec fails at start, naming its key)
 
     @property
     def retention_policy(self) -> RetentionPolicy:
-        return RetentionPolicy(parse_retention_classes(self.retention_classes), self.default_retention_class)
+        return policy_from_config(self.retention_classes, self.default_retention_class)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from libs.kvstore.retention import RetentionPolicy, parse_retention_classes
+from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 
 GIB = 1 << 30
 
@@ -31,7 +31,7 @@ class Config:
         },
     )
     retention_classes: str = field(
-        default="agent=3d:0,chat=7d:1",
+        default=DEFAULT_RETENTION_SPEC,
         metadata={"help": "stored-KV retention classes: name=ttl[:priority],... (lower priority goes first)"},
     )
     default_retention_class: str = field(
@@ -48,22 +48,11 @@ class Config:
         for key in ("store_capacity_gb", "gc_interval_s", "stats_interval_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
-        # Checked now, so a bad spec fails at start and names its key; retention_policy cannot fail.
-        try:
-            names = [c.name for c in parse_retention_classes(self.retention_classes)]
-            if len(set(names)) != len(names):
-                raise ValueError("a class is defined twice")
-        except ValueError as exc:
-            raise ValueError(f"retention_classes={self.retention_classes!r}: {exc}") from None
-        if self.default_retention_class not in names:
-            raise ValueError(
-                f"default_retention_class={self.default_retention_class!r}: "
-                f"not one of the retention_classes ({', '.join(names)})"
-            )
+        self.retention_policy  # noqa: B018  (built now: a bad spec fails at start, naming its key)
 
     @property
     def retention_policy(self) -> RetentionPolicy:
-        return RetentionPolicy(parse_retention_classes(self.retention_classes), self.default_retention_class)
+        return policy_from_config(self.retention_classes, self.default_retention_class)
 
     @property
     def store_capacity_bytes(self) -> int:

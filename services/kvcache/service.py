@@ -208,7 +208,8 @@ class KVCacheService:
         self.counters["lookups", "G3"] += 1
         self.counters["lookup_hit_blocks", "G3"] += len(hit_hashes)
         if hit_hashes:
-            self._mutate(lambda: self._touch(hit_hashes, now))
+            cls = lookup.retention_class if lookup.retention_class in self.index.policy.classes else None
+            self._mutate(lambda: self._touch(hit_hashes, now, cls))
         await self.bus.respond(msg, encode(KVLookupReply(len(hit_hashes))))
 
     # --- index updates (on the loop, or queued while a thread job owns the index) -------------
@@ -238,9 +239,9 @@ class KVCacheService:
         removed = sum(self.index.remove(h) is not None for h in hashes)
         self.counters["evicted_blocks", reason.name.lower()] += removed
 
-    def _touch(self, hashes: list[bytes], now: float) -> None:
+    def _touch(self, hashes: list[bytes], now: float, retention_class: str | None = None) -> None:
         for block_hash in hashes:
-            if self.index.touch(block_hash, now) is not None:
+            if self.index.touch(block_hash, now, retention_class) is not None:
                 self._touched[block_hash] = now
 
     # --- thread jobs: load, GC pass, save -----------------------------------------------------

@@ -52,12 +52,12 @@ class KVSync:
 
     # --- G3 ----------------------------------------------------------------------------------
 
-    async def lookup(self, block_hashes: Sequence[bytes], fingerprint: str) -> int:
+    async def lookup(self, block_hashes: Sequence[bytes], fingerprint: str, retention_class: str = "") -> int:
         """The leading blocks of a chain stored in G3, as kvcache knows it; 0 when it does not
         answer in time (a submit never waits longer than ``kv_lookup_timeout_s`` for it)."""
         if not block_hashes:
             return 0
-        query = encode(KVLookup(join_hashes(block_hashes), fingerprint))
+        query = encode(KVLookup(join_hashes(block_hashes), fingerprint, retention_class))
         try:
             data = await self.bus.request(self.subjects.kv_lookup, query, self.config.kv_lookup_timeout_s)
             reply = decode(KVLookupReply, data)

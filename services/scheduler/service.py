@@ -111,7 +111,8 @@ class SchedulerService:
     async def admit(self, req: SubmitRequest) -> SubmitReply:
         prompt = unpack_tokens(req.prompt_token_ids)
         chains: dict[ChainKind, list[bytes]] = {}
-        stored = await self._lookup_stored(self._chain_kinds(prompt, req.tenant, chains), chains)
+        kinds = self._chain_kinds(prompt, req.tenant, chains)
+        stored = await self._lookup_stored(kinds, chains, req.retention_class)
         # NOTE: no await from here to core.add. Submits run as concurrent tasks: a worker picked
         # before the lookup would be picked by every submit arriving during it, on the same load.
         kinds = self._chain_kinds(prompt, req.tenant, chains)  # workers may have come or gone since
@@ -170,13 +171,14 @@ class SchedulerService:
         return kinds
 
     async def _lookup_stored(
-        self, kinds: dict[str, ChainKind], chains: dict[ChainKind, list[bytes]]
+        self, kinds: dict[str, ChainKind], chains: dict[ChainKind, list[bytes]], retention_class: str
     ) -> dict[ChainKind, int]:
         """The leading blocks of each chain that G3 holds, for the kinds of workers with the lower
         tiers on: usually one chain (workers of one model hash alike); several are looked up at
         once, so a submit waits at most one kv_lookup_timeout_s."""
         wanted = list(dict.fromkeys(k for wid, k in kinds.items() if _reads_store(self.workers[wid])))
-        counts = await asyncio.gather(*(self.kv.lookup(chains[k], k.fingerprint) for k in wanted))
+        lookups = (self.kv.lookup(chains[k], k.fingerprint, retention_class) for k in wanted)
+        counts = await asyncio.gather(*lookups)
         return dict(zip(wanted, counts, strict=True))
 
     async def on_cancel(self, msg: Message) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from libs.kvstore.retention import RetentionPolicy, UnknownRetentionClass, parse_retention_classes
+from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class Config:
         },
     )
     retention_classes: str = field(
-        default="agent=3d:0,chat=7d:1",
+        default=DEFAULT_RETENTION_SPEC,
         metadata={"help": "G3 retention classes, name=ttl[:priority],... (ttl: 90s, 30m, 12h, 3d)"},
     )
     default_retention_class: str = field(
@@ -72,13 +72,4 @@ class Config:
         self.retention_policy()  # errors name the key
 
     def retention_policy(self) -> RetentionPolicy:
-        try:
-            classes = parse_retention_classes(self.retention_classes)
-        except ValueError as e:
-            raise ValueError(f"retention_classes={self.retention_classes!r}: {e}") from None
-        try:
-            return RetentionPolicy(classes, self.default_retention_class)
-        except UnknownRetentionClass as e:
-            raise ValueError(f"default_retention_class={self.default_retention_class!r}: {e}") from None
-        except ValueError as e:  # a class defined twice
-            raise ValueError(f"retention_classes={self.retention_classes!r}: {e}") from None
+        return policy_from_config(self.retention_classes, self.default_retention_class)

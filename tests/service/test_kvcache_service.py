@@ -123,8 +123,8 @@ class Publisher:
         await wait_until(lambda: self.svc.last_seq(self.publisher_id) == self.seq)
 
 
-async def lookup(bus: InMemoryBus, paths: list[Path], fingerprint: str = FPS[0]) -> int:
-    data = encode(KVLookup(join_hashes([hash_of(p) for p in paths]), fingerprint))
+async def lookup(bus: InMemoryBus, paths: list[Path], fingerprint: str = FPS[0], cls: str = "") -> int:
+    data = encode(KVLookup(join_hashes([hash_of(p) for p in paths]), fingerprint, cls))
     reply = decode(KVLookupReply, await bus.request(SUBJECTS.kv_lookup, data, 5))
     assert reply.error == ""
     return reply.num_blocks
@@ -162,6 +162,11 @@ async def test_events_index_blocks_and_lookups_answer_the_longest_prefix(tmp_pat
         assert await lookup(bus, agent[:1]) == 1
         entry = svc.index.get(hash_of(agent[0]))
         assert entry is not None and entry.last_use == clock.now  # a hit is a use
+        assert await lookup(bus, agent[:1], cls="chat") == 1  # a chat request reuses it: 7 days now
+        entry = svc.index.get(hash_of(agent[0]))
+        assert entry is not None and entry.retention_class == "chat"
+        assert entry.expires_at == clock.now + 7 * DAY
+        assert await lookup(bus, agent[:1], cls="nonesuch") == 1  # a class unknown here: kept as is
 
         gone = KVEvent(CacheTier.STORE, False, join_hashes([hash_of(agent[1])]), RemovalReason.CORRUPT)
         host = KVEvent(CacheTier.HOST, False, join_hashes([hash_of(agent[0])]), RemovalReason.CAPACITY)
@@ -171,7 +176,7 @@ async def test_events_index_blocks_and_lookups_answer_the_longest_prefix(tmp_pat
         assert svc.counters["evicted_blocks", "corrupt"] == 1
 
         clock.now = NOW + 3 * DAY + 2 * HOUR  # agent blocks (3 d) expired, chat (7 d) not: no GC needed
-        assert await lookup(bus, agent) == 0
+        assert await lookup(bus, agent) == 1  # agent[0], raised to chat by its reuse
         assert await lookup(bus, [chat]) == 1
         svc.index.check_integrity()
 
