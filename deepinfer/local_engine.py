@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from libs.protocol.codec import unpack_tokens
-from libs.protocol.kv_messages import CacheTier, KVEvent, RemovalReason, split_hashes
+from libs.protocol.kv_messages import CacheTier, KVEvent, split_hashes
 from libs.protocol.messages import FinishReason, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
@@ -81,17 +81,14 @@ class LocalEngine:
             self._apply(event)
 
     def _apply(self, event: KVEvent) -> None:
-        hashes = split_hashes(event.block_hashes)
-        if event.tier is CacheTier.HOST:
-            cleared = not event.stored and event.reason is RemovalReason.CLEARED
-            self.core.note_host_blocks(
-                stored=hashes if event.stored else (), removed=() if event.stored else hashes, cleared=cleared
-            )
-        elif event.tier is CacheTier.STORE:
+        if event.tier is CacheTier.STORE:
+            hashes = split_hashes(event.block_hashes)
             if event.stored:
                 self.stored_hashes.update(hashes)
             else:
                 self.stored_hashes.difference_update(hashes)
+        else:
+            self.core.kv_tiers.note_host_event(event)
 
     def abort(self, request_or_seq_id: str) -> list[Sequence]:
         """Finish a request, or one of its choices, as aborted; returns what was finished."""

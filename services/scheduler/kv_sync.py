@@ -19,14 +19,12 @@ from collections.abc import Mapping, Sequence
 from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, encode
 from libs.protocol.kv_messages import (
-    CacheTier,
     KVCacheStats,
     KVDump,
     KVDumpRequest,
     KVEvents,
     KVLookup,
     KVLookupReply,
-    RemovalReason,
     join_hashes,
     split_hashes,
 )
@@ -149,14 +147,5 @@ class KVSync:
 
 
 def _apply_host_events(core: Scheduler, batch: KVEvents) -> None:
-    """HOST-tier events, in order: stored adds, removed drops, CLEARED with no hashes empties."""
     for event in batch.events:
-        if event.tier is not CacheTier.HOST:
-            continue  # G3 is kvcache's (lookups); G1 is this scheduler's own
-        block_hashes = split_hashes(event.block_hashes)
-        if event.stored:
-            core.note_host_blocks(stored=block_hashes)
-        elif event.reason is RemovalReason.CLEARED and not block_hashes:
-            core.note_host_blocks(cleared=True)
-        else:
-            core.note_host_blocks(removed=block_hashes)
+        core.kv_tiers.note_host_event(event)

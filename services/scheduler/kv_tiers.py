@@ -38,7 +38,16 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from libs.protocol.codec import pack_tokens, unpack_tokens
-from libs.protocol.kv_messages import CacheTier, KVLoad, KVSave, TierCounter, join_hashes, split_hashes
+from libs.protocol.kv_messages import (
+    CacheTier,
+    KVEvent,
+    KVLoad,
+    KVSave,
+    RemovalReason,
+    TierCounter,
+    join_hashes,
+    split_hashes,
+)
 from services.scheduler.limits import Limits
 from services.scheduler.prefix_cache import BlockHasher, PrefixCache, PrefixCacheStats
 from services.scheduler.sequence import Sequence
@@ -118,6 +127,19 @@ class KVTiers:
             self._host.clear()
         self._host.difference_update(removed)
         self._host.update(stored)
+
+    def note_host_event(self, event: KVEvent) -> None:
+        """One event of the worker's, applied to the G2 view (other tiers are not this view's:
+        G3 is kvcache's, G1 this core's own). Raises ValueError on malformed hashes."""
+        if event.tier is not CacheTier.HOST:
+            return
+        block_hashes = split_hashes(event.block_hashes)
+        if event.stored:
+            self.note_host_blocks(stored=block_hashes)
+        elif event.reason is RemovalReason.CLEARED and not block_hashes:
+            self.note_host_blocks(cleared=True)  # everything this worker held in G2 is gone
+        else:
+            self.note_host_blocks(removed=block_hashes)
 
     # --- admission -------------------------------------------------------------------------
 
