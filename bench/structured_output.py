@@ -15,6 +15,11 @@ decoding the same prompts unconstrained, in the same run.
    prompt, as the client's system turn); a schema seen before (both compile caches hit); a schema
    never seen (a fresh property name each time: gateway check + worker compile).
 
+3. The same comparison in this process (--engine-rounds, 0 = skip): the scheduler core and the
+   worker's ModelRunner (LocalEngine), no bus, no HTTP, the same prompt token ids in both modes,
+   rounds interleaved; the median and the best ratio. It isolates the grammar's cost from the
+   stack's run-to-run spread (+-10% on 2 cores).
+
 Schema compile times and mask fill per backend, in process: bench/grammar.py.
 """
 
@@ -162,6 +167,53 @@ async def run(args: argparse.Namespace, base_url: str) -> None:
         print(f"  {case:16} {seconds * 1e3:8.1f} ms  ({seconds / times['no constraint']:.2f}x)")
 
 
+def engine_ratio(args: argparse.Namespace) -> None:
+    """Constrained vs unconstrained tokens/s through LocalEngine, rounds interleaved."""
+    import torch  # the stack parts need no torch in this process
+
+    from deepinfer.local_engine import LocalEngine
+    from libs.protocol.messages import SamplingParams, StructuredOutput, StructuredOutputKind
+    from services.scheduler.scheduler import Limits
+    from services.worker.config import Config
+    from services.worker.main import build_runner
+
+    torch.set_num_threads(args.threads)
+    cache_dir = resolve_cache_dir(args.cache_dir, os.environ)
+    runner, max_model_len, _ = build_runner(Config(dtype=args.dtype, kv_cache_gb=1.0), cache_dir)
+    runner.grammars.warm(args.grammar_backend)
+    constraint = StructuredOutput(
+        StructuredOutputKind.JSON_SCHEMA, json.dumps(LONG_SCHEMA), args.grammar_backend
+    )
+    prompts = [[1000 + 37 * i + j for j in range(60)] for i in range(args.streams)]
+    limits = Limits(runner.kv_cache.num_blocks, 16, args.streams, max_model_len, 2048, 256, 0.0, False)
+
+    def tokens_per_s(constrained: bool, tag: str) -> float:
+        engine = LocalEngine(runner, limits, eos_token_id=2, overlap=True)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=args.max_tokens,
+            ignore_eos=not constrained,
+            structured_output=constraint if constrained else None,
+        )
+        start = time.perf_counter()
+        outputs = engine.run((0, f"{tag}-{i}", prompt, params) for i, prompt in enumerate(prompts))
+        seconds = time.perf_counter() - start
+        assert all(len(tokens) == args.max_tokens for tokens in outputs.values())
+        return float(len(prompts) * args.max_tokens / seconds)
+
+    tokens_per_s(True, "warm-c"), tokens_per_s(False, "warm-f")
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(args.engine_rounds):
+        for constrained in (False, True):
+            rates[constrained].append(tokens_per_s(constrained, f"{constrained}-{r}"))
+    median = statistics.median(rates[True]) / statistics.median(rates[False])
+    best = max(rates[True]) / max(rates[False])
+    print(f"\nin process (LocalEngine), {args.engine_rounds} interleaved rounds:")
+    print(f"  unconstrained tok/s {[round(x, 1) for x in rates[False]]}")
+    print(f"  constrained   tok/s {[round(x, 1) for x in rates[True]]}")
+    print(f"  ratio of medians {median:.3f}x, of bests {best:.3f}x (target >= {TARGET_RATIO})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -174,6 +226,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", default="")
+    parser.add_argument("--engine-rounds", type=int, default=6, help="in-process rounds per mode (0: skip)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "serve.log"
@@ -183,6 +236,8 @@ def main() -> None:
         except Exception:
             print(log.read_text(errors="replace")[-3000:], file=sys.stderr)
             raise
+    if args.engine_rounds:
+        engine_ratio(args)
 
 
 if __name__ == "__main__":
