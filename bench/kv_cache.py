@@ -2,8 +2,10 @@
 cached, served from each tier, against the same prompt length uncached, in the same run; then the
 hit rate of a multi-turn agent conversation.
 
-    python bench/kv_cache.py                       # ~4 min on 2 idle cores
+    python bench/kv_cache.py                       # ~15 min on 2 idle cores
     python bench/kv_cache.py --prompt-tokens 2048 --repeats 2
+    python bench/kv_cache.py --model llama-3-70b:1 --parts engine,ttft --evictors 2
+    python bench/kv_cache_engine.py --model llama-3-8b --device cuda   # the engine part on a GPU
 
 Prompts are token ids sent to /v1/completions (no chat template: exact lengths), greedy, one new
 token, streamed; TTFT is the time from sending to the first token's event. The cached part is
@@ -23,19 +25,24 @@ writes are waited for, so no case pays for another's writes.
 Targets: G1 and G2 <= 0.12x of uncached, G3 after restart <= 0.15x.
 
 G1 is the floor of every tier: the uncached tenth still attends to all ~4k positions, i.e. a fifth
-of the full prompt's causal attention. Where attention is most of the prefill (a small model on a
-CPU: SmolLM2-135M here) that floor is above 0.12x; where the weights dominate (bigger models) it
-approaches 0.1x. The report prints each tier's extra cost over G1 too.
+of the full prompt's causal attention, while the projections and MLP cost a tenth. So the floor is
+set by the model's shape: where attention is much of the prefill it is above 0.12x (SmolLM2-135M:
+about 40% of a 4k prefill's FLOPs, 65% of its time on this CPU, a floor of 0.14x even at equal
+efficiency), where the weights dominate it approaches 0.1x (Llama-3-70B's layer: attention is ~4%
+of the FLOPs). --model picks the model: the embedded one, or random weights of a published layer
+shape cut to a few layers (random_model.py; the ratios are per layer, so they are the full model's).
+The report prints each tier's extra cost over G1 too.
 
 Decode cost of the tiers: --streams concurrent streams of 64 greedy tokens (EOS ignored) with
 G2 and G3 on (every finished request saves its blocks: copies to host memory on the step path,
 file writes on a thread) against the same stack with both off, same prompts: each stack started
 twice (off, on, on, off), best of 3 rounds each.
 
-Engine floor (--parts engine, in this process, no stack): the worker's ModelRunner alone, the
-same 4096-token prompt cold and with its first 3680 tokens' KV already in the pages (the G1
-case: the floor), and the time to fill those 230 blocks from G2 and from G3 (files written by a
-save, read back without prefetch), so each tier's TTFT is the floor plus its load.
+Engine floor (--parts engine, in this process, no stack; kv_cache_engine.py): the worker's
+ModelRunner alone, the same prompt cold and with its cached prefix's KV already in the pages (the
+G1 case: the floor), and the time to fill those blocks from G2 and from G3 (files written by a
+save, read back without prefetch), so each tier's TTFT is the floor plus its load. Run alone, that
+script takes --device cuda.
 
 Agent workload: one conversation of --turns turns through /v1/chat/completions (a long system
 prompt of tool descriptions, then per turn a tool result and a short answer); hit rate = cached
@@ -59,11 +66,12 @@ from typing import Any
 
 import httpx
 from prompts import bench_prompts
+from random_model import EMBEDDED, SHAPES, gguf_path
 from throughput import running_serve, stream_level
 
 from deepinfer.settings import resolve_cache_dir
+from libs.models.gguf_metadata import read_gguf_config
 
-MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16  # the worker's default --block-size
 TARGETS = {"G1": 0.12, "G2": 0.12, "G3 after restart": 0.15}
 
@@ -72,10 +80,10 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]  # ordinary vocabulary, no specials
 
 
-async def ttft(http: httpx.AsyncClient, prompt: list[int]) -> tuple[float, int]:
+async def ttft(http: httpx.AsyncClient, model: str, prompt: list[int]) -> tuple[float, int]:
     """(seconds to the first token's event, cached prompt tokens from the usage chunk)."""
     body = {
-        "model": MODEL,
+        "model": model,
         "prompt": prompt,
         "max_tokens": 1,
         "temperature": 0,
@@ -118,12 +126,14 @@ class Case:
         return random_tokens(self.rng, self.num_prefix + self.num_suffix)
 
 
-async def measure(http: httpx.AsyncClient, make: Any, repeats: int, before: Any) -> tuple[float, list[int]]:
+async def measure(
+    http: httpx.AsyncClient, model: str, make: Any, repeats: int, before: Any
+) -> tuple[float, list[int]]:
     """Median TTFT over ``repeats`` requests of ``make()`` (``before()`` awaited before each)."""
     times, cached = [], []
     for _ in range(repeats):
         await before()
-        seconds, num_cached = await ttft(http, make())
+        seconds, num_cached = await ttft(http, model, make())
         times.append(seconds)
         cached.append(num_cached)
     return statistics.median(times), cached
@@ -131,7 +141,7 @@ async def measure(http: httpx.AsyncClient, make: Any, repeats: int, before: Any)
 
 def flags(args: argparse.Namespace, store: Path, host_cache_gb: float) -> dict[str, str]:
     return {
-        "--model": "smollm2",
+        "--model": args.served_model,
         "--dtype": args.dtype,
         "--num-threads": str(args.threads),
         "--kv-cache-gb": str(args.kv_cache_gb),
@@ -158,17 +168,18 @@ async def wait_for_store(store: Path, timeout_s: float = 60.0) -> None:
 class Stack:
     """What runs before a measured request on one stack."""
 
-    def __init__(self, http: httpx.AsyncClient, case: Case, store: Path, evictors: int) -> None:
-        self.http, self.case, self.store, self.evictors = http, case, store, evictors
+    def __init__(self, http: httpx.AsyncClient, args: argparse.Namespace, case: Case, store: Path) -> None:
+        self.http, self.model, self.case, self.store = http, args.served_model, case, store
+        self.evictors = args.evictors
 
     async def settle(self) -> None:
-        await ttft(self.http, random_tokens(self.case.rng, 4))  # carries the queued saves
+        await ttft(self.http, self.model, random_tokens(self.case.rng, 4))  # carries the queued saves
         await wait_for_store(self.store)
 
     async def evict(self) -> None:
         """Fresh prompts that take every device page, so the prefix is gone from G1."""
         for _ in range(self.evictors):
-            await ttft(self.http, self.case.fresh())
+            await ttft(self.http, self.model, self.case.fresh())
         await self.settle()
 
 
@@ -177,12 +188,13 @@ async def first_stack(args: argparse.Namespace, case: Case, store: Path, log: Pa
     out: dict[str, Any] = {}
     with running_serve(flags(args, store, args.host_cache_gb), log, "the first stack") as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            stack = Stack(http, case, store, args.evictors)
-            await ttft(http, case.fresh())  # warm-up: first-request costs out of the way
-            out["uncached"] = await measure(http, case.fresh, args.repeats, stack.settle)
-            await ttft(http, case.request())  # computes the prefix, saves it to G2 and G3
-            out["G1"] = await measure(http, case.request, args.repeats, stack.settle)
-            out["G2"] = await measure(http, case.request, args.repeats, stack.evict)
+            stack = Stack(http, args, case, store)
+            model = args.served_model
+            await ttft(http, model, case.fresh())  # warm-up: first-request costs out of the way
+            out["uncached"] = await measure(http, model, case.fresh, args.repeats, stack.settle)
+            await ttft(http, model, case.request())  # computes the prefix, saves it to G2 and G3
+            out["G1"] = await measure(http, model, case.request, args.repeats, stack.settle)
+            out["G2"] = await measure(http, model, case.request, args.repeats, stack.evict)
     return out
 
 
@@ -190,9 +202,9 @@ async def store_stack(args: argparse.Namespace, case: Case, store: Path, log: Pa
     """Host memory off, the prefix evicted from device pages before each request: G3 reads."""
     with running_serve(flags(args, store, 0.0), log, label) as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            stack = Stack(http, case, store, args.evictors)
-            await ttft(http, case.fresh())  # warm-up
-            return await measure(http, case.request, args.repeats, stack.evict)
+            stack = Stack(http, args, case, store)
+            await ttft(http, args.served_model, case.fresh())  # warm-up
+            return await measure(http, args.served_model, case.request, args.repeats, stack.evict)
 
 
 AGENT_SYSTEM = "You are an agent with tools. " + " ".join(
@@ -211,7 +223,7 @@ async def agent_workload(args: argparse.Namespace, store: Path, log: Path) -> di
                     f'{{"id": {turn * 100 + i}, "value": "row {i} of turn {turn}"}}' for i in range(12)
                 )
                 messages.append({"role": "user", "content": f"Tool result: [{rows}]. What next?"})
-                body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+                body = {"model": args.served_model, "messages": messages, "max_tokens": 24, "temperature": 0}
                 resp = (await http.post("/chat/completions", json=body)).json()
                 usage = resp["usage"]
                 prompt_tokens.append(int(usage["prompt_tokens"]))
@@ -258,83 +270,31 @@ async def decode_cost(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         if not on:
             stack_flags["--kv-store-path"] = "none"
         with running_serve(stack_flags, tmp / "decode.log", f"the stack with {label}") as (url, _):
-            result = await stream_level(url, MODEL, prompts, 64, 3)
+            result = await stream_level(url, args.served_model, prompts, 64, 3)
             if result.errors:
                 raise RuntimeError(f"{label}: {result.errors[:3]}")
             rates[label] = max(rates[label], result.tokens_per_s)
     return rates
 
 
-def engine_floor(args: argparse.Namespace, case: Case, tmp: Path) -> None:
-    """TTFT of the runner alone: cold, G1 (the floor), and the G2 / G3 loads of the cached blocks."""
+def run_engine_floor(args: argparse.Namespace, case: Case, tmp: Path) -> None:
     import torch  # the stack parts need no torch in this process
-
-    from libs.kvstore.block_file import KVLayout as BlockLayout
-    from libs.kvstore.retention import RetentionPolicy
-    from libs.protocol.codec import pack_tokens
-    from libs.protocol.kv_messages import KVSave, join_hashes
-    from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
-    from services.worker.config import Config
-    from services.worker.host_cache import HostCache
-    from services.worker.kv_store import KVStore
-    from services.worker.kv_tiers import KVTiers
-    from services.worker.main import build_runner
+    from kv_cache_engine import engine_floor, print_engine
 
     torch.set_num_threads(args.threads)
-    runner, _, _ = build_runner(Config(dtype=args.dtype, kv_cache_gb=0.5), args.cache_dir)
     prompt = case.request()
-    pages = list(range(-(-len(prompt) // BLOCK_SIZE)))
-    num_blocks = case.num_prefix // BLOCK_SIZE
-    greedy = SamplingParams(max_tokens=1, temperature=0)
+    result = engine_floor(
+        args.model, args.dtype, "cpu", prompt, case.num_prefix, args.repeats, tmp, args.cache_dir
+    )
+    print_engine(
+        result, f"{args.model}, {args.dtype}, cpu, {args.threads} threads", len(prompt), case.num_prefix
+    )
 
-    def prefill(seq_id: str, num_computed: int) -> float:
-        new = NewSequence(
-            seq_id,
-            pack_tokens(prompt),
-            b"",
-            greedy,
-            (0,),
-            pack_tokens(pages),
-            num_computed,
-            len(prompt) - num_computed,
-        )
-        start = time.perf_counter()
-        runner.execute(SchedulerOutput(1, new_seqs=(new,)))
-        elapsed = time.perf_counter() - start
-        runner.execute(SchedulerOutput(2, finished_seq_ids=(seq_id,)))
-        return elapsed
 
-    cold = statistics.median(prefill(f"cold{i}", 0) for i in range(2))
-    floor = statistics.median(prefill(f"g1-{i}", case.num_prefix) for i in range(args.repeats))
-    kv, layout = runner.kv_cache, runner.kv_cache.layout
-    block_layout = BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, BLOCK_SIZE)
-    hashes = [random.Random(i).randbytes(32) for i in range(num_blocks)]
-    host = HostCache(num_blocks, layout.block_shape(BLOCK_SIZE), kv.dtype)
-
-    def store() -> KVStore:
-        return KVStore(tmp / "engine-store", "bench", block_layout, kv.dtype, RetentionPolicy())
-
-    tiers = KVTiers(host, store())
-    tiers.save(kv, KVSave(pack_tokens(pages[:num_blocks]), join_hashes(hashes)))
-    tiers.flush()
-    targets = list(range(len(pages), len(pages) + num_blocks))  # other pages than the saved ones
-
-    def load(from_tiers: KVTiers) -> float:
-        start = time.perf_counter()
-        loaded = from_tiers.load(kv, targets, hashes)
-        assert loaded.num_loaded_blocks == num_blocks
-        return time.perf_counter() - start
-
-    g2 = statistics.median(load(tiers) for _ in range(args.repeats))
-    g3 = statistics.median(load(KVTiers(None, store())) for _ in range(args.repeats))
-    setup = f"{args.dtype}, {args.threads} threads"
-    print(f"\nengine only ({setup}): {len(prompt)} tokens, {case.num_prefix} cached")
-    print(f"  cold {cold * 1e3:.0f} ms; G1 (the floor) {floor * 1e3:.0f} ms = {floor / cold:.3f}x")
-    for name, seconds in (("G2", g2), ("G3", g3)):
-        total = floor + seconds
-        load_ms, total_ms = seconds * 1e3, total * 1e3
-        ratio = total / cold
-        print(f"  {name}: load of {num_blocks} blocks {load_ms:.1f} ms -> {total_ms:.0f} ms = {ratio:.3f}x")
+def kv_bytes_per_token(path: Path, dtype: str) -> int:
+    config = read_gguf_config(path)
+    itemsize = 4 if dtype == "float32" else 2
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -343,7 +303,7 @@ async def main_async(args: argparse.Namespace) -> None:
         store, log = Path(tmp) / "kv-store", Path(tmp) / "serve.log"
         parts = set(args.parts.split(","))
         if "engine" in parts:
-            engine_floor(args, case, Path(tmp))
+            run_engine_floor(args, case, Path(tmp))
         if "ttft" in parts:
             results = await first_stack(args, case, store, log)
             results["G3"] = await store_stack(args, case, store, log, "the store stack")
@@ -370,7 +330,10 @@ def main() -> None:
         "--evictors", type=int, default=3, help="fresh prompts sent to evict before each request"
     )
     parser.add_argument(
-        "--kv-cache-gb", type=float, default=0.2, help="device KV pages: ~2.3 prompts, less than --evictors"
+        "--kv-cache-gb",
+        type=float,
+        default=0.0,
+        help="device KV pages (0: room for --evictors - 0.7 prompts, so the evictors push the prefix out)",
     )
     parser.add_argument("--host-cache-gb", type=float, default=2.0)
     parser.add_argument("--turns", type=int, default=8)
@@ -378,11 +341,21 @@ def main() -> None:
     parser.add_argument(
         "--parts", default="engine,ttft,agent,decode", help="comma-separated: engine, ttft, agent, decode"
     )
+    parser.add_argument(
+        "--model",
+        default=EMBEDDED,
+        help=f"{EMBEDDED} (the embedded model) or random weights: <shape>[:<layers>] of {', '.join(SHAPES)}",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=resolve_cache_dir("", os.environ))
     args = parser.parse_args()
+    path = gguf_path(args.model, args.cache_dir)
+    args.served_model = EMBEDDED if args.model == EMBEDDED else str(path)  # both are the model's ids
+    if not args.kv_cache_gb:
+        num_tokens = (args.evictors - 0.7) * args.prompt_tokens
+        args.kv_cache_gb = num_tokens * kv_bytes_per_token(path, args.dtype) / 2**30
     one, five, _ = os.getloadavg()
     print(f"load average {one:.1f} / {five:.1f} on {os.cpu_count()} cores", file=sys.stderr)
     asyncio.run(main_async(args))
