@@ -39,13 +39,17 @@ class Config:
     )
     store_capacity_gb: float = field(default=50.0, metadata={"help": "the G3 store's size limit, GiB"})
     gc_interval_s: float = field(
-        default=60.0, metadata={"help": "period of the store's expiry, eviction and reconcile pass"}
+        default=60.0, metadata={"help": "period of the store's expiry and eviction pass (no scan)"}
+    )
+    reconcile_interval_s: float = field(
+        default=3600.0,
+        metadata={"help": "period of the full pass: scan every file (index == store), then snapshot"},
     )
     stats_interval_s: float = field(default=5.0, metadata={"help": "period of the kvcache stats"})
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
-        for key in ("store_capacity_gb", "gc_interval_s", "stats_interval_s"):
+        for key in ("store_capacity_gb", "gc_interval_s", "reconcile_interval_s", "stats_interval_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         self.retention_policy  # noqa: B018  (built now: a bad spec fails at start, naming its key)

@@ -3,7 +3,8 @@ trimmed and reconciled on a timer, stats out.
 
     kv_events (KVEvents, STORE tier) -> index.insert / index.remove; a publisher's seq gap -> resync
     kv_lookup (KVLookup)             -> the longest stored, unexpired prefix; its blocks touched
-    every gc_interval_s              -> reconcile with the store, expire, evict to capacity, snapshot
+    every gc_interval_s              -> expire, evict to capacity (from the index: no scan)
+    every reconcile_interval_s       -> the full pass: reconcile with the store first, then snapshot
     every stats_interval_s           -> KVCacheStats on stats("kvcache", kvcache_id)
 
 The store is the truth for G3; the index is rebuilt from it (or from a snapshot, then reconciled)
@@ -52,7 +53,7 @@ from libs.protocol.subjects import Subjects
 from services.kvcache.config import Config
 from services.kvcache.index import BlockEntry, BlockIndex, Placement, Tier
 from services.kvcache.snapshot import SnapshotError, load_snapshot, remove_stale_temps, write_snapshot
-from services.kvcache.store_scan import GcReport, collect_garbage, rebuild_index
+from services.kvcache.store_scan import GcReport, collect_garbage, rebuild_index, trim_store
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class KVCacheService:
         self._job_lock = asyncio.Lock()
         self._wake = asyncio.Event()  # run a GC pass now (a resync, or stopping)
         self._resync_wanted = False
+        self._last_reconcile = clock()  # start() reconciles
         self._subs: list[Subscription] = []
         self.ready = asyncio.Event()  # set once start() has loaded and reconciled the index
 
@@ -134,6 +136,7 @@ class KVCacheService:
             return
         now = self.clock()
         report = await self._exclusive(lambda: self._load_job(now))
+        self._last_reconcile = now
         await self._finish_pass(report)
         self.ready.set()
 
@@ -270,9 +273,11 @@ class KVCacheService:
         self.index = index  # before the queued updates apply (in _exclusive), so they land in it
         return self._reconcile_job(now)
 
-    def _gc_job(self, now: float, touched: dict[bytes, float]) -> GcReport:
+    def _gc_job(self, now: float, touched: dict[bytes, float], full: bool) -> GcReport:
         self._touch_files(touched)
-        return self._reconcile_job(now)
+        if full:
+            return self._reconcile_job(now)
+        return trim_store(self.index, now, self.config.store_capacity_bytes)
 
     def _reconcile_job(self, now: float) -> GcReport:
         # NOTE: collect_garbage reconciles first and trims (expire, then evict to capacity) after,
@@ -297,12 +302,23 @@ class KVCacheService:
 
     # --- GC and stats --------------------------------------------------------------------------
 
-    async def gc_pass(self) -> GcReport:
-        """One pass over the store: touch hit files, reconcile, expire, evict, snapshot."""
-        resync, self._resync_wanted = self._resync_wanted, False
+    def wants_full_pass(self) -> bool:
+        """A resync was asked for (a lost event), or the last full pass is reconcile_interval_s old."""
+        due = self.clock() - self._last_reconcile >= self.config.reconcile_interval_s
+        return self._resync_wanted or due
+
+    async def gc_pass(self, full: bool = True) -> GcReport:
+        """Touch hit files, then expire and evict to capacity. ``full``: reconcile with the store
+        first (a scan of every file: orphans adopted, entries without a file dropped) and save a
+        snapshot after; the cheap passes between only trim what the index already knows."""
+        resync = full and self._resync_wanted
+        if full:
+            self._resync_wanted = False
         now = self.clock()
         touched, self._touched = self._touched, {}
-        report = await self._exclusive(lambda: self._gc_job(now, touched))
+        report = await self._exclusive(lambda: self._gc_job(now, touched, full))
+        if full:
+            self._last_reconcile = now
         if resync:
             self.counters["resyncs", ""] += 1
             log.info("resynced: %d blocks adopted, %d gone", len(report.adopted), len(report.dangling))
@@ -380,7 +396,7 @@ class KVCacheService:
             if stop.is_set():
                 return
             try:
-                await self.gc_pass()
+                await self.gc_pass(full=self.wants_full_pass())
             except Exception:  # a full disk or a flaky mount must not end the service
                 log.exception("GC pass failed")
 

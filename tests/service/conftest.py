@@ -15,5 +15,3 @@ async def scheduler_stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack
     """A scheduler service with one scripted worker, with overlap on and off."""
     async with running(Config(scheduler_id="s1", max_num_waiting=4, overlap=request.param)) as parts:
         yield parts
-
-

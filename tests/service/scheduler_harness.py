@@ -1,5 +1,6 @@
 """The scheduler service on the in-memory bus, with a scripted stand-in on the worker's subjects:
 the harness of the scheduler service tests (test_scheduler_service.py, test_scheduler_kv.py)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,138 +1,50 @@
 """The kvcache service on the in-memory bus over a real store directory (tmp_path), with a clock
-the tests move: events -> index -> lookups, resyncs, expiry and eviction, restarts, stats.
-
-Block files are written as a worker would (``put`` from the store-scan tests); a ``Publisher``
-stands in for the worker's ``kv_events``.
+the tests move (kvcache_harness.py): events -> index -> lookups, resyncs, restarts, stats. Expiry
+and eviction: test_kvcache_gc.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import dataclasses
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 from deepinfer.settings import kv_store_root
 from libs.bus.base import Message
-from libs.bus.memory import InMemoryBus
-from libs.kvstore.block_file import BLOCK_FILE_SUFFIX, read_header
-from libs.kvstore.block_hash import block_hash_from_hex
 from libs.kvstore.retention import RetentionPolicy
 from libs.protocol.codec import decode, encode
 from libs.protocol.kv_messages import (
     CacheTier,
     KVCacheStats,
     KVEvent,
-    KVEvents,
     KVLookup,
     KVLookupReply,
     RemovalReason,
     join_hashes,
-    split_hashes,
 )
-from libs.protocol.subjects import Subjects
 from services.kvcache import main as kvcache_main
 from services.kvcache import service as service_module
-from services.kvcache.config import GIB, Config
+from services.kvcache.config import Config
 from services.kvcache.index import BlockEntry, BlockIndex, Tier
 from services.kvcache.service import KVCacheService, is_gap
 from services.kvcache.snapshot import snapshot_path
 from services.kvcache.store_scan import ScanIssue
-from tests.unit.kvcache.test_store_scan import DAY, FPS, NOW, block_files, index_of, put
+from tests.service.kvcache_harness import (
+    SUBJECTS,
+    Clock,
+    Publisher,
+    assert_index_is_store,
+    hash_of,
+    lookup,
+    running,
+    stored,
+    wait_until,
+)
+from tests.unit.kvcache.test_store_scan import DAY, FPS, NOW, put
 
-SUBJECTS = Subjects()
 HOUR = 3_600.0
-
-
-class Clock:
-    def __init__(self, now: float = NOW) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def wait_until(cond: Callable[[], bool]) -> None:
-    """Let the bus deliver until ``cond`` holds (the bound only stops a broken test hanging)."""
-    for _ in range(2_000):
-        if cond():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never held")
-
-
-def config(**overrides: object) -> Config:
-    # Timers far away: the tests run GC passes and stats themselves.
-    base = Config(kvcache_id="kv1", gc_interval_s=1e6, stats_interval_s=1e6)
-    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
-
-
-@contextlib.asynccontextmanager
-async def running(
-    root: Path | None, clock: Clock, cfg: Config | None = None, bus: InMemoryBus | None = None
-) -> AsyncIterator[tuple[InMemoryBus, KVCacheService]]:
-    bus = bus or InMemoryBus()
-    svc = KVCacheService(cfg or config(), bus, root, clock)
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
-    await asyncio.wait_for(svc.ready.wait(), 10)
-    svc.index.check_integrity()
-    try:
-        yield bus, svc
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-
-
-def stored(paths: list[Path]) -> KVEvent:
-    """The STORE event a worker publishes after writing these files (one class, one size)."""
-    metas = [read_header(p).meta for p in paths]
-    sizes = {p.stat().st_size for p in paths}
-    classes = {m.retention_class for m in metas}
-    assert len(sizes) == 1 and len(classes) == 1
-    return KVEvent(
-        CacheTier.STORE,
-        True,
-        join_hashes([m.block_hash for m in metas]),
-        retention_class=classes.pop(),
-        expires_at=metas[0].expires_at,
-        num_bytes=sizes.pop(),
-    )
-
-
-def hash_of(path: Path) -> bytes:
-    """The hash a block file is named by (the file may be gone)."""
-    return block_hash_from_hex(path.name.removesuffix(BLOCK_FILE_SUFFIX))
-
-
-class Publisher:
-    """A worker's kv_events: seq +1 per message unless told otherwise."""
-
-    def __init__(self, bus: InMemoryBus, svc: KVCacheService, publisher_id: str = "w1") -> None:
-        self.bus, self.svc, self.publisher_id, self.seq = bus, svc, publisher_id, 0
-
-    async def send(self, *events: KVEvent, seq: int | None = None, fingerprint: str = FPS[0]) -> None:
-        self.seq = self.seq + 1 if seq is None else seq
-        batch = KVEvents(self.publisher_id, self.seq, events, fingerprint)
-        await self.bus.publish(SUBJECTS.kv_events, encode(batch))
-        # One subscription handles messages in order: once this one is in, so is every earlier one.
-        await wait_until(lambda: self.svc.last_seq(self.publisher_id) == self.seq)
-
-
-async def lookup(bus: InMemoryBus, paths: list[Path], fingerprint: str = FPS[0], cls: str = "") -> int:
-    data = encode(KVLookup(join_hashes([hash_of(p) for p in paths]), fingerprint, cls))
-    reply = decode(KVLookupReply, await bus.request(SUBJECTS.kv_lookup, data, 5))
-    assert reply.error == ""
-    return reply.num_blocks
-
-
-def assert_index_is_store(svc: KVCacheService, root: Path) -> None:
-    svc.index.check_integrity()
-    assert index_of(svc.index) == block_files(root)
 
 
 @pytest.mark.parametrize(
@@ -203,73 +115,6 @@ async def test_a_seq_gap_resyncs_with_the_store(tmp_path: Path) -> None:
         await other.send(seq=40)  # first heard of: a baseline, not a gap
         await svc.gc_pass()  # a pass counts a resync if one was asked for
         assert svc.counters["resyncs", ""] == 1
-
-
-async def test_gc_expires_blocks_per_class_and_deletes_their_files(tmp_path: Path) -> None:
-    clock = Clock()
-    removals: list[KVEvents] = []
-
-    async def collect(msg: Message) -> None:
-        batch = decode(KVEvents, msg.data)
-        if batch.publisher_id == "kv1":
-            removals.append(batch)
-
-    async with running(tmp_path, clock) as (bus, svc):
-        await bus.subscribe(SUBJECTS.kv_events, collect)
-        worker = Publisher(bus, svc)
-        agent = [put(tmp_path, i) for i in range(2)]
-        chat = put(tmp_path, 10, cls="chat")
-        await worker.send(stored(agent), stored([chat]))
-
-        clock.now = NOW + 3 * DAY + 1
-        report = await svc.gc_pass()
-        assert {e.block_hash for e in report.expired} == {hash_of(p) for p in agent}
-        assert not any(p.exists() for p in agent) and chat.exists()
-        assert_index_is_store(svc, tmp_path)
-        await wait_until(lambda: len(removals) == 1)
-        (event,) = removals[0].events
-        assert event.reason is RemovalReason.EXPIRED and removals[0].fingerprint == FPS[0]
-        assert set(split_hashes(event.block_hashes)) == {hash_of(p) for p in agent}
-
-        clock.now = NOW + 7 * DAY + 1
-        report = await svc.gc_pass()
-        assert [e.block_hash for e in report.expired] == [hash_of(chat)] and not chat.exists()
-        assert_index_is_store(svc, tmp_path)
-        await wait_until(lambda: len(removals) == 2)
-        assert removals[1].seq == removals[0].seq + 1
-        await worker.send()  # handled after our own removal events, which must not count twice
-        assert svc.counters["evicted_blocks", "expired"] == 3
-
-
-async def test_capacity_evicts_expired_then_lower_class_then_least_recently_used(tmp_path: Path) -> None:
-    clock = Clock()
-    size = put(tmp_path / "probe", 0).stat().st_size
-    cfg = config(store_capacity_gb=(2 * size + 0.5) / GIB)  # room for two blocks
-    async with running(tmp_path / "store", clock, cfg) as (bus, svc):
-        root = tmp_path / "store"
-        worker = Publisher(bus, svc)
-        expired_chat = put(root, 1, cls="chat", age=8 * DAY)  # a high class, but expired
-        agent_a, agent_b = put(root, 2), put(root, 3)
-        chat_a, chat_b = put(root, 4, cls="chat"), put(root, 5, cls="chat")
-        await worker.send(stored([expired_chat]))
-        await worker.send(stored([agent_a]), stored([chat_a]))
-        clock.now += 60
-        await worker.send(stored([agent_b]), stored([chat_b]))
-        clock.now += 60
-        assert await lookup(bus, [agent_a]) == 1  # now agent_b is the least recently used
-
-        report = await svc.gc_pass()
-        assert [e.block_hash for e in report.expired] == [hash_of(expired_chat)]
-        assert [e.block_hash for e in report.evicted] == [hash_of(agent_b), hash_of(agent_a)]
-        assert block_files(root) == {str(chat_a), str(chat_b)}
-        assert_index_is_store(svc, root)
-        assert svc.index.num_bytes(Tier.G3) <= cfg.store_capacity_bytes
-
-        clock.now += 60
-        await worker.send(stored([put(root, 6, cls="chat")]))  # a third chat block: the least recent goes
-        report = await svc.gc_pass()
-        assert [e.block_hash for e in report.evicted] == [hash_of(chat_a)]
-        assert_index_is_store(svc, root)
 
 
 def g3_entries(svc: KVCacheService) -> list[BlockEntry]:

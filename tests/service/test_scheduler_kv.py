@@ -1,5 +1,6 @@
 """The scheduler service and the lower KV tiers: G3 lookups at kvcache, loads planned only for
 workers that read the store, G2 events with gap -> dump, stats, routing bursts."""
+
 from __future__ import annotations
 
 import asyncio

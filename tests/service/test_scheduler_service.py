@@ -1,5 +1,6 @@
 """The scheduler service on the in-memory bus, with a scripted stand-in on the worker's subjects:
 token flow, choices, cached tokens, ownership, cancellation, admission."""
+
 from __future__ import annotations
 
 import argparse
