@@ -12,6 +12,7 @@ and is written once per spec into ``<cache dir>/bench-models``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from libs.models.config import LlamaConfig
+from libs.models.gguf_writer import write_llama_gguf
 from libs.models.llama import LlamaForCausalLM
 from libs.models.registry import resolve_model_path
 
@@ -85,32 +87,23 @@ def gguf_path(spec: str, cache_dir: str | Path) -> Path:
 
 def write_random_gguf(path: Path, config: LlamaConfig) -> None:
     """``config``'s weights drawn at random (f16), with the embedded model's tokenizer."""
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    tokenizer = gguf.GGUFReader(resolve_model_path(EMBEDDED))
-    for field in tokenizer.fields.values():
-        if field.name.startswith("tokenizer."):
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+
+    def tokenizer(writer: gguf.GGUFWriter) -> None:
+        for field in gguf.GGUFReader(resolve_model_path(EMBEDDED)).fields.values():
+            if field.name.startswith("tokenizer."):
+                sub_type = field.types[1] if len(field.types) > 1 else None
+                writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+
     rng = np.random.default_rng(0)
-    for name, shape in _tensor_shapes(config).items():
-        if name.endswith("norm.weight"):
-            array = np.ones(shape, dtype=np.float16)
-        else:
-            array = (rng.standard_normal(shape, dtype=np.float32) * INIT_STD).astype(np.float16)
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def weights() -> Iterator[tuple[str, np.ndarray]]:
+        for name, shape in _tensor_shapes(config).items():
+            if name.endswith("norm.weight"):
+                yield name, np.ones(shape, dtype=np.float16)
+            else:
+                yield name, (rng.standard_normal(shape, dtype=np.float32) * INIT_STD).astype(np.float16)
+
+    write_llama_gguf(path, config, weights(), add_metadata=tokenizer)
 
 
 def _tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

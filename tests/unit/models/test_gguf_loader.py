@@ -15,6 +15,7 @@ from libs.models import gguf_loader
 from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.config import LlamaConfig
 from libs.models.gguf_loader import cached_weights_path, load_llama, read_gguf_config
+from libs.models.gguf_writer import write_llama_gguf
 from libs.models.llama import LlamaForCausalLM
 from tests.tiny_models import TINY_LLAMA
 
@@ -50,26 +51,13 @@ def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
 def write_gguf(
     path: Path, model: LlamaForCausalLM, extra: dict[str, np.ndarray] | None = None, arch: str = "llama"
 ) -> Path:
-    cfg = model.config
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, array in {**gguf_tensors(model), **(extra or {})}.items():
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    def token_ids(writer: gguf.GGUFWriter) -> None:
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+
+    tensors = {**gguf_tensors(model), **(extra or {})}
+    as_f32 = ((name, np.asarray(array, dtype=np.float32)) for name, array in tensors.items())
+    return write_llama_gguf(path, model.config, as_f32, arch=arch, add_metadata=token_ids)
 
 
 def make_model(config: LlamaConfig = TINY) -> LlamaForCausalLM:
