@@ -78,9 +78,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +289,7 @@ class StreamRecord:
     thinking: bool
     context: bytes = b""  # the API's own JSON needed to render (e.g. the Responses skeleton)
     background: bool = False  # a reader that leaves does not cancel it (Responses background)
+    tenant: str = ""  # the client's tenant: only the same tenant may resume it
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,3 +305,4 @@ class StoredResponse:
     response_json: bytes  # the response object as the API shows it
     input_json: bytes  # the input items it answered, the chain before it included (JSON array)
     owner: str = ""  # the gateway running a background response to its end; empty once it ended
+    tenant: str = ""  # whose it is: another tenant can neither read nor continue nor cancel it

@@ -84,6 +84,7 @@ class Admission:
             thinking=prompt.thinking,
             context=context,
             background=background,
+            tenant=scope.tenant,
         )
         try:
             stream = await self.service.submit(

@@ -51,6 +51,7 @@ class MessagesRoutes:
         """``GET /v1/messages/{id}?stream=true`` with ``Last-Event-ID``: the events after it, then live."""
         try:
             after = last_event_id(request, "last_event_id")
-            return await self.server.resume(request.path_params["request_id"], "messages", after)
+            tenant = self.admission.scoping.tenant(request.headers, "anthropic")
+            return await self.server.resume(request.path_params["request_id"], "messages", after, tenant)
         except ApiError as err:
             return error_response(err, "anthropic")

@@ -85,6 +85,7 @@ class OpenAIRoutes:
             if request.query_params.get("stream", "true").lower() != "true":
                 raise ApiError(400, "only a stream can be resumed: pass stream=true", param="stream")
             after = last_event_id(request, "last_event_id")
-            return await self.server.resume(request.path_params["request_id"], api, after)
+            tenant = self.admission.scoping.tenant(request.headers, "openai")
+            return await self.server.resume(request.path_params["request_id"], api, after, tenant)
         except ApiError as err:
             return error_response(err)

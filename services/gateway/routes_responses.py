@@ -56,7 +56,7 @@ class ResponsesRoutes:
             req = parse_responses_request(body)
             self.server.served.check_model(req.model)
             scope = self.admission.scoping.scope(request.headers, "openai", req.cache_retention)
-            history = await self._history(req)
+            history = await self._history(req, scope.tenant)
             input_json = encode_items([*history, *_input_items(body)])
             history_messages = parse_input(history)[0] if history else ()
             prompt = await self.admission.prompt(req.conversation(history_messages), "text.format")
@@ -86,14 +86,14 @@ class ResponsesRoutes:
             return await self._background(req, admitted, input_json)
 
         async def store(done: Generation) -> None:
-            await self.store.put(done.renderer.body(), input_json)
+            await self.store.put(done.renderer.body(), input_json, scope.tenant)
 
         return await self.server.respond(request, admitted, req.stream, on_done=store if req.store else None)
 
-    async def _history(self, req: ResponsesRequest) -> list[Any]:
+    async def _history(self, req: ResponsesRequest, tenant: str) -> list[Any]:
         if req.previous_response_id is None:
             return []
-        history = await self.store.history(req.previous_response_id)
+        history = await self.store.history(req.previous_response_id, tenant)
         if history is None:
             raise ApiError(
                 400,
@@ -108,7 +108,8 @@ class ResponsesRoutes:
         assert isinstance(queued, ResponsesRenderer)
         queued.open(Usage(0, 0))  # the queued object, before any output
         try:
-            await self.store.put(queued.response, input_json, owner=self.server.service.gateway_id)
+            gateway_id = self.server.service.gateway_id
+            await self.store.put(queued.response, input_json, admitted.record.tenant, owner=gateway_id)
         except BaseException:
             admitted.stream.close(failed=True)  # nobody could ever see it: do not run it
             raise
@@ -131,7 +132,7 @@ class ResponsesRoutes:
             stream.close()
         final = generation.renderer
         assert isinstance(final, ResponsesRenderer)
-        await self.store.put(final.response, input_json)
+        await self.store.put(final.response, input_json, record.tenant)
 
     def _track(self, response_id: str, task: asyncio.Task[None]) -> None:
         self._running[response_id] = task
@@ -162,7 +163,7 @@ class ResponsesRoutes:
         record = await service.stream_record(response["id"])
         if record is None:
             return  # past the out stream's retention: it cannot be finished
-        await self.store.put(response, stored.input_json, owner=service.gateway_id)
+        await self.store.put(response, stored.input_json, stored.tenant, owner=service.gateway_id)
         stream = await service.replay(record, "never")
         log.info("adopted background response %s of gateway %s", response["id"], stored.owner)
         await self._finish(record, stream, stored.input_json)
@@ -170,10 +171,11 @@ class ResponsesRoutes:
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
         try:
+            tenant = self.admission.scoping.tenant(request.headers, "openai")
             if request.query_params.get("stream", "false").lower() == "true":
                 after = last_event_id(request, "starting_after")
-                return await self.server.resume(response_id, "responses", after)
-            found = await self.store.get(response_id)
+                return await self.server.resume(response_id, "responses", after, tenant)
+            found = await self.store.get(response_id, tenant)
             if found is None:
                 raise _not_found(response_id)
         except ApiError as err:
@@ -184,7 +186,8 @@ class ResponsesRoutes:
     async def cancel(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
         try:
-            found = await self.store.get(response_id)
+            tenant = self.admission.scoping.tenant(request.headers, "openai")
+            found = await self.store.get(response_id, tenant)
             if found is None:
                 raise _not_found(response_id)
             if not found.response.get("background"):
@@ -199,21 +202,21 @@ class ResponsesRoutes:
         if running is not None:  # ours: its task stores the cancelled object as it ends
             await asyncio.wait({running}, timeout=CANCEL_WAIT_S)
         elif await service.gateway_alive(found.owner):
-            await self._until_terminal(response_id)
-        after = await self.store.get(response_id)
+            await self._until_terminal(response_id, tenant)
+        after = await self.store.get(response_id, tenant)
         if after is not None and after.response.get("status") in TERMINAL:
             return JSONResponse(after.response)
         # Nobody stores its end (the gateway running it is gone): the cancel is the end.
         response = {**found.response, "status": "cancelled"}
-        await self.store.put(response, found.input_json)
+        await self.store.put(response, found.input_json, tenant)
         return JSONResponse(response)
 
-    async def _until_terminal(self, response_id: str) -> None:
+    async def _until_terminal(self, response_id: str, tenant: str) -> None:
         """Another gateway runs it: wait (backing off) for it to store the end."""
         delay, deadline = 0.05, time.monotonic() + CANCEL_WAIT_S
         while time.monotonic() < deadline:
             await asyncio.sleep(delay)
-            found = await self.store.get(response_id)
+            found = await self.store.get(response_id, tenant)
             if found is not None and found.response.get("status") in TERMINAL:
                 return
             delay = min(delay * 2, 0.5)

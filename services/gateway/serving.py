@@ -158,9 +158,10 @@ class Server:
             return self.sse(generation, admitted.stream, on_done=on_done)
         return await self.body(request, generation, admitted.stream, shape, on_done)
 
-    async def resume(self, request_id: str, api: str, after: int) -> EventStreamResponse:
+    async def resume(self, request_id: str, api: str, after: int, tenant: str) -> EventStreamResponse:
+        """``tenant``: the resuming client's; another tenant's stream is as unknown as a missing one."""
         record = await self.service.stream_record(request_id)
-        if record is None or record.api != api:
+        if record is None or record.api != api or record.tenant != tenant:
             raise ApiError(
                 404, f"no resumable stream with id {request_id!r} (it may have expired)", code="not_found"
             )

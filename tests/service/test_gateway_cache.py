@@ -1,7 +1,9 @@
 """The KV cache at the gateway, over HTTP in-process on the in-memory bus: each API's submit carries
 the tenant of the client's key and the retention class it asked for, an unknown class is a 400 in
 the API's own error shape, cached prompt tokens reach every API's usage (streamed or not), and
-/metrics shows what the services publish."""
+/metrics shows what the services publish. The tenant also owns what outlives a request: only the
+key that started a stream resumes it, and only the key that created a stored response reads,
+continues or cancels it."""
 
 from __future__ import annotations
 
@@ -214,3 +216,55 @@ def test_metrics_show_the_published_stats_and_the_hit_rate(
         'deepinfer_kv_hit_rate{tier="G3"} 0.05',
         'deepinfer_gateway_requests_in_flight{gateway="gw1"} 0',
     } <= lines
+
+
+def sse_events(text: str) -> list[tuple[int, str]]:
+    """(id, data) of each SSE event."""
+    events, event_id = [], -1
+    for line in text.splitlines():
+        if line.startswith("id: "):
+            event_id = int(line[len("id: ") :])
+        elif line.startswith("data: "):
+            events.append((event_id, line[len("data: ") :]))
+    return events
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "messages"])
+def test_only_the_same_key_resumes_a_stream(
+    gateway: tuple[TestClient, FakeScheduler, InMemoryBus], api: str
+) -> None:
+    client, fake, _ = gateway
+    path, body = REQUESTS[api]
+    with client.stream("POST", path, json={**body, "stream": True}, headers=key_header(api, "key-a")) as resp:
+        assert resp.status_code == 200
+        live = sse_events("".join(resp.iter_text()))
+    url = f"{path}/{fake.submitted[-1].request_id}?stream=true"
+
+    other = client.get(url, headers={**key_header(api, "key-b"), "last-event-id": "1"})
+    assert other.status_code == 404
+    assert "no resumable stream" in json.dumps(other.json()["error"])
+    anonymous = client.get(url, headers={"last-event-id": "1"})
+    assert anonymous.status_code == 404
+
+    own = client.get(url, headers={**key_header(api, "key-a"), "last-event-id": "1"})
+    assert own.status_code == 200
+    assert sse_events(own.text) == [(i, data) for i, data in live if i > 1]
+
+
+def test_a_stored_response_is_its_tenants_only(
+    gateway: tuple[TestClient, FakeScheduler, InMemoryBus],
+) -> None:
+    client, _, _ = gateway
+    mine, theirs = key_header("responses", "key-a"), key_header("responses", "key-b")
+    response_id = client.post("/v1/responses", json={"model": MODEL, "input": PROMPT}, headers=mine).json()[
+        "id"
+    ]
+
+    assert client.get(f"/v1/responses/{response_id}", headers=theirs).status_code == 404
+    assert client.post(f"/v1/responses/{response_id}/cancel", headers=theirs).status_code == 404
+    follow_up = {"model": MODEL, "input": "And then?", "previous_response_id": response_id, "store": False}
+    refused = client.post("/v1/responses", json=follow_up, headers=theirs)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+
+    assert client.get(f"/v1/responses/{response_id}", headers=mine).json()["id"] == response_id
+    assert client.post("/v1/responses", json=follow_up, headers=mine).status_code == 200
