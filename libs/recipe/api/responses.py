@@ -226,6 +226,8 @@ def _echo(
         "truncation": settings["truncation"],
         "background": settings["background"],
         "user": settings["user"],
+        "prompt_cache_key": optional_str(body, "prompt_cache_key"),
+        "prompt_cache_retention": optional_str(body, "prompt_cache_retention"),
     }
 
 

@@ -48,6 +48,7 @@ def test_echo_has_openai_defaults() -> None:
     assert echo["store"] is True and echo["tool_choice"] == "auto" and echo["truncation"] == "disabled"
     assert echo["text"] == {"format": {"type": "text"}} and echo["parallel_tool_calls"] is True
     assert (echo["temperature"], echo["top_p"], echo["previous_response_id"]) == (1.0, 1.0, None)
+    assert (echo["prompt_cache_key"], echo["prompt_cache_retention"]) == (None, None)
 
 
 def test_echo_repeats_the_request() -> None:
@@ -56,6 +57,7 @@ def test_echo_repeats_the_request() -> None:
         "tools": [FN], "tool_choice": "none", "text": {"format": fmt, "verbosity": "low"},
         "reasoning": {"effort": "low"}, "temperature": 0.5, "store": False, "metadata": {"k": "v"},
         "max_output_tokens": 64, "truncation": "auto", "background": True, "instructions": "I",
+        "prompt_cache_key": "user-7", "prompt_cache_retention": "24h",
     }  # fmt: skip
     request = parse_responses_request(body(**fields))
     echo = request.echo()
@@ -68,6 +70,7 @@ def test_echo_repeats_the_request() -> None:
         "I",
     )
     assert request.sampling.max_tokens == 64 and request.sampling.base.temperature == 0.5
+    assert (echo["prompt_cache_key"], echo["prompt_cache_retention"]) == ("user-7", "24h")
 
 
 def test_logprobs_come_from_include() -> None:
