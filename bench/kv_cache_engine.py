@@ -76,7 +76,12 @@ def engine_floor(
     num_pages = -(-len(prompt) // block_size)
     num_blocks = num_cached // block_size
     runner = make_runner(spec, dtype, device, (num_pages + num_blocks) * block_size, block_size, cache_dir)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    on_cuda = device.startswith("cuda")
+
+    def sync() -> None:  # a GPU runs ahead of the host: wait for it before reading the clock
+        if on_cuda:
+            torch.cuda.synchronize()
+
     pages = list(range(num_pages))
     greedy = SamplingParams(max_tokens=1, temperature=0)
 
@@ -108,8 +113,7 @@ def engine_floor(
     kv, layout = runner.kv_cache, runner.kv_cache.layout
     block_layout = BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, block_size)
     hashes = [random.Random(i).randbytes(32) for i in range(num_blocks)]
-    pin = device.startswith("cuda")
-    host = HostCache(num_blocks, layout.block_shape(block_size), kv.dtype, pin_memory=pin)
+    host = HostCache(num_blocks, layout.block_shape(block_size), kv.dtype, pin_memory=on_cuda)
 
     def store() -> KVStore:
         return KVStore(tmp / "engine-store", "bench", block_layout, kv.dtype, RetentionPolicy())
