@@ -117,9 +117,9 @@ class LocalEngine:
                 self.core.check_integrity()
         if self._in_flight and (plan is None or len(self._in_flight) >= self.max_in_flight):
             result = self._in_flight.popleft()
-            self.core.kv_tiers.record_loads(
-                result.num_loaded_host_blocks, result.num_loaded_store_blocks, result.num_failed_load_blocks
-            )
+            failed_loads = dict(zip(result.failed_load_seq_ids, result.failed_load_num_blocks, strict=True))
+            num_host, num_store = result.num_loaded_host_blocks, result.num_loaded_store_blocks
+            self.core.record_loads(num_host, num_store, failed_loads)
             sampled = unpack_tokens(result.sampled_token_ids)
             failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
             for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs, failed):

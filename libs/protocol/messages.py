@@ -214,6 +214,10 @@ class ModelRunnerOutput:
     num_loaded_host_blocks: int = 0
     num_loaded_store_blocks: int = 0
     num_failed_load_blocks: int = 0
+    # the sequences whose load stopped short, and the blocks each recomputed instead (in all:
+    # num_failed_load_blocks): what they report as cached shrinks by as much
+    failed_load_seq_ids: tuple[str, ...] = ()
+    failed_load_num_blocks: tuple[int, ...] = ()
 
 
 # --- liveness and load ----------------------------------------------------------------------

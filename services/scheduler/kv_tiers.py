@@ -57,20 +57,24 @@ TIER_LABELS = {CacheTier.DEVICE: "G1", CacheTier.HOST: "G2", CacheTier.STORE: "G
 
 @dataclass(slots=True)
 class TierStats:
-    """Counters since start. Admission records a query (the hit rate of a tier is its hit tokens
-    over the query tokens); the worker reports what it actually loaded."""
+    """Counters since start. Admission records a query, its G1 hit and its planned loads; the
+    worker reports what it actually loaded, which makes the G2 and G3 hits. The hit rate of a
+    tier is its hit tokens over the query tokens."""
 
     num_queries: int = 0
     num_query_tokens: int = 0
     num_hit_tokens: dict[CacheTier, int] = field(default_factory=lambda: dict.fromkeys(CacheTier, 0))
+    num_planned_blocks: dict[CacheTier, int] = field(
+        default_factory=lambda: {CacheTier.HOST: 0, CacheTier.STORE: 0}
+    )
     num_saves: int = 0  # KVSave messages sent
     num_saved_blocks: dict[str, int] = field(default_factory=dict)  # retention class -> blocks
     num_loaded_host_blocks: int = 0  # worker-reported
     num_loaded_store_blocks: int = 0
     num_failed_load_blocks: int = 0  # planned loads the worker recomputed instead
 
-    def counters(self, block_size: int) -> dict[tuple[str, str], float]:
-        """(name, label) -> value; a load planned is a hit of G2 or G3, in blocks."""
+    def counters(self) -> dict[tuple[str, str], float]:
+        """(name, label) -> value."""
         out: dict[tuple[str, str], float] = {
             ("queries", "all"): self.num_queries,
             ("query_tokens", "all"): self.num_query_tokens,
@@ -81,8 +85,8 @@ class TierStats:
         }
         for tier, tokens in self.num_hit_tokens.items():
             out["hit_tokens", TIER_LABELS[tier]] = tokens
-            if tier is not CacheTier.DEVICE:
-                out["planned_load_blocks", TIER_LABELS[tier]] = tokens // block_size
+        for tier, num_blocks in self.num_planned_blocks.items():
+            out["planned_load_blocks", TIER_LABELS[tier]] = num_blocks
         for retention_class, num_blocks in self.num_saved_blocks.items():
             out["saved_blocks", retention_class or "default"] = num_blocks
         return out
@@ -186,7 +190,7 @@ class KVTiers:
         self.stats.num_query_tokens += num_tokens
         self.stats.num_hit_tokens[CacheTier.DEVICE] += num_device_tokens
         for tier, num_blocks in num_loaded.items():
-            self.stats.num_hit_tokens[tier] += num_blocks * self.block_size
+            self.stats.num_planned_blocks[tier] += num_blocks
         return num_device_tokens
 
     def record_loads(self, num_host_blocks: int, num_store_blocks: int, num_failed_blocks: int) -> None:
@@ -194,6 +198,8 @@ class KVTiers:
         self.stats.num_loaded_host_blocks += num_host_blocks
         self.stats.num_loaded_store_blocks += num_store_blocks
         self.stats.num_failed_load_blocks += num_failed_blocks
+        self.stats.num_hit_tokens[CacheTier.HOST] += num_host_blocks * self.block_size
+        self.stats.num_hit_tokens[CacheTier.STORE] += num_store_blocks * self.block_size
 
     # --- store points ----------------------------------------------------------------------
 
@@ -232,7 +238,7 @@ class KVTiers:
 
     def counters(self) -> dict[tuple[str, str], float]:
         """This core's counters, (name, label) -> value, for KVCacheStats."""
-        counters = self.stats.counters(self.block_size)
+        counters = self.stats.counters()
         counters["evicted_blocks", "G1"] = self._prefix_cache.stats.num_evicted_blocks
         return counters
 
@@ -242,6 +248,8 @@ class KVTiers:
         assert stats.num_hit_tokens[CacheTier.DEVICE] == g1_stats.num_hit_tokens, "G1 hits disagree"
         assert sum(stats.num_hit_tokens.values()) <= stats.num_query_tokens, "more hits than queried"
         assert all(n % self.block_size == 0 for n in stats.num_hit_tokens.values())
+        num_done = stats.num_loaded_host_blocks + stats.num_loaded_store_blocks + stats.num_failed_load_blocks
+        assert num_done <= sum(stats.num_planned_blocks.values()), "more loads than planned"
         assert self.enabled or not (self._host or self._pending_saves), "tiers off, yet in use"
         for save in self._pending_saves:
             block_ids, block_hashes = unpack_tokens(save.block_ids), split_hashes(save.block_hashes)

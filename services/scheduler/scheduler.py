@@ -242,6 +242,15 @@ class Scheduler:
         for entry in skipped:
             heapq.heappush(self._waiting, entry)
 
+    def record_loads(self, num_host_blocks: int, num_store_blocks: int, failed: Mapping[str, int]) -> None:
+        """What the worker loaded for a step's new sequences. One whose load stopped short (seq id
+        -> blocks) recomputed the rest: its usage no longer counts those tokens as cached."""
+        self.kv_tiers.record_loads(num_host_blocks, num_store_blocks, sum(failed.values()))
+        for seq_id, num_blocks in failed.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.num_preemptions == 0:  # the hit usage reports
+                seq.num_cached_tokens = max(0, seq.num_cached_tokens - num_blocks * self.limits.block_size)
+
     def _try_admit(self, plan: Plan, seq: Sequence) -> bool:
         num_hit_tokens = self._reuse_prefix(seq, plan)
         num_tokens = min(seq.num_uncomputed_tokens, plan.budget)

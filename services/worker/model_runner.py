@@ -111,12 +111,11 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         self._save(plan)
         rows: list[_Row] = []
-        loads: list[LoadResult] = []
+        loads: dict[str, LoadResult] = {}
         for new in plan.new_seqs:
             row = self._add(new)
             if new.kv_load is not None:
-                row, loaded = self._load(row, new.kv_load.first_block, new.kv_load.block_hashes)
-                loads.append(loaded)
+                row, loads[new.seq_id] = self._load(row, new.kv_load.first_block, new.kv_load.block_hashes)
             rows.append(row)
         counts = unpack_tokens(plan.num_scheduled_tokens)
         if not len(counts) == len(plan.seq_ids) == len(plan.new_block_ids):
@@ -141,9 +140,11 @@ class ModelRunner:
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             failed_seq_ids=tuple(sampled.failed),
             failed_errors=tuple(sampled.failed.values()),
-            num_loaded_host_blocks=sum(r.num_host_blocks for r in loads),
-            num_loaded_store_blocks=sum(r.num_store_blocks for r in loads),
-            num_failed_load_blocks=sum(r.num_failed_blocks for r in loads),
+            num_loaded_host_blocks=sum(r.num_host_blocks for r in loads.values()),
+            num_loaded_store_blocks=sum(r.num_store_blocks for r in loads.values()),
+            num_failed_load_blocks=sum(r.num_failed_blocks for r in loads.values()),
+            failed_load_seq_ids=tuple(seq_id for seq_id, r in loads.items() if r.num_failed_blocks),
+            failed_load_num_blocks=tuple(r.num_failed_blocks for r in loads.values() if r.num_failed_blocks),
         )
 
     def prefetch(self, plan: SchedulerOutput) -> None:

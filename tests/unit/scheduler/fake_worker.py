@@ -75,6 +75,9 @@ class FakeWorker:
         self.host_events: list[HostEvent] = []  # not yet taken by the scheduler
         self.saves: list[KVSave] = []  # every save run, in order
         self.last_loads = (0, 0, 0)  # the last step's blocks loaded from G2, from G3, recomputed
+        self.last_failed_loads: dict[str, int] = {}  # the last step's seq id -> blocks recomputed
+        # seq id -> prompt tokens its first admission took from a cache (G1 or a load), not recomputed
+        self.first_reused: dict[str, int] = {}
 
     def take_host_events(self) -> list[HostEvent]:
         events, self.host_events = self.host_events, []
@@ -136,6 +139,7 @@ class FakeWorker:
         for save in plan.kv_saves:  # before the forward, which may overwrite a freed block
             self._save(save)
         loads = [0, 0, 0]
+        failed: dict[str, int] = {}
         rows: list[tuple[str, int]] = []
         for new in plan.new_seqs:
             assert new.seq_id not in self.seqs, f"{new.seq_id} sent as new twice"
@@ -149,10 +153,15 @@ class FakeWorker:
                 len(prompt),
             )
             if new.kv_load is not None:
-                for k, n in enumerate(self._load(self.seqs[new.seq_id], new.kv_load)):
+                counts = self._load(self.seqs[new.seq_id], new.kv_load)
+                for k, n in enumerate(counts):
                     loads[k] += n
+                if counts[2]:
+                    failed[new.seq_id] = counts[2]
+            num_reused = new.num_computed_tokens - failed.get(new.seq_id, 0) * self.block_size
+            self.first_reused.setdefault(new.seq_id, min(num_reused, len(prompt)))
             rows.append((new.seq_id, new.num_scheduled_tokens))
-        self.last_loads = (loads[0], loads[1], loads[2])
+        self.last_loads, self.last_failed_loads = (loads[0], loads[1], loads[2]), failed
         counts = unpack_tokens(plan.num_scheduled_tokens)
         for seq_id, count, blocks in zip(plan.seq_ids, counts, plan.new_block_ids, strict=True):
             self.seqs[seq_id].table += unpack_tokens(blocks)
@@ -205,6 +214,8 @@ class FakeRunner:
             num_loaded_host_blocks=host,
             num_loaded_store_blocks=store,
             num_failed_load_blocks=failed,
+            failed_load_seq_ids=tuple(self.worker.last_failed_loads),
+            failed_load_num_blocks=tuple(self.worker.last_failed_loads.values()),
         )
 
     def check_integrity(self) -> None:

@@ -136,7 +136,10 @@ def test_a_stale_hint_is_recomputed_by_the_worker() -> None:
     driver = Driver(sched)
     new = driver.serve(seq)  # the fake checks the recomputed KV like any other
     assert new.num_computed_tokens == 8 and tiers_of(new) == [CacheTier.HOST, CacheTier.HOST]
-    assert sched.kv_tiers.stats.num_failed_load_blocks == 2
+    stats = sched.kv_tiers.stats
+    assert (stats.num_failed_load_blocks, stats.num_planned_blocks[CacheTier.HOST]) == (2, 2)
+    assert stats.num_hit_tokens[CacheTier.HOST] == 0  # planned, not served
+    assert seq.num_cached_tokens == 0  # usage counts what came from a cache
 
 
 def test_store_points_save_the_prompt_then_the_output_in_the_next_plan() -> None:

@@ -10,7 +10,8 @@ hits (and evicts) all the time; the fake worker checks every position a hit lets
 With ``tiers`` the fake worker also keeps a small host memory (G2) and a store (G3): the core hears
 of G2 through its events, late, sometimes not at all (then a dump replaces its view), and each
 request starts with the G3 prefix the store holds, sometimes overstated; every load of a block the
-worker no longer holds is recomputed, and outputs must still be exact.
+worker no longer holds is recomputed, outputs must still be exact, and each sequence's usage counts
+as cached only the tokens the worker did not compute.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def run(
             p = seq.sampling_params
             want = reference_output(seq.prompt_token_ids, p.max_tokens, MAX_MODEL_LEN, p.min_tokens)
             assert engine.outputs[seq_id] == want, seq_id
+            if seq.index == 0 and seq.num_preemptions == 0:  # usage: what its first admission
+                # took from a cache (other choices share choice 0's prompt, which is no cache hit)
+                assert seq.num_cached_tokens == runner.worker.first_reused[seq_id], seq_id
             num_checked += 1
     return num_checked, engine.num_preemptions, engine.core.prefix_cache_stats, engine.core.kv_tiers.stats
 

@@ -191,6 +191,7 @@ def test_blocks_load_from_g3_after_a_restart(
     warm = serve(make_runner(model, tiers), FRESH, num_loaded=3)
     assert_same(warm, cold)
     assert (warm.first.num_loaded_store_blocks, warm.first.num_failed_load_blocks) == (3, 0)
+    assert warm.first.failed_load_seq_ids == warm.first.failed_load_num_blocks == ()
     if with_host:  # a G3 hit is kept in G2, and the next load comes from there
         assert tiers.dump() == HASHES
         assert tiers.drain_events()[0] == KVEvent(
@@ -246,6 +247,7 @@ def test_a_bad_g3_block_is_reported_deleted_and_recomputed_with_the_rest(
     assert_same(warm, cold)
     first = warm.first
     assert (first.num_loaded_store_blocks, first.num_failed_load_blocks) == (1, 2)
+    assert (first.failed_load_seq_ids, first.failed_load_num_blocks) == (("s",), (2,))
     assert not bad.exists() and block_path(root, FP, HASHES[2]).exists()
     events = tiers.drain_events()
     assert KVEvent(CacheTier.STORE, False, HASHES[1], reason) in events
