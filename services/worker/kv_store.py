@@ -332,7 +332,7 @@ class KVStore:
             touch_block_file(path, self._clock())  # mtime = last use, for GC after a rebuild
         except OSError as e:
             log.debug("could not touch %s: %s", path, e)
-        return bytearray(payload)  # writable: torch.frombuffer shares it without a warning
+        return payload  # writable: torch.frombuffer shares it without a warning
 
     def _drop(self, error: BlockFileError) -> None:
         if error.reason is BlockFileFault.MISSING:

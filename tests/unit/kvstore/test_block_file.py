@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from libs.kvstore.block_file import (
+    FORMAT_VERSION,
     MAGIC,
     BlockFileError,
     BlockFileFault,
@@ -120,8 +121,9 @@ def test_bad_magic_and_version(tmp_path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(b"NOTKVBLK" + data[8:])
     assert fault_of(path) is BlockFileFault.BAD_MAGIC
-    path.write_bytes(MAGIC + struct.pack("<H", 2) + data[10:])
-    assert fault_of(path) is BlockFileFault.BAD_VERSION
+    for version in (1, FORMAT_VERSION + 1):  # 1: sha256 payload checksums; then a future format
+        path.write_bytes(MAGIC + struct.pack("<H", version) + data[10:])
+        assert fault_of(path) is BlockFileFault.BAD_VERSION
     path.write_bytes(b"")
     assert fault_of(path) is BlockFileFault.TRUNCATED
 
