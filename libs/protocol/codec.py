@@ -4,6 +4,11 @@ A message travels as a msgpack array of its field values in declaration order (n
 likewise), so field names never ride on the wire. Each subject carries one message type, so the
 receiver names the type: ``decode(StepOutputs, data)``. Converters are derived once per class from
 its type hints.
+
+A payload written before its message gained trailing fields with defaults decodes with those
+defaults: entries kept in buckets (stored responses, stream records) outlive an upgrade, and
+during a rolling one older peers still send the shorter form. One with more fields than the type
+knows, or too few for its required ones, is refused.
 """
 
 from __future__ import annotations
@@ -121,10 +126,12 @@ def _dataclass_converter(cls: type) -> Converter:
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     convs = [_converter(hints[f.name]) for f in fields]
+    no_default = dataclasses.MISSING
+    num_required = sum(f.default is no_default and f.default_factory is no_default for f in fields)
 
     def convert(values: Any) -> Any:
-        if not isinstance(values, list) or len(values) != len(convs):
-            raise TypeError(f"expected {len(convs)} fields")
-        return cls(*(conv(v) for conv, v in zip(convs, values, strict=True)))
+        if not isinstance(values, list) or not num_required <= len(values) <= len(convs):
+            raise TypeError(f"expected {num_required} to {len(convs)} fields")
+        return cls(*(conv(v) for conv, v in zip(convs, values, strict=False)))
 
     return convert

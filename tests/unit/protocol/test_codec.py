@@ -21,6 +21,7 @@ from libs.protocol.messages import (
     SamplingParams,
     SchedulerOutput,
     StepOutputs,
+    StoredResponse,
     SubmitRequest,
 )
 
@@ -91,3 +92,13 @@ def test_enum_and_optional_fields_decode_to_their_types() -> None:
 def test_bad_payload_raises_decode_error(data: bytes) -> None:
     with pytest.raises(DecodeError):
         decode(RequestOutput, data)
+
+
+def test_a_payload_from_before_new_trailing_fields_decodes_with_their_defaults() -> None:
+    # A stored response as written before it had a tenant, and before it had an owner.
+    assert decode(StoredResponse, msgpack.packb([b"{}", b"[]", "gw1"])) == StoredResponse(b"{}", b"[]", "gw1")
+    assert decode(StoredResponse, msgpack.packb([b"{}", b"[]"])).tenant == ""
+    with pytest.raises(DecodeError):  # a required field missing
+        decode(StoredResponse, msgpack.packb([b"{}"]))
+    with pytest.raises(DecodeError):  # more fields than the type knows
+        decode(StoredResponse, msgpack.packb([b"{}", b"[]", "gw1", "t", "extra"]))
