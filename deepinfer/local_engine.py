@@ -119,7 +119,7 @@ class LocalEngine:
             result = self._in_flight.popleft()
             failed_loads = dict(zip(result.failed_load_seq_ids, result.failed_load_num_blocks, strict=True))
             num_host, num_store = result.num_loaded_host_blocks, result.num_loaded_store_blocks
-            self.core.record_loads(num_host, num_store, failed_loads)
+            self.core.record_loads(result.step_id, num_host, num_store, failed_loads)
             sampled = unpack_tokens(result.sampled_token_ids)
             failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
             for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs, failed):

@@ -242,13 +242,16 @@ class Scheduler:
         for entry in skipped:
             heapq.heappush(self._waiting, entry)
 
-    def record_loads(self, num_host_blocks: int, num_store_blocks: int, failed: Mapping[str, int]) -> None:
-        """What the worker loaded for a step's new sequences. One whose load stopped short (seq id
-        -> blocks) recomputed the rest: its usage no longer counts those tokens as cached."""
+    def record_loads(
+        self, step_id: int, num_host_blocks: int, num_store_blocks: int, failed: Mapping[str, int]
+    ) -> None:
+        """What the worker loaded for step ``step_id``'s new sequences. One whose load stopped short
+        (seq id -> blocks) recomputed the rest: if that was its first admission, whose hit usage
+        reports (even if it was preempted since), those tokens no longer count as cached."""
         self.kv_tiers.record_loads(num_host_blocks, num_store_blocks, sum(failed.values()))
         for seq_id, num_blocks in failed.items():
             seq = self.seqs.get(seq_id)
-            if seq is not None and seq.num_preemptions == 0:  # the hit usage reports
+            if seq is not None and seq.cached_step == step_id:
                 seq.num_cached_tokens = max(0, seq.num_cached_tokens - num_blocks * self.limits.block_size)
 
     def _try_admit(self, plan: Plan, seq: Sequence) -> bool:
@@ -266,6 +269,7 @@ class Scheduler:
             self.prefix_cache_stats.record(seq.num_tokens, num_device_tokens)
             if seq.num_preemptions == 0:  # usage reports the first admission's hit, and keeps it
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
+                seq.cached_step = plan.step_id
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self._running, seq, key=lambda s: s.order)
         plan.new_seq_ids.add(seq.seq_id)

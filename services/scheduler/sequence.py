@@ -45,7 +45,9 @@ class Sequence:
     num_pending_tokens: int = 0
     prompt_done_step: int = 0  # the step whose plan computes the prompt's last chunk (0: none yet)
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens whose KV G1, G2 or G3 held at first admission
+    # prompt tokens its first admission took from G1, G2 or G3 (less any load the worker recomputed)
+    num_cached_tokens: int = 0
+    cached_step: int = 0  # the step whose plan admitted it first: the loads num_cached_tokens counts
     num_stored_blocks: int = 0  # leading blocks of its prompt chain in G3 when it was submitted
     num_saved_blocks: int = 0  # leading full blocks already sent to the worker in saves
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks, grown lazily

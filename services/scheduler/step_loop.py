@@ -97,7 +97,8 @@ class StepLoop:
             raise WorkerLost(result.error)
         core = self.handle.core
         failed_loads = dict(zip(result.failed_load_seq_ids, result.failed_load_num_blocks, strict=True))
-        core.record_loads(result.num_loaded_host_blocks, result.num_loaded_store_blocks, failed_loads)
+        num_host, num_store = result.num_loaded_host_blocks, result.num_loaded_store_blocks
+        core.record_loads(result.step_id, num_host, num_store, failed_loads)
         failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
         changed = core.postprocess(
             result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs, failed

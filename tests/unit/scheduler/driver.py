@@ -30,7 +30,7 @@ class Driver:
             self.plans.append(plan)
             self.in_flight.append(self.worker.execute(plan))
             num_host, num_store, _ = self.worker.last_loads
-            self.sched.record_loads(num_host, num_store, self.worker.last_failed_loads)
+            self.sched.record_loads(plan.step_id, num_host, num_store, self.worker.last_failed_loads)
             self.sched.check_integrity()
         if self.in_flight and (plan is None or len(self.in_flight) >= self.max_in_flight):
             for seq in self.sched.postprocess(*self.in_flight.pop(0)):
