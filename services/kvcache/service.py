@@ -285,7 +285,10 @@ class KVCacheService:
         report = collect_garbage(
             self.index, self.root, now, self.config.store_capacity_bytes, adopt_orphans=True
         )
-        write_snapshot(self.index, self.root, now)
+        try:
+            write_snapshot(self.index, self.root, now)
+        except OSError as exc:  # a full disk: the pass itself stands; the store is the truth anyway
+            log.warning("could not save the index snapshot: %s", exc)
         return report
 
     def _save_job(self, now: float, touched: dict[bytes, float]) -> None:
@@ -316,7 +319,11 @@ class KVCacheService:
             self._resync_wanted = False
         now = self.clock()
         touched, self._touched = self._touched, {}
-        report = await self._exclusive(lambda: self._gc_job(now, touched, full))
+        try:
+            report = await self._exclusive(lambda: self._gc_job(now, touched, full))
+        except BaseException:
+            self._resync_wanted = self._resync_wanted or resync  # still owed: the next pass is full
+            raise
         if full:
             self._last_reconcile = now
         if resync:

@@ -231,8 +231,11 @@ def _reconcile_files(
         report.num_files_scanned += 1
         if isinstance(item, ScannedBlock):
             block_hash = item.header.meta.block_hash
-            if _names(index.get(block_hash), item.path):
+            entry = index.get(block_hash)
+            if _names(entry, item.path):
                 present.add(block_hash)
+                if entry is not None and item.mtime > entry.last_use:  # a use the file kept (touched
+                    index.touch(block_hash, item.mtime)  # after the snapshot the index came from)
                 continue
             if opts.adopt_orphans:
                 _insert_scanned(index, item)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from libs.bus.base import Message
 from libs.protocol.codec import decode
 from libs.protocol.kv_messages import KVEvents, RemovalReason, split_hashes
+from services.kvcache import service as service_module
 from services.kvcache.config import GIB
 from services.kvcache.index import Tier
 from services.kvcache.snapshot import snapshot_path
@@ -129,3 +132,43 @@ async def test_a_full_pass_is_due_every_reconcile_interval(tmp_path: Path) -> No
         assert svc.wants_full_pass()  # a cheap pass does not count
         await svc.gc_pass()
         assert not svc.wants_full_pass()
+
+
+async def test_after_a_crash_the_reconcile_takes_recency_from_the_files(tmp_path: Path) -> None:
+    """Cheap passes write no snapshot, but they do record lookups in the files' mtimes: a restart
+    from an older snapshot (no clean close) gets the recency back from the files."""
+    clock = Clock()
+    block = put(tmp_path, 1)
+    async with running(tmp_path, clock) as (bus, svc):
+        await Publisher(bus, svc).send(stored([block]))
+        await svc.gc_pass()  # a full pass: the snapshot holds the block, last used at NOW
+        snapshot = snapshot_path(tmp_path).read_bytes()
+        clock.now = NOW + HOUR
+        assert await lookup(bus, [block]) == 1
+        await svc.gc_pass(full=False)  # the use reaches the file's mtime, not the snapshot
+        used = svc.index.get(hash_of(block))
+        assert used is not None and used.last_use == NOW + HOUR
+    snapshot_path(tmp_path).write_bytes(snapshot)  # as if the process died before its close
+
+    async with running(tmp_path, clock) as (_, again):
+        assert again.index.get(hash_of(block)) == used
+
+
+async def test_a_resync_whose_pass_fails_stays_owed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    async with running(tmp_path, clock, config(reconcile_interval_s=HOUR)) as (bus, svc):
+        failures: list[Path] = []
+
+        def broken(index: object, root: Path, *args: object, **kwargs: object) -> None:
+            failures.append(root)
+            raise OSError(5, "I/O error")  # e.g. a flaky network mount
+
+        monkeypatch.setattr(service_module, "collect_garbage", broken)
+        worker = Publisher(bus, svc)
+        await worker.send(seq=1)
+        await worker.send(seq=3)  # a gap: the loop runs a full pass now, which fails
+        await wait_until(lambda: len(failures) == 1)
+        await wait_until(svc.wants_full_pass)  # still owed once the pass is over, not in an hour
+        monkeypatch.undo()
+        await svc.gc_pass(full=svc.wants_full_pass())
+        assert svc.counters["resyncs", ""] == 1 and not svc.wants_full_pass()
