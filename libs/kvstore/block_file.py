@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import hashlib
 import os
 import re
 import secrets
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
@@ -43,7 +44,7 @@ import xxhash
 from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, block_hash_hex
 
 MAGIC: Final = b"DIKVBLK\x00"
-FORMAT_VERSION: Final = 2  # 2: the payload checksum is xxh3-128 (1: sha256's first 16 bytes)
+FORMAT_VERSION: Final = 2  # the one written; every version in _PAYLOAD_CHECKSUMS is read
 BLOCK_FILE_SUFFIX: Final = ".kvb"
 TEMP_FILE_SUFFIX: Final = ".tmp"
 MAX_HEADER_NUM_BYTES: Final = 4096  # a bigger header_len is corruption, not a long fingerprint
@@ -128,12 +129,27 @@ class Expectation:
     dtype: str
 
 
-def payload_checksum(payload: bytes | bytearray | memoryview) -> bytes:
-    # xxh3-128: ~50 GB/s here, against sha256's ~1.6 (hardware-accelerated), which made it the
-    # largest CPU cost of a G3 load (48 of ~150 ms for a 4k-token SmolLM2 prefix; 0.3 s for a
-    # Llama-3-8B one). It guards against corruption, not forgery (whoever can write the store can
-    # write a valid file): a damaged payload passes with probability ~2**-128, crc32's is 2**-32.
+Buffer = bytes | bytearray | memoryview
+
+
+def _sha256_128(payload: Buffer) -> bytes:
+    return hashlib.sha256(payload).digest()[:16]
+
+
+def _xxh3_128(payload: Buffer) -> bytes:
     return xxhash.xxh3_128_digest(payload)
+
+
+# Format version -> its payload checksum. 2: xxh3-128, ~50 GB/s here against sha256's ~1.6
+# (hardware-accelerated), which made it the largest CPU cost of a G3 load (48 of ~150 ms for a
+# 4k-token SmolLM2 prefix; 0.3 s for a Llama-3-8B one). It guards against corruption, not forgery
+# (whoever can write the store can write a valid file): a damaged payload passes with probability
+# ~2**-128, crc32's is 2**-32. 1: sha256's first 16 bytes, still read, so an upgrade keeps the store.
+_PAYLOAD_CHECKSUMS: Final[dict[int, Callable[[Buffer], bytes]]] = {1: _sha256_128, 2: _xxh3_128}
+
+
+def payload_checksum(payload: Buffer, version: int = FORMAT_VERSION) -> bytes:
+    return _PAYLOAD_CHECKSUMS[version](payload)
 
 
 def block_path(root: Path | str, fingerprint: str, block_hash: bytes) -> Path:
@@ -154,8 +170,9 @@ def _encode_str(text: str) -> bytes:
     return _STR_LEN.pack(len(data)) + data
 
 
-def encode_header(meta: BlockMeta, payload_len: int, checksum: bytes) -> bytes:
-    """Header bytes for a payload of ``payload_len`` bytes whose ``payload_checksum`` is ``checksum``."""
+def encode_header(meta: BlockMeta, payload_len: int, checksum: bytes, version: int = FORMAT_VERSION) -> bytes:
+    """Header bytes for a payload of ``payload_len`` bytes whose ``payload_checksum`` is ``checksum``
+    (``version``: an older format's, to test that it is still read)."""
     if len(meta.block_hash) != BLOCK_HASH_NUM_BYTES:
         raise ValueError(f"block hash has {len(meta.block_hash)} bytes, expected {BLOCK_HASH_NUM_BYTES}")
     lay = meta.layout
@@ -174,7 +191,7 @@ def encode_header(meta: BlockMeta, payload_len: int, checksum: bytes) -> bytes:
     header_len = _PREFIX.size + len(fixed) + len(strings) + _CRC.size
     if header_len > MAX_HEADER_NUM_BYTES:
         raise ValueError(f"header of {header_len} bytes exceeds {MAX_HEADER_NUM_BYTES}")
-    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, header_len) + fixed + strings
+    body = _PREFIX.pack(MAGIC, version, header_len) + fixed + strings
     return body + _CRC.pack(zlib.crc32(body))
 
 
@@ -215,7 +232,7 @@ def _read_header_from(f: BinaryIO, path: Path) -> BlockFileHeader:
     magic, version, header_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise BlockFileError(path, BlockFileFault.BAD_MAGIC, repr(magic))
-    if version != FORMAT_VERSION:
+    if version not in _PAYLOAD_CHECKSUMS:
         raise BlockFileError(path, BlockFileFault.BAD_VERSION, f"version {version}")
     if not _PREFIX.size + _FIXED.size + 3 * _STR_LEN.size + _CRC.size <= header_len <= MAX_HEADER_NUM_BYTES:
         raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, f"header_len {header_len}")
@@ -281,7 +298,7 @@ def read_block_file(path: Path | str, expect: Expectation) -> bytearray:
     if num_read != header.payload_len:  # the file shrank after the size check
         detail = f"payload {num_read} of {header.payload_len} bytes"
         raise BlockFileError(path, BlockFileFault.TRUNCATED, detail)
-    if payload_checksum(payload) != header.payload_checksum:
+    if payload_checksum(payload, header.version) != header.payload_checksum:
         raise BlockFileError(path, BlockFileFault.CORRUPT_PAYLOAD, "payload checksum")
     return payload
 

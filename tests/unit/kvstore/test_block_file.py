@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import zlib
@@ -121,7 +122,7 @@ def test_bad_magic_and_version(tmp_path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(b"NOTKVBLK" + data[8:])
     assert fault_of(path) is BlockFileFault.BAD_MAGIC
-    for version in (1, FORMAT_VERSION + 1):  # 1: sha256 payload checksums; then a future format
+    for version in (0, FORMAT_VERSION + 1):  # formats this reader does not know
         path.write_bytes(MAGIC + struct.pack("<H", version) + data[10:])
         assert fault_of(path) is BlockFileFault.BAD_VERSION
     path.write_bytes(b"")
@@ -182,3 +183,14 @@ def test_header_limits() -> None:
         encode_header(replace(META, block_hash=b"\x00" * 16), 0, b"\x00" * 16)
     with pytest.raises(ValueError):
         encode_header(replace(META, dtype="x" * 5000), 0, b"\x00" * 16)
+
+
+def test_a_version_1_file_is_still_read(tmp_path: Path) -> None:
+    """Format 1 checked payloads with sha256: an upgraded reader keeps the store it finds."""
+    path = tmp_path / "v1.kvb"
+    checksum = hashlib.sha256(PAYLOAD).digest()[:16]
+    path.write_bytes(encode_header(META, len(PAYLOAD), checksum, version=1) + PAYLOAD)
+    assert read_header(path).version == 1
+    assert read_block_file(path, EXPECT) == PAYLOAD
+    path.write_bytes(encode_header(META, len(PAYLOAD), checksum, version=1) + bytes(len(PAYLOAD)))
+    assert fault_of(path) is BlockFileFault.CORRUPT_PAYLOAD
