@@ -62,12 +62,6 @@ class Run:
     first: ModelRunnerOutput  # the prefill step's output: load counters
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG, dtype=torch.float32).eval()
-
-
 def make_runner(model: LlamaForCausalLM, tiers: KVTiers | None = None) -> ModelRunner:
     return ModelRunner(model, SHAPE, NUM_BLOCKS, BLOCK_SIZE, torch.float32, kv_tiers=tiers)
 

@@ -37,12 +37,6 @@ FP = "tiny-engine-fp"
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def reference(model: LlamaForCausalLM) -> dict[str, list[int]]:
     return {s: reference_greedy(model, p, GREEDY.max_tokens) for s, p in PROMPTS.items()}
 

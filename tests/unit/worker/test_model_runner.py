@@ -28,12 +28,6 @@ PROMPTS = {
 ARRIVALS = {"a": 0, "b": 2, "c": 3, "d": 5}
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG, dtype=torch.float32).eval()
-
-
 def make_runner(model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = 4) -> ModelRunner:
     return ModelRunner(model, ModelShape.of(CONFIG), num_blocks, block_size, torch.float32)
 

@@ -43,12 +43,6 @@ CACHED = {"a": 16, "b": 12, "c": 8, "d": 0, "e": 8}  # prompt tokens a hit skips
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def reference(model: LlamaForCausalLM) -> dict[str, list[int]]:
     prompts = PROMPTS | WARM
     return {s: reference_greedy(model, p, GREEDY.max_tokens) for s, p in prompts.items()}
