@@ -43,13 +43,20 @@ def wander(matcher: Matcher, vocab: WalkVocab, stop_ids: tuple[int, ...], rng: r
     return out
 
 
-def finish(matcher: Matcher, alphabet: Alphabet, stop_ids: tuple[int, ...], vocab_size: int) -> list[int]:
-    """The search's path, after checking it left the matcher's mask untouched."""
+def search(
+    matcher: Matcher, alphabet: Alphabet, stop_ids: tuple[int, ...], vocab_size: int
+) -> list[int] | None:
+    """The search's answer, after checking it left the matcher's mask untouched."""
     before, after = new_bitmask(vocab_size), new_bitmask(vocab_size)
     matcher.fill_mask(before, 0)
     path = completion_path(matcher, alphabet, stop_ids[0])
     matcher.fill_mask(after, 0)
     assert bool((before == after).all()), "the search changed the matcher's state"
+    return path
+
+
+def finish(matcher: Matcher, alphabet: Alphabet, stop_ids: tuple[int, ...], vocab_size: int) -> list[int]:
+    path = search(matcher, alphabet, stop_ids, vocab_size)
     assert path is not None, "no way to finish found"
     return path
 
@@ -116,9 +123,4 @@ def test_gives_up_past_its_limits(
         schema = {"type": "array", "items": {"enum": [1]}, "minItems": 300}  # outlines' regex stays small
     matcher = caches[backend].get(constraint(schema, backend)).matcher(stop_ids)
     assert matcher.advance(walk_vocab.tokens.index(b"["))
-    before = new_bitmask(len(walk_vocab.tokens))
-    matcher.fill_mask(before, 0)
-    assert completion_path(matcher, alphabet, stop_ids[0]) is None
-    after = new_bitmask(len(walk_vocab.tokens))
-    matcher.fill_mask(after, 0)
-    assert bool((before == after).all())
+    assert search(matcher, alphabet, stop_ids, len(walk_vocab.tokens)) is None
