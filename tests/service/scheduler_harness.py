@@ -12,7 +12,6 @@ from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import decode, encode, pack_tokens
 from libs.protocol.messages import (
-    ModelRunnerOutput,
     SamplingParams,
     SchedulerOutput,
     StepOutputs,
@@ -23,7 +22,7 @@ from libs.protocol.messages import (
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import Config
 from services.scheduler.service import SchedulerService
-from tests.unit.scheduler.fake_worker import EOS, FakeWorker
+from tests.unit.scheduler.fake_worker import EOS, FakeRunner
 
 PROMPT = [5, 6, 7]
 
@@ -47,7 +46,8 @@ class ScriptedWorker:
         self.worker_id = worker_id
         self.max_num_seqs = max_num_seqs
         self.owner = owner
-        self.fake = FakeWorker(BLOCK_SIZE)
+        self.runner = FakeRunner(BLOCK_SIZE)  # the ModelRunner interface over a FakeWorker
+        self.fake = self.runner.worker
         self.plans: list[SchedulerOutput] = []
         self.gate = asyncio.Event()
         self.gate.set()
@@ -69,18 +69,7 @@ class ScriptedWorker:
         await self.gate.wait()
         plan = decode(SchedulerOutput, msg.data)
         self.plans.append(plan)
-        ids, tokens = self.fake.execute(plan)
-        host, store, failed = self.fake.last_loads
-        out = ModelRunnerOutput(
-            plan.step_id,
-            ids,
-            pack_tokens(tokens),
-            len(self.fake.seqs),
-            num_loaded_host_blocks=host,
-            num_loaded_store_blocks=store,
-            num_failed_load_blocks=failed,
-        )
-        await self.bus.respond(msg, encode(out))
+        await self.bus.respond(msg, encode(self.runner.execute(plan)))
 
 
 Stack = tuple[InMemoryBus, ScriptedWorker, asyncio.Queue[StepOutputs]]
