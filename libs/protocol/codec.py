@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import logging
 import sys
 import types
 import typing
@@ -76,6 +77,16 @@ def decode(cls: type[T], data: bytes) -> T:
         return _converter(cls)(obj)  # type: ignore[arg-type,no-any-return]
     except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
         raise DecodeError(f"cannot decode {cls.__name__}: {exc}") from exc
+
+
+def decode_or_warn(cls: type[T], data: bytes, log: logging.Logger, what: str) -> T | None:
+    """``decode``, or None after a warning naming ``what``: a subscriber drops a message it cannot
+    read, and says so, rather than let one bad publisher take its handler down."""
+    try:
+        return decode(cls, data)
+    except DecodeError as exc:
+        log.warning("bad %s: %s", what, exc)
+        return None
 
 
 def _to_wire(value: Any) -> Any:

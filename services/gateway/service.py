@@ -25,7 +25,7 @@ from typing import Any
 
 from libs.bus.base import Bus, Message, NoResponders, Subscription
 from libs.bus.membership import MEMBER_TTL_S, live_members, member_key
-from libs.protocol.codec import DecodeError, decode, encode, pack_tokens
+from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode, pack_tokens
 from libs.protocol.kv_messages import KVCacheStats
 from libs.protocol.messages import (
     CancelRequest,
@@ -217,10 +217,8 @@ class GatewayService:
             log.info("request %s resumed at %s: not cancelled", claim.request_id, claim.gateway_id)
 
     async def _on_stats(self, msg: Message) -> None:
-        try:
-            stats = decode(KVCacheStats, msg.data)
-        except DecodeError as exc:
-            log.warning("undecodable KV-cache stats on %s: %s", msg.subject, exc)
+        stats = decode_or_warn(KVCacheStats, msg.data, log, f"KV-cache stats on {msg.subject}")
+        if stats is None:
             return
         self.kv_stats.update(stats, time.monotonic())
 

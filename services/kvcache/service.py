@@ -35,7 +35,7 @@ from typing import Final, TypeVar
 from libs.bus.base import Bus, Message, Subscription
 from libs.bus.membership import announce
 from libs.kvstore.block_file import block_path, touch_block_file
-from libs.protocol.codec import DecodeError, decode, encode
+from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import (
     CacheTier,
     KVCacheStats,
@@ -161,10 +161,8 @@ class KVCacheService:
     # --- inbound messages ------------------------------------------------------------------
 
     async def on_events(self, msg: Message) -> None:
-        try:
-            batch = decode(KVEvents, msg.data)
-        except DecodeError as exc:
-            log.warning("bad kv events: %s", exc)
+        batch = decode_or_warn(KVEvents, msg.data, log, "kv events")
+        if batch is None:
             return
         if batch.publisher_id == self.config.kvcache_id:
             return  # our own removals, already applied

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
-from libs.protocol.codec import DecodeError, decode, encode
+from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import (
     KVCacheStats,
     KVDump,
@@ -73,10 +73,8 @@ class KVSync:
     # --- G2 ----------------------------------------------------------------------------------
 
     async def on_kv_events(self, msg: Message) -> None:
-        try:
-            batch = decode(KVEvents, msg.data)
-        except DecodeError as exc:
-            log.warning("bad kv events: %s", exc)
+        batch = decode_or_warn(KVEvents, msg.data, log, "kv events")
+        if batch is None:
             return
         handle = self.workers.get(batch.publisher_id)
         if handle is None:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from libs.bus.base import Bus, Message
 from libs.bus.membership import announce
-from libs.protocol.codec import DecodeError, decode, encode, pack_tokens, unpack_tokens
+from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode, pack_tokens, unpack_tokens
 from libs.protocol.errors import QueueFull
 from libs.protocol.messages import (
     CancelRequest,
@@ -183,10 +183,8 @@ class SchedulerService:
 
     async def on_cancel(self, msg: Message) -> None:
         """Ids are request ids (every choice) or sequence ids (one choice)."""
-        try:
-            cancel = decode(CancelRequest, msg.data)
-        except DecodeError as exc:
-            log.warning("bad cancel: %s", exc)
+        cancel = decode_or_warn(CancelRequest, msg.data, log, "cancel")
+        if cancel is None:
             return
         for request_id in cancel.request_ids:
             for handle in self.workers.values():
@@ -198,10 +196,8 @@ class SchedulerService:
                     log.info("cancelled %s", request_id)
 
     async def on_load(self, msg: Message) -> None:
-        try:
-            load = decode(WorkerLoad, msg.data)
-        except DecodeError as exc:
-            log.warning("bad load message: %s", exc)
+        load = decode_or_warn(WorkerLoad, msg.data, log, "load message")
+        if load is None:
             return
         handle = self.workers.get(load.worker_id)
         if load.owner not in ("", self.config.scheduler_id):

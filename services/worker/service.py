@@ -19,7 +19,7 @@ import time
 
 from libs.bus.base import Bus, Message
 from libs.bus.membership import MEMBER_TTL_S, announce, live_members
-from libs.protocol.codec import DecodeError, decode, encode
+from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import (
     CacheTier,
     KVCacheStats,
@@ -169,10 +169,7 @@ class WorkerService:
         so applying one the dump already reflects changes nothing, and the view converges to G2.
         """
         tiers = self.runner.kv_tiers
-        try:
-            decode(KVDumpRequest, msg.data)
-        except DecodeError as exc:
-            log.warning("bad KV dump request: %s", exc)
+        if decode_or_warn(KVDumpRequest, msg.data, log, "KV dump request") is None:
             return
         assert tiers is not None  # subscribed only with tiers
         seq = self.kv_seq  # before the read: see above

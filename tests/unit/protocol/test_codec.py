@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import logging
+
 import msgpack
 import pytest
 
 from libs.protocol.codec import (
     DecodeError,
     decode,
+    decode_or_warn,
     encode,
     pack_floats,
     pack_tokens,
@@ -102,3 +105,12 @@ def test_a_payload_from_before_new_trailing_fields_decodes_with_their_defaults()
         decode(StoredResponse, msgpack.packb([b"{}"]))
     with pytest.raises(DecodeError):  # more fields than the type knows
         decode(StoredResponse, msgpack.packb([b"{}", b"[]", "gw1", "t", "extra"]))
+
+
+def test_decode_or_warn_drops_a_bad_message_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("test.codec")
+    good = StoredResponse(b"{}", b"[]")
+    assert decode_or_warn(StoredResponse, encode(good), log, "stored response") == good
+    with caplog.at_level(logging.WARNING, logger="test.codec"):
+        assert decode_or_warn(StoredResponse, b"\xc1", log, "stored response") is None
+    assert "bad stored response" in caplog.text
