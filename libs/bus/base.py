@@ -28,6 +28,9 @@ class Message:
 
 
 MessageHandler = Callable[[Message], Awaitable[None]]
+# Called with False when the connection to the bus is lost and True when it is back. Step outputs
+# and replies in flight across a loss may be gone: listeners fail what depended on them.
+ConnectionListener = Callable[[bool], None]
 
 
 class Subscription(Protocol):
@@ -72,5 +75,10 @@ class Bus(Protocol):
     async def kv_delete(self, bucket: str, key: str) -> None: ...
 
     async def kv_items(self, bucket: str) -> dict[str, bytes]: ...
+
+    @property
+    def connected(self) -> bool: ...
+
+    def add_connection_listener(self, listener: ConnectionListener) -> None: ...
 
     async def close(self) -> None: ...

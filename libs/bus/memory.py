@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from libs.bus.base import Message, MessageHandler, NoResponders, RequestTimeout
+from libs.bus.base import ConnectionListener, Message, MessageHandler, NoResponders, RequestTimeout
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -55,6 +55,18 @@ class InMemoryBus:
         self._kv_ttl: dict[str, float] = {}
         self._inbox_ids = itertools.count()
         self._pending: dict[str, asyncio.Future[bytes]] = {}
+        self._listeners: list[ConnectionListener] = []
+        self.connected = True
+
+    def add_connection_listener(self, listener: ConnectionListener) -> None:
+        self._listeners.append(listener)
+
+    def set_connected(self, connected: bool) -> None:
+        """Tell the listeners the connection was lost or is back (messages still flow: a test
+        of what a process does on the news, not of an outage)."""
+        self.connected = connected
+        for listener in self._listeners:
+            listener(connected)
 
     async def publish(self, subject: str, data: bytes) -> None:
         self._deliver(Message(subject, data))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
 import nats
@@ -13,7 +14,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 
-from libs.bus.base import Message, MessageHandler, NoResponders, RequestTimeout
+from libs.bus.base import ConnectionListener, Message, MessageHandler, NoResponders, RequestTimeout
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 IDLE_HEARTBEAT_S = 0.5
 # Raised server-side too (see nats_server.py); a 1M-token prompt is 4 MB packed.
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+RECONNECT_WAIT_S = 0.5  # between attempts to reach a server that is down
+PING_INTERVAL_S = 5.0
+ERROR_LOG_PERIOD_S = 30.0  # while the server is down, one line per kind of error this often
 
 
 class _NatsSubscription:
@@ -33,25 +37,82 @@ class _NatsSubscription:
             await self._sub.unsubscribe()
 
 
+class _RateLimitedLog:
+    """At most one line per ``period_s`` for each kind of message; the rest are counted."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, kind: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.period_s) < self.period_s:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        suppressed = self._suppressed.pop(kind, 0)
+        log.warning("%s%s", text, f" ({suppressed} more like it suppressed)" if suppressed else "")
+
+
 class NatsBus:
     def __init__(self, nc: Client) -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._kv: dict[str, Any] = {}
+        self._listeners: list[ConnectionListener] = []
+        self._closing = False
 
     @classmethod
     async def connect(cls, url: str, name: str) -> NatsBus:
+        """Reconnects forever (same URL): subscriptions are re-made by nats-py, ordered consumers
+        resume from their last sequence, and listeners hear of every loss and return."""
+        errors = _RateLimitedLog(ERROR_LOG_PERIOD_S)
+        bus: NatsBus | None = None
+
         async def on_error(exc: Exception) -> None:
-            log.warning("nats: %s", exc)
+            # Every failed reconnect attempt lands here: one line per period, not one per attempt.
+            errors.warning(type(exc).__name__, f"nats: {exc!r}")
+
+        async def on_disconnect() -> None:
+            if bus is None or bus._closing:
+                return  # a clean close is no outage
+            log.warning("nats: disconnected from %s; reconnecting", url)
+            bus._notify(False)
+
+        async def on_reconnect() -> None:
+            log.warning("nats: reconnected to %s", url)
+            if bus is not None:
+                bus._notify(True)
 
         nc = await nats.connect(
             url,
             name=name,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.2,
+            reconnect_time_wait=RECONNECT_WAIT_S,
+            # A peer that vanished without closing its socket is noticed after two missed pings.
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=2,
             error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
         )
-        return cls(nc)
+        bus = cls(nc)
+        return bus
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
+    def add_connection_listener(self, listener: ConnectionListener) -> None:
+        self._listeners.append(listener)
+
+    def _notify(self, connected: bool) -> None:
+        for listener in self._listeners:
+            try:
+                listener(connected)
+            except Exception:  # one listener's bug must not stop the others or the client
+                log.exception("connection listener failed")
 
     async def publish(self, subject: str, data: bytes) -> None:
         await self._nc.publish(subject, data)
@@ -148,5 +209,6 @@ class NatsBus:
         return items
 
     async def close(self) -> None:
+        self._closing = True  # a clean close is no outage to react to, nor to log
         if not self._nc.is_closed:
             await self._nc.drain()

@@ -56,7 +56,8 @@ class EmbeddedNatsServer:
         return None if self._proc is None else self._proc.pid
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self.port = free_port(self.host)
+        # A restart (after ``kill``) keeps its port and store: clients reconnect to the same URL.
+        self.port = self.port or free_port(self.host)
         conf = Path(self.store_dir) / "nats.conf"
         conf.write_text(
             f'host: "{self.host}"\nport: {self.port}\nmax_payload: {MAX_PAYLOAD}\n'
@@ -66,6 +67,9 @@ class EmbeddedNatsServer:
             [find_nats_server(), "-c", str(conf)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # Not in the terminal's process group: Ctrl-C must not stop NATS before the processes
+            # that use it; whoever started it stops it, last.
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -79,6 +83,17 @@ class EmbeddedNatsServer:
                 time.sleep(0.02)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.url} in {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, for fault tests), keeping its port and store for ``start``."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def poll(self) -> int | None:
+        """The exit code once the process has ended (and is reaped), else None."""
+        return None if self._proc is None else self._proc.poll()
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

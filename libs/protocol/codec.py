@@ -7,8 +7,10 @@ its type hints.
 
 A payload written before its message gained trailing fields with defaults decodes with those
 defaults: entries kept in buckets (stored responses, stream records) outlive an upgrade, and
-during a rolling one older peers still send the shorter form. One with more fields than the type
-knows, or too few for its required ones, is refused.
+during a rolling one older peers still send the shorter form. A payload from a newer peer, with
+trailing fields this version does not know yet, decodes without them (the same rolling upgrade,
+the other way round: a member entry or a step message from an upgraded process). One with too few
+fields for its required ones is refused.
 """
 
 from __future__ import annotations
@@ -141,8 +143,8 @@ def _dataclass_converter(cls: type) -> Converter:
     num_required = sum(f.default is no_default and f.default_factory is no_default for f in fields)
 
     def convert(values: Any) -> Any:
-        if not isinstance(values, list) or not num_required <= len(values) <= len(convs):
-            raise TypeError(f"expected {num_required} to {len(convs)} fields")
+        if not isinstance(values, list) or len(values) < num_required:
+            raise TypeError(f"expected at least {num_required} fields")
         return cls(*(conv(v) for conv, v in zip(convs, values, strict=False)))
 
     return convert

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+_REASON = re.compile(r"[a-z][a-z ]{0,39}")
+
 
 class DeepinferError(Exception):
     """Base of the errors deepinfer raises on purpose."""
@@ -17,3 +21,10 @@ class QueueFull(DeepinferError):
 class NoWorkers(DeepinferError):
     def __init__(self) -> None:
         super().__init__("no worker is available")
+
+
+def failure_reason(error: str) -> str:
+    """A sequence's error as a metric label: its leading words, before the first ':' ("structured
+    output: ..." -> "structured_output"), or "other" (what follows is free text: unbounded labels)."""
+    head = error.partition(":")[0].strip().lower()
+    return head.replace(" ", "_") if _REASON.fullmatch(head) else "other"

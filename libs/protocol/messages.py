@@ -123,6 +123,9 @@ class SubmitReply:
     status: SubmitStatus
     message: str = ""
     scheduler_id: str = ""  # who owns the request now: a gap in its outputs fails it
+    # The last StepOutputs.seq it had sent the submitting gateway when it accepted (-1: not said):
+    # the gateway then notices a loss even of the first output it is owed (its heartbeat's count).
+    out_seq: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +234,14 @@ class MemberKind(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class OutSeq:
+    """A scheduler's last ``StepOutputs.seq`` to one gateway, in its heartbeat."""
+
+    gateway_id: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class MemberInfo:
     """Value of ``<kind>.<id>`` in the members bucket; refreshed well within the bucket's TTL."""
 
@@ -238,6 +249,19 @@ class MemberInfo:
     member_id: str
     model: str = ""
     ready: bool = True
+    # +1 per refresh: a watcher that sees it unchanged for a while knows the process stopped,
+    # before the bucket's TTL removes the entry
+    heartbeat: int = 0
+    step_s: float = 0.0  # a worker: how long its running step has run (0: none running)
+    max_step_s: float = 0.0  # a worker: a step running longer is stuck (0: no bound)
+    owner: str = ""  # a worker: the scheduler it serves ("": none)
+    # a scheduler: what it has sent each gateway; a gateway that stays behind lost the rest
+    out_seqs: tuple[OutSeq, ...] = ()
+
+    @property
+    def stuck(self) -> bool:
+        """A worker whose step does not return: alive, but it cannot serve."""
+        return self.max_step_s > 0 and self.step_s > self.max_step_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,3 +334,19 @@ class StoredResponse:
     input_json: bytes  # the input items it answered, the chain before it included (JSON array)
     owner: str = ""  # the gateway running a background response to its end; empty once it ended
     tenant: str = ""  # whose it is: another tenant can neither read nor continue nor cancel it
+
+
+@dataclass(frozen=True, slots=True)
+class PauseRequest:
+    """Gateway -> schedulers: stop computing these requests (every choice) until a resume, or
+    (``resume``) go on with them. A resumable stream's last reader left: its sequences leave the
+    worker at once, their computed blocks stay in the prefix cache, and a resume recomputes over
+    that hit. ``timeout_s``: when no resume or cancel came by then, the scheduler cancels it (its
+    gateway may be gone); 0 means the scheduler's own ``pause_timeout_s``."""
+
+    request_ids: tuple[str, ...]
+    resume: bool = False
+    timeout_s: float = 0.0
+    # The sender. A pause and a resume from two gateways are not ordered: a pause from another
+    # gateway than the one whose reader resumed the request since is stale, and ignored.
+    gateway_id: str = ""

@@ -81,6 +81,11 @@ class Subjects:
         """JetStream KV bucket for membership and liveness."""
         return f"{self.prefix.replace('.', '-')}-members"
 
+    @property
+    def pause(self) -> str:
+        """PauseRequest: a stream's client left (pause its request), or it is resumed (go on)."""
+        return f"{self.prefix}.pause"
+
 
 # Queue group of the schedulers: each submit goes to exactly one of them.
 QUEUE_SCHEDULERS = "schedulers"
