@@ -1,47 +1,96 @@
-"""Grammar-constrained decoding: the backends, the gateway's ``validate`` and (in cache.py) the
-worker's compile cache.
+"""Grammar-constrained decoding: the backends, which of them can be used here, ``validate`` and
+(in cache.py and sandbox.py) the bounded, cached compiles of the worker and the gateway.
 
 Backends are imported on first use: xgrammar alone takes about two seconds to import (it imports
-torch and transformers), and the gateway only needs it once a request carries a constraint.
+torch and transformers).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
 from collections.abc import Sequence
-from typing import Final
+from types import ModuleType
+from typing import Final, Protocol
 
-from libs.grammar.backend import GrammarBackend, GrammarError
+from libs.grammar.backend import BackendUnavailable, GrammarBackend, GrammarError
 from libs.protocol.messages import StructuredOutput
 
+log = logging.getLogger(__name__)
+
 BACKENDS: Final = ("xgrammar", "outlines")
+
+
+class TokenBytes(Protocol):
+    special_token_ids: frozenset[int]
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def grammar_vocab(tokenizer: TokenBytes, vocab_size: int) -> list[bytes]:
+    """The bytes of each token id a grammar may produce; b"" for special tokens and for ids past
+    the tokenizer (a padded embedding table), which no grammar may emit as text."""
+    special = tokenizer.special_token_ids
+    return [b"" if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
+
+
+def _module(name: str) -> ModuleType:
+    """The backend's module (importing its library). Raises GrammarError, BackendUnavailable."""
+    if name not in BACKENDS:
+        raise unknown_backend(name)
+    problem = backend_problem(name)
+    if problem is not None:
+        raise BackendUnavailable(f"grammar backend {name} is unavailable: {problem}")
+    return importlib.import_module(f"libs.grammar.{name}_backend")
+
+
+def unknown_backend(name: str) -> GrammarError:
+    return GrammarError(
+        f"unknown grammar backend {name!r} (expected one of {', '.join(BACKENDS)})", "backend"
+    )
+
+
+@functools.cache
+def backend_problem(name: str) -> str | None:
+    """Why backend ``name`` cannot be imported in this process; None when it can."""
+    try:
+        importlib.import_module(f"libs.grammar.{name}_backend")
+    except Exception as exc:  # ImportError mostly; a broken native library may raise others
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_backend(name: str) -> str:
+    """``name`` if its library imports here, else the other backend, with a warning naming both.
+    Raises RuntimeError when none imports (a broken install: the service must not start)."""
+    problem = backend_problem(name)
+    if problem is None:
+        return name
+    problems = {name: problem}
+    for other in BACKENDS:
+        if other == name:
+            continue
+        other_problem = backend_problem(other)
+        if other_problem is None:
+            log.warning("grammar backend %s is unavailable (%s): using %s instead", name, problem, other)
+            return other
+        problems[other] = other_problem
+    why = "; ".join(f"{backend}: {reason}" for backend, reason in problems.items())
+    raise RuntimeError(f"no grammar backend is available ({why})")
 
 
 def make_backend(name: str, vocab: Sequence[bytes]) -> GrammarBackend:
     """The backend ``name`` for a model whose token i stands for ``vocab[i]`` (b"": never text).
     ``len(vocab)`` is the logits width, so masks are ``ceil(len(vocab) / 32)`` words wide."""
-    if name == "xgrammar":
-        from libs.grammar.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(vocab)
-    if name == "outlines":
-        from libs.grammar.outlines_backend import OutlinesBackend
-
-        return OutlinesBackend(vocab)
-    raise GrammarError(f"unknown grammar backend {name!r} (expected one of {', '.join(BACKENDS)})", "backend")
+    module = _module(name)
+    backend: GrammarBackend = (module.XGrammarBackend if name == "xgrammar" else module.OutlinesBackend)(
+        vocab
+    )
+    return backend
 
 
 def validate(constraint: StructuredOutput) -> None:
-    """Raise GrammarError for anything the worker would fail to compile; needs no vocabulary."""
-    if constraint.backend == "xgrammar":
-        from libs.grammar import xgrammar_backend
-
-        xgrammar_backend.validate(constraint)
-    elif constraint.backend == "outlines":
-        from libs.grammar import outlines_backend
-
-        outlines_backend.validate(constraint)
-    else:
-        raise GrammarError(
-            f"unknown grammar backend {constraint.backend!r} (expected one of {', '.join(BACKENDS)})",
-            "backend",
-        )
+    """Raise GrammarError for anything the worker would fail to compile; needs no vocabulary,
+    and is unbounded: run it where a runaway compile harms no one (sandbox.py bounds compiles)."""
+    _module(constraint.backend).validate(constraint)

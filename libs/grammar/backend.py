@@ -35,6 +35,19 @@ class GrammarError(ValueError):
         self.param = param
 
 
+class GrammarLimitError(GrammarError):
+    """Compiling the constraint ran past a bound (time or memory): the constraint's own cost, so
+    it is remembered as failed like any other GrammarError."""
+
+
+class BackendUnavailable(GrammarError):
+    """The backend cannot be used here (its library is missing, its compiler would not start).
+    Not the constraint's fault: never cached, a later request may find it working."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "backend")
+
+
 class Matcher(Protocol):
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (every other bit cleared)."""

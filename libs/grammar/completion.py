@@ -5,48 +5,76 @@ would barely cover the way out, it stops letting the model choose and walks this
 open-ended schema (recursion, unbounded strings or numbers) ends as valid JSON instead of being
 cut off mid-value.
 
-The search is a depth-first walk over one-byte tokens, tried in an order that closes before it
-opens: a stop token, then ``"`` ``}`` ``]``, digits, letters, punctuation, ``,``, and ``[`` ``{``
-last. It never returns a wrong path (every token is accepted by the real matcher, and the path
-ends with an accepted stop token); it may return a longer path than the shortest, or none when
-``max_steps`` runs out. States already seen are skipped, keyed by the backend's ``state_key``
-and the number of structural bytes (``"`` ``]`` ``}`` ``,``) on the path: a loop inside one value
-(more digits, more characters in a string) revisits a key and is cut, while a structure that
-repeats after another (the next array item, a second ``$ref`` to one definition) gets a new key.
+Two parts. First the bytes: a depth-first walk over one-byte tokens, tried in an order that
+closes before it opens: a stop token, then ``"`` ``}`` ``]``, digits, letters, punctuation,
+``,``, and ``[`` ``{`` last. States already seen are skipped, keyed by the backend's
+``state_key`` and the number of structural bytes (``"`` ``]`` ``}`` ``,``) on the path: a loop
+inside one value (more digits, more characters in a string) revisits a key and is cut, while a
+structure that repeats after another (the next array item, a second ``$ref`` to one definition)
+gets a new key. Then the tokens: those bytes are spelled with the fewest whole tokens of the
+vocabulary (``"}]``, ``": "``, ``</`` rather than one byte each), which is what makes a way out
+about as long as the model's own ending. Both backends match bytes, so a token is accepted
+exactly when its bytes are one after another; the spelling is still advanced through the real
+matcher, and the one-byte path is kept should it refuse.
+
+It never returns a wrong path (every token is accepted by the real matcher, and the path ends
+with an accepted stop token); it may return a longer path than the shortest, or none when
+``max_steps`` runs out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from libs.grammar.backend import Matcher
 
+log = logging.getLogger(__name__)
+
 _FIRST: Final = b'"}]0123456789nft'  # closers, then the shortest values: 0, null, false, true
 _LATE: Final = b",\n[{"  # these add to what must be closed
 _MARKS: Final = b'"]},'  # a new one of these is a new value or item, not more of the same
+# Bytes that open, close or separate structure (JSON, and a hermes tool call's tags). A token
+# without any of them is "plain": inside a string it is more of the string, elsewhere part of a
+# number or literal, so it lengthens a way out by a token at most (a '-', '.' or 'e' needs a digit).
+STRUCTURAL: Final = b'"{}[],:\\<>'
+MAX_PIECE_BYTES: Final = 32  # longer tokens are not used to spell a way out (none is structural)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # eq=False: hashed by identity, one per vocabulary
 class Alphabet:
-    """The one-byte tokens of a vocabulary in the order the search tries them (every byte value
-    that has a token: a string may need any character, a half-written UTF-8 character its next
-    byte), and which are structural bytes (``_MARKS``)."""
+    """What the search needs of a vocabulary: its one-byte tokens in the order they are tried
+    (every byte value that has a token: a string may need any character, a half-written UTF-8
+    character its next byte), which of them are structural (``_MARKS``), the bytes of each
+    token, every text token by its bytes (to spell a path in whole tokens), and the plain
+    tokens (none of ``STRUCTURAL``)."""
 
     token_ids: tuple[int, ...]
     num_marks: tuple[int, ...]
+    byte_of: Mapping[int, int]  # one-byte token id -> its byte
+    texts: Sequence[bytes]  # the vocabulary: token id -> its bytes
+    pieces: Mapping[bytes, int]  # a text token's bytes -> its id (the lowest, for duplicates)
+    plain_ids: tuple[int, ...]
 
     @classmethod
     def of(cls, vocab: Sequence[bytes]) -> Alphabet:
         by_byte: dict[int, int] = {}
+        pieces: dict[bytes, int] = {}
+        plain: list[int] = []
         for token_id, text in enumerate(vocab):
             if len(text) == 1:
                 by_byte.setdefault(text[0], token_id)
+            if text and len(text) <= MAX_PIECE_BYTES:
+                pieces.setdefault(text, token_id)
+            if text and not any(b in STRUCTURAL for b in text):
+                plain.append(token_id)
         middle = [b for b in range(0x20, 0x7F) if b not in _FIRST and b not in _LATE]
         order = dict.fromkeys([*_FIRST, *middle, *_LATE, *range(0x80, 0x100), *range(0x20)])
         token_ids = tuple(by_byte[b] for b in order if b in by_byte)
-        return cls(token_ids, tuple(int(vocab[t][0] in _MARKS) for t in token_ids))
+        marks = tuple(int(vocab[t][0] in _MARKS) for t in token_ids)
+        return cls(token_ids, marks, {t: vocab[t][0] for t in token_ids}, vocab, pieces, tuple(plain))
 
 
 def completion_path(
@@ -57,8 +85,27 @@ def completion_path(
     max_depth: int = 192,
 ) -> list[int] | None:
     """Tokens (ending with ``stop_token_id``) that finish the grammar from the matcher's state, or
-    None if none was found within ``max_steps`` token trials and ``max_depth`` tokens (a matcher
+    None if none was found within ``max_steps`` token trials and ``max_depth`` bytes (a matcher
     may only roll back so far: outlines keeps 256 states). The matcher is left as it was."""
+    path = byte_path(matcher, alphabet, stop_token_id, max_steps, max_depth)
+    if not path:
+        return path
+    spelled = whole_tokens(bytes(alphabet.byte_of[t] for t in path[:-1]), alphabet.pieces)
+    if len(spelled) + 1 < len(path) and accepts(matcher, [*spelled, stop_token_id]):
+        return [*spelled, stop_token_id]
+    if len(spelled) + 1 < len(path):
+        log.warning("a way out in whole tokens was refused; it is walked byte by byte")
+    return path
+
+
+def byte_path(
+    matcher: Matcher,
+    alphabet: Alphabet,
+    stop_token_id: int,
+    max_steps: int = 4096,
+    max_depth: int = 192,
+) -> list[int] | None:
+    """``completion_path`` in one-byte tokens (the module docstring's first part)."""
     if matcher.is_terminated():
         return []
     candidates, marks = alphabet.token_ids, alphabet.num_marks
@@ -102,3 +149,61 @@ def completion_path(
     finally:
         if path:
             matcher.rollback(len(path))
+
+
+def whole_tokens(data: bytes, pieces: Mapping[bytes, int]) -> list[int]:
+    """``data`` spelled with the fewest tokens of ``pieces`` (ties: the longer first token).
+    Every byte must have a one-byte token."""
+    return _spell(data, 0, _first_pieces(data, pieces), pieces)
+
+
+def next_steps(path: Sequence[int], alphabet: Alphabet) -> dict[int, list[int]]:
+    """For each token whose bytes begin the bytes of the way out ``path`` (its first token among
+    them, and shorter ones such as ``' "'`` before ``' "",'``): the fewest tokens that finish
+    from after it, the stop token last. A model that takes one of them has a way out this long."""
+    data = b"".join(alphabet.texts[t] for t in path[:-1])
+    first = _first_pieces(data, alphabet.pieces)
+    steps: dict[int, list[int]] = {}
+    for length in range(1, min(MAX_PIECE_BYTES, len(data)) + 1):
+        token_id = alphabet.pieces.get(data[:length])
+        if token_id is not None:
+            steps[token_id] = [*_spell(data, length, first, alphabet.pieces), path[-1]]
+    return steps
+
+
+def _first_pieces(data: bytes, pieces: Mapping[bytes, int]) -> list[int]:
+    """``first[i]``: the length of the first token of a fewest-token spelling of ``data[i:]``,
+    by dynamic programming from the end."""
+    n = len(data)
+    num_tokens = [0] * (n + 1)  # num_tokens[i]: fewest tokens that spell data[i:]
+    first = [0] * n
+    for i in range(n - 1, -1, -1):
+        best = n + 1
+        for length in range(min(MAX_PIECE_BYTES, n - i), 0, -1):
+            if data[i : i + length] in pieces and num_tokens[i + length] + 1 < best:
+                best, first[i] = num_tokens[i + length] + 1, length
+        num_tokens[i] = best
+    return first
+
+
+def _spell(data: bytes, start: int, first: Sequence[int], pieces: Mapping[bytes, int]) -> list[int]:
+    out: list[int] = []
+    i = start
+    while i < len(data):
+        out.append(pieces[data[i : i + first[i]]])
+        i += first[i]
+    return out
+
+
+def accepts(matcher: Matcher, token_ids: Sequence[int]) -> bool:
+    """Whether the matcher accepts ``token_ids`` one after another (it is left as it was)."""
+    num_accepted = 0
+    try:
+        for token_id in token_ids:
+            if not matcher.advance(token_id):
+                return False
+            num_accepted += 1
+        return True
+    finally:
+        if num_accepted:
+            matcher.rollback(num_accepted)

@@ -115,6 +115,11 @@ def _reason(exc: Exception) -> str:
     return _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
 
 
+def tokenizer_info(vocab: Sequence[bytes]) -> xgr.TokenizerInfo:
+    """The vocabulary as xgrammar sees it; b"" tokens count as special: never allowed as text."""
+    return xgr.TokenizerInfo(list(vocab), xgr.VocabType.RAW, vocab_size=len(vocab))
+
+
 class XGrammarBackend:
     """One per worker: the vocabulary as xgrammar's TokenizerInfo, and a compiler without its own
     cache (GrammarCache caches compiled grammars)."""
@@ -123,8 +128,7 @@ class XGrammarBackend:
 
     def __init__(self, vocab: Sequence[bytes], max_threads: int = 2) -> None:
         self.vocab_size = len(vocab)
-        # b"" tokens count as special in xgrammar: never allowed as text.
-        info = xgr.TokenizerInfo(list(vocab), xgr.VocabType.RAW, vocab_size=len(vocab))
+        info = tokenizer_info(vocab)
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, constraint: StructuredOutput) -> XGrammarCompiled:

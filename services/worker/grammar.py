@@ -8,47 +8,77 @@ on a helper thread, started before the forward and joined after it, so the mask 
 the model instead of adding to the step.
 
 Budget: a grammar keeps every prefix valid but cannot make a model stop, so an open-ended schema
-(recursion, unbounded strings or numbers) could run out of ``max_tokens`` mid-value. When the
-tokens left come close to the length of a way out (``completion_path``), the sequence stops
-choosing and walks that way out: the output ends valid, ``STEER_SLACK`` tokens or more early.
+(recursion, unbounded strings or numbers) could run out of ``max_tokens`` mid-value. Once the
+tokens left come within ``HORIZON`` of a way out (``completion_path``, in whole tokens), the
+sequence searches one every few steps, then every step; its margin is the tokens left beyond it.
+While the margin is above ``STEER_SLACK`` the model chooses freely. At ``STEER_SLACK`` or less it
+is guarded: it may still write plain tokens (more of a string, a number's digits: a plain token
+lengthens the way out by one at most) and the tokens that begin the way out, never other
+structure; where the grammar allows few plain tokens (an enum's values) each is checked, so the
+model keeps its own choice to the last token. With a margin under two and many plain tokens, only
+what begins the way out is left. So an output whose way out fits when the guard begins always
+ends valid, and a model that leaves ``STEER_SLACK`` tokens of its budget unused is never steered.
+A grammar that may end where it is (free text with tool-call triggers) guards earlier, as many
+tokens ahead as its longest call takes: a call the model opens must fit.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from libs.grammar import make_backend
-from libs.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError, Matcher
+from libs.grammar import backend_problem
+from libs.grammar.backend import (
+    BackendUnavailable,
+    CompiledGrammar,
+    GrammarError,
+    GrammarLimitError,
+    Matcher,
+)
 from libs.grammar.cache import GrammarCache
-from libs.grammar.completion import Alphabet, completion_path
+from libs.grammar.completion import Alphabet, accepts, completion_path, next_steps, whole_tokens
+from libs.grammar.constraint import load_tool_triggers
+from libs.grammar.sandbox import CompileLimits, SandboxedBackend, sandboxed_backend
 from libs.kernels.token_mask import bitmask_to_bias
 from libs.protocol.codec import unpack_tokens
-from libs.protocol.messages import StructuredOutput
+from libs.protocol.messages import StructuredOutput, StructuredOutputKind
+from services.worker import metrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BACKEND = "xgrammar"  # the gateway's default --grammar-backend
-# The way out is walked once it needs STEER_SLACK tokens fewer than are left: the most that one
-# sampled token (a ',' opening another property, say) may lengthen it between two searches.
-STEER_SLACK = 16
-RECHECK_STEPS = 8  # steps between searches while the way out is not yet close
+# The margin (tokens left beyond the way out) at which the model's structural tokens become the
+# way out's; above it the model chooses freely, so it is the most that one free token (a '{"'
+# opening an object, a ', "' opening a property) may lengthen the way out between two searches.
+STEER_SLACK = 8
+MAX_GROWTH = 4  # what a free token is taken to add to the way out, to space the searches
+RECHECK_STEPS = 8  # the most steps between searches while the way out is not yet close
 HORIZON = 128  # no search while more tokens than this are left beyond the last way out
+MAX_CHECKED = 16  # a guarded mask with this many plain tokens or fewer checks each of them
 
 
 class Grammars:
     """Backends and compile caches of one worker. ``vocab[i]``: token i's bytes, b"" for a token
-    no grammar may produce as text (special tokens, padding past the tokenizer)."""
+    no grammar may produce as text (special tokens, padding past the tokenizer).
 
-    def __init__(self, vocab: Sequence[bytes] | None, max_cached: int = 256) -> None:
+    Compiles run in child processes bounded by ``limits`` (libs.grammar.sandbox): one past a
+    bound fails its sequence alone, and is remembered as failed. A constraint whose backend does
+    not import here fails its sequence with BackendUnavailable."""
+
+    def __init__(
+        self, vocab: Sequence[bytes] | None, max_cached: int = 256, limits: CompileLimits | None = None
+    ) -> None:
         self.vocab = vocab
         self.vocab_size = len(vocab) if vocab is not None else 0
         self.max_cached = max_cached
+        self.limits = limits if limits is not None else CompileLimits()
         self.alphabet = Alphabet.of(vocab) if vocab is not None else None  # for ways out
         self._caches: dict[str, GrammarCache] = {}
         self._lock = threading.Lock()  # backends are built on first use, maybe from two threads
@@ -59,17 +89,40 @@ class Grammars:
             if cache is None:
                 if self.vocab is None:
                     raise GrammarError("this worker's model has no tokenizer vocabulary for grammars")
-                backend: GrammarBackend = make_backend(backend_name, self.vocab)
-                cache = self._caches[backend_name] = GrammarCache(backend, max_entries=self.max_cached)
+                problem = backend_problem(backend_name)  # the matchers run here: it must import
+                if problem is not None:
+                    raise BackendUnavailable(f"grammar backend {backend_name} is unavailable: {problem}")
+                backend = sandboxed_backend(backend_name, self.vocab, self.limits)
+                cache = self._caches[backend_name] = GrammarCache(
+                    backend, self.max_cached, self.limits.num_procs, _count_limit_errors
+                )
             return cache
 
     def warm(self, backend_name: str) -> None:
-        """Build a backend now (importing xgrammar and indexing the vocabulary take about a
-        second), so the first request that needs it does not stall a step. Never raises."""
+        """Start a backend's compiler processes now (importing xgrammar and indexing the
+        vocabulary take seconds) and compile one grammar on them in the background, so the first
+        request that needs it does not stall a step. Never raises."""
         try:
-            self._cache(backend_name)
+            cache = self._cache(backend_name)
+            assert isinstance(cache.backend, SandboxedBackend)
+            cache.backend.start(wait=False)
         except Exception as exc:
             log.warning("grammar backend %s unavailable: %s", backend_name, exc)
+            return
+        warm = cache.submit(StructuredOutput(StructuredOutputKind.JSON, backend=backend_name))
+
+        def report(done: Future[CompiledGrammar]) -> None:
+            if done.exception() is not None:
+                log.warning("grammar backend %s unavailable: %s", backend_name, done.exception())
+
+        warm.add_done_callback(report)
+
+    def close(self) -> None:
+        """Stop every compiler process."""
+        with self._lock:
+            caches, self._caches = list(self._caches.values()), {}
+        for cache in caches:
+            cache.close()
 
     def submit(self, constraint: StructuredOutput) -> Future[CompiledGrammar]:
         """Start compiling (or find the cached grammar); never raises: errors are in the future."""
@@ -79,6 +132,11 @@ class Grammars:
             failed: Future[CompiledGrammar] = Future()
             failed.set_exception(exc)
             return failed
+
+
+def _count_limit_errors(error: GrammarError) -> None:
+    if isinstance(error, GrammarLimitError):
+        metrics.GRAMMAR_COMPILE_TIMEOUTS.inc()
 
 
 class SequenceGrammar:
@@ -96,6 +154,7 @@ class SequenceGrammar:
         stop_token_ids: Sequence[int],
         alphabet: Alphabet | None = None,
     ) -> None:
+        self._constraint = constraint
         self._start_after = unpack_tokens(constraint.start_after)
         self._compiled = compiled
         self._stop_token_ids = list(stop_token_ids)
@@ -105,8 +164,11 @@ class SequenceGrammar:
         self._pending: list[int] = []
         self._alphabet = alphabet  # None: never steered to a way out
         self._way_out: list[int] = []  # being walked: the tokens still to come, then the stop token
+        self._plan: list[int] = []  # a way out from here, known from the last search (or empty)
+        self._next: dict[int, list[int]] = {}  # next token -> a way out after it (``next_steps``)
         self._way_out_len = 0  # length of the last way out found
-        self._since_search = RECHECK_STEPS
+        self._wait = 0  # steps to go before the next search
+        self._call_cost: int | None = None  # tokens the longest tool call takes (None: not yet known)
 
     def accept(self, token_id: int) -> None:
         """Feed one sampled (or replayed) output token."""
@@ -118,6 +180,8 @@ class SequenceGrammar:
             self._pending.append(token_id)
             return
         _advance(self._matcher, token_id)
+        # A token that begins the last way out leaves a known way out; any other voids it.
+        self._plan, self._next = self._next.get(token_id, []), {}
         if self._way_out:
             # The mask allowed only the way out's next token; anything else is a plan that ran past.
             self._way_out = self._way_out[1:] if token_id == self._way_out[0] else []
@@ -137,34 +201,122 @@ class SequenceGrammar:
             # more step for it (its token is dropped), and a row must never be all -inf.
             _allow_only(bitmask, row, self._stop_token_ids)
             return
-        if remaining is not None and self._steer(matcher, remaining):
+        guard = self._steer(matcher, remaining) if remaining is not None else None
+        if self._way_out:
             _allow_only(bitmask, row, self._way_out[:1])
             return
         matcher.fill_mask(bitmask, row)
+        if guard is not None and remaining is not None:
+            self._guard(matcher, bitmask, row, guard, remaining)
 
-    def _steer(self, matcher: Matcher, remaining: int) -> bool:
-        """Whether this token must follow the way out (searching for one when it may be close)."""
-        if self._way_out or self._alphabet is None:
-            return bool(self._way_out)
-        self._since_search += 1
-        close = remaining <= self._way_out_len + STEER_SLACK + RECHECK_STEPS
-        due = self._since_search >= RECHECK_STEPS and remaining <= self._way_out_len + HORIZON
-        if not (close or due):
-            return False
-        self._since_search = 0
+    def _guard(
+        self, matcher: Matcher, bitmask: torch.Tensor, row: int, keep: list[int], remaining: int
+    ) -> None:
+        """Narrows ``bitmask[row]`` to ``keep``, the stop tokens it allows and plain tokens: each
+        one checked (a way out after it must fit) when the grammar allows few, else all of them
+        while the margin absorbs the one token a plain token may add to the way out."""
+        assert self._alphabet is not None
+        plain = _plain_mask(self._alphabet, bitmask.shape[1])
+        keep = [*keep, *(t for t in self._stop_token_ids if int(bitmask[row, t // 32]) & _bit(t))]
+        candidates = _set_bits(bitmask[row] & plain)
+        if len(candidates) <= MAX_CHECKED:
+            for token_id in candidates:
+                rest = self._way_out_after(matcher, token_id)
+                if rest is not None and len(rest) < remaining:
+                    keep.append(token_id)
+                    self._next[token_id] = rest
+            _allow_only(bitmask, row, keep)
+            return
+        if remaining - self._way_out_len < 2:
+            _allow_only(bitmask, row, keep)
+            return
+        bitmask[row] &= plain
+        for token_id in keep:
+            bitmask[row, token_id // 32] |= _bit(token_id)
+
+    def _way_out_after(self, matcher: Matcher, token_id: int) -> list[int] | None:
+        assert self._alphabet is not None
+        if not matcher.advance(token_id):
+            return None
         try:
-            path = completion_path(matcher, self._alphabet, self._stop_token_ids[0])
-        except Exception:  # a backend's rollback refused: go on unsteered rather than fail the row
-            log.exception("no way out of the grammar could be searched")
-            self._alphabet = None
-            return False
+            return self._search(matcher, self._alphabet)
+        finally:
+            matcher.rollback(1)
+
+    def _steer(self, matcher: Matcher, remaining: int) -> list[int] | None:
+        """Searches a way out when one may be close. Walks it (``_way_out``) when it no longer fits;
+        returns the structural tokens the model may take when it is to be guarded (those that
+        begin the way out and leave one that fits); else None."""
+        if self._way_out or self._alphabet is None:
+            return None
+        if remaining > self._way_out_len + HORIZON:
+            return None
+        if self._wait > 0:
+            self._wait -= 1
+            return None
+        path = self._search(matcher, self._alphabet)
         if path is None:  # none within the search's limit (minItems: 1000, say): never steered
             self._alphabet = None
-            return False
+            return None
+        if self._plan and len(self._plan) < len(path) and accepts(matcher, self._plan):
+            path = self._plan  # the search is a heuristic: the way out the model followed may be shorter
+        self._next = next_steps(path, self._alphabet)
         self._way_out_len = len(path)
-        if len(path) + STEER_SLACK >= remaining:
+        margin = remaining - len(path)
+        if margin < 0:  # too late to fit: finish as soon as can be
             self._way_out = path
-        return bool(self._way_out)
+            return None
+        slack = STEER_SLACK
+        if len(path) == 1:  # the grammar may end here: a tool call opened now must fit
+            slack = max(slack, self._tool_call_cost(self._alphabet))
+        # Until the next search each free token takes up to 1 + MAX_GROWTH of the margin.
+        self._wait = min(RECHECK_STEPS, max(0, margin - slack - 1) // (1 + MAX_GROWTH))
+        if margin > slack:
+            return None
+        # The way out's first token always: it is what makes a row never empty.
+        return [path[0], *(t for t, rest in self._next.items() if len(rest) < remaining and t != path[0])]
+
+    def _search(self, matcher: Matcher, alphabet: Alphabet) -> list[int] | None:
+        try:
+            return completion_path(matcher, alphabet, self._stop_token_ids[0])
+        except Exception:  # a backend's rollback refused: go on unsteered rather than fail the row
+            log.exception("no way out of the grammar could be searched")
+            return None
+
+    def _tool_call_cost(self, alphabet: Alphabet) -> int:
+        """Tokens from the start of a tool call (its trigger) to the end of the output, for the
+        longest of the constraint's tags (0 for a constraint without triggers). Found once, on a
+        fresh matcher: each tag's opening text in whole tokens, then a way out from there."""
+        if self._call_cost is None:
+            self._call_cost = 0
+            if self._constraint.kind == StructuredOutputKind.TOOL_TRIGGERS:
+                tags = load_tool_triggers(self._constraint.spec, self._constraint.backend).tags
+                compiled = self._compiled.result()
+                for tag in tags:
+                    opening = whole_tokens(tag.begin.encode(), alphabet.pieces)
+                    probe = compiled.matcher(self._stop_token_ids)
+                    if not all(probe.advance(t) for t in opening):
+                        continue
+                    path = self._search(probe, alphabet)
+                    if path is not None:
+                        self._call_cost = max(self._call_cost, len(opening) + len(path))
+        return self._call_cost
+
+
+def _set_bits(words: torch.Tensor) -> list[int]:
+    """The token ids whose bits are set in one bitmask row (int32 words)."""
+    bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")
+    return [int(t) for t in np.flatnonzero(bits)]
+
+
+@functools.lru_cache(maxsize=4)
+def _plain_mask(alphabet: Alphabet, num_words: int) -> torch.Tensor:
+    """The plain tokens (``Alphabet.plain_ids``) as one bitmask row of ``num_words`` words."""
+    bits = torch.zeros(num_words * 32, dtype=torch.bool)
+    bits[list(alphabet.plain_ids)] = True
+    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    words = (bits.view(num_words, 32).to(torch.int64) * weights).sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def _allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:

@@ -157,6 +157,40 @@ def test_forced_tool_calls_parse_and_validate_in_chat(stack: Stack, stream: bool
         jsonschema.validate(json.loads(arguments), SCHEMA_OF[name])
 
 
+CITY_WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+}
+
+
+def test_a_forced_call_ends_valid_at_small_max_tokens(stack: Stack) -> None:
+    """SmolLM2 writes this call in about 32 tokens; a way out spelled one byte a token would need
+    77. From 33 up the call ends inside max_tokens and validates (the whole sweep, 33 to 76, runs
+    in one process in test_structured_budget.py)."""
+    sdk = client(stack)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY_WEATHER}}]
+
+    def run(max_tokens: int) -> tuple[int, str | None, list[tuple[str, str]]]:
+        resp = sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice="required",
+            temperature=0.0,
+            max_tokens=max_tokens,
+        )
+        calls = [(c.function.name, c.function.arguments) for c in resp.choices[0].message.tool_calls or ()]
+        return max_tokens, resp.choices[0].finish_reason, calls
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(run, (33, 50, 76)))
+    for max_tokens, finish, calls in results:
+        names = [name for name, _ in calls]
+        assert finish == "tool_calls" and names == ["get_weather"], (max_tokens, finish, calls)
+        jsonschema.validate(json.loads(calls[0][1]), CITY_WEATHER)
+
+
 def test_forced_tool_use_in_messages_and_responses(stack: Stack) -> None:
     tools = [{"name": n, "description": f"{n} tool", "input_schema": s} for n, s in SCHEMA_OF.items()]
     messages = anthropic.Anthropic(base_url=stack.root_url, api_key="unused", max_retries=0, timeout=300)

@@ -1,7 +1,8 @@
 """Grammar masks in the engine (scheduler core + ModelRunner, tiny random-weight model, a small
 synthetic vocabulary, the real grammar backends): constrained outputs validate whatever the
-weights want, with overlap and preemption; a constraint that fails to compile fails only its own
-sequence; reasoning before ``start_after`` is free."""
+weights want, with overlap and preemption, and end valid inside any ``max_tokens`` that covers
+the way out; a model that finishes inside its budget is never steered; a constraint that fails
+to compile fails only its own sequence; reasoning before ``start_after`` is free."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import torch
 
 from deepinfer.local_engine import LocalEngine
 from libs.grammar.backend import CompiledGrammar
+from libs.grammar.completion import completion_path, whole_tokens
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import FinishReason, SamplingParams, StructuredOutput, StructuredOutputKind
 from services.scheduler.scheduler import Limits
-from services.worker.grammar import Grammars, SequenceGrammar
+from services.worker.grammar import STEER_SLACK, Grammars, SequenceGrammar
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.tiny_models import TINY_LLAMA
 
@@ -150,8 +152,21 @@ OPEN_ENDED = {  # nothing in the schema bounds the output's length
 }
 
 
+def test_every_way_out_fits_the_smallest_budget(grammars: Grammars) -> None:
+    """The premise of the next test: 16 tokens cover each schema's way out at the start."""
+    assert grammars.alphabet is not None
+    for backend in ("xgrammar", "outlines"):
+        for name, schema in OPEN_ENDED.items():
+            if backend == "outlines" and name == "linked_list":
+                continue
+            constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema), backend)
+            matcher = grammars.submit(constraint).result().matcher([EOS])
+            path = completion_path(matcher, grammars.alphabet, EOS)
+            assert path is not None and len(path) <= 16, (backend, name, path)
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
-@pytest.mark.parametrize("max_tokens", [24, 61])
+@pytest.mark.parametrize("max_tokens", [16, 19, 24, 61])
 def test_open_ended_outputs_end_valid_inside_max_tokens(
     model: LlamaForCausalLM, grammars: Grammars, backend: str, max_tokens: int
 ) -> None:
@@ -170,3 +185,59 @@ def test_open_ended_outputs_end_valid_inside_max_tokens(
         assert engine.finish_reasons[seq_id] is FinishReason.STOP, (seq_id, text(token_ids))
         assert len(token_ids) <= max_tokens
         jsonschema.validate(json.loads(text(token_ids)), schemas[seq_id.split("-")[0]])
+
+
+OPTIONAL = {
+    "type": "object",
+    "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+    "required": ["a"],
+}
+
+
+def allowed(bitmask: torch.Tensor) -> set[int]:
+    return {t for t in range(CONFIG.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1}
+
+
+def spelled(text: str, grammars: Grammars) -> list[int]:
+    assert grammars.alphabet is not None
+    return whole_tokens(text.encode(), grammars.alphabet.pieces)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_a_model_with_room_to_spare_is_never_steered(grammars: Grammars, backend: str) -> None:
+    """Every token of an answer that leaves more than STEER_SLACK tokens of its budget unused is
+    allowed, its structure too (a third tag), though the way out is close from the first token."""
+    answer = spelled('{"name": "abcd", "size": 12, "tags": ["ab", "cd", "x"], "ok": true}', grammars)
+    constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA), backend)
+    grammar = SequenceGrammar(constraint, grammars.submit(constraint), [EOS], grammars.alphabet)
+    bitmask = torch.zeros(1, (CONFIG.vocab_size + 31) // 32, dtype=torch.int32)
+    budget = len(answer) + 1 + STEER_SLACK + 1  # EOS, then the margin
+    for i, token_id in enumerate([*answer, EOS]):
+        grammar.fill(bitmask, 0, budget - i)
+        assert token_id in allowed(bitmask), (i, VOCAB[token_id])
+        grammar.accept(token_id)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_a_close_way_out_guards_then_is_walked(grammars: Grammars, backend: str) -> None:
+    """After '{"a": "x"' the way out is '}' then EOS. With a margin above STEER_SLACK the model may
+    open the optional property; at STEER_SLACK or less it may not (only '}' is left); at a margin
+    of one the way out is walked. Inside the string, a guarded model still writes letters."""
+    constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(OPTIONAL), backend)
+    bitmask = torch.zeros(1, (CONFIG.vocab_size + 31) // 32, dtype=torch.int32)
+    close, comma, letter = VOCAB.index(b"}"), VOCAB.index(b', "'), VOCAB.index(b"x")
+
+    def mask(prefix: str, remaining: int) -> set[int]:
+        grammar = SequenceGrammar(constraint, grammars.submit(constraint), [EOS], grammars.alphabet)
+        for token_id in spelled(prefix, grammars):
+            grammar.accept(token_id)
+        grammar.fill(bitmask, 0, remaining)
+        return allowed(bitmask)
+
+    assert {close, comma} <= mask('{"a": "x"', 2 + STEER_SLACK + 1)
+    guarded = mask('{"a": "x"', 2 + STEER_SLACK)
+    assert close in guarded and comma not in guarded
+    assert mask('{"a": "x"', 3) == {close}
+    inside = mask('{"a": "x', 3 + 2)  # way out '"}' EOS, margin 3: guarded
+    assert letter in inside and VOCAB.index(b'"}') in inside and VOCAB.index(b"\\") not in inside
+    assert mask('{"a": "x', 3) == {VOCAB.index(b'"}'), VOCAB.index(b'"')}  # margin 1: only what begins it

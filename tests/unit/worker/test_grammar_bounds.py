@@ -1,0 +1,55 @@
+"""The worker's compile bound in the engine (scheduler core + ModelRunner, tiny model, the real
+outlines backend in its compiler process): a regex whose index explodes fails its own sequence,
+naming the bound, while the sequence beside it decodes to a valid answer; a repeat fails at once
+from the cache, without another compile (the timeouts counter counts one)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+import torch
+
+from libs.grammar.sandbox import CompileLimits
+from libs.models.llama import LlamaForCausalLM
+from libs.protocol.messages import FinishReason, SamplingParams, StructuredOutput, StructuredOutputKind
+from services.worker import metrics
+from services.worker.grammar import Grammars
+from tests.unit.worker.test_grammar import CONFIG, PROMPTS, SCHEMA, VOCAB, constrained, make_engine, text
+
+HOSTILE = StructuredOutput(StructuredOutputKind.REGEX, "[ab]*a[ab]{22}", "outlines")  # 2**22 DFA states
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Iterator[Grammars]:
+    grammars = Grammars(VOCAB, limits=CompileLimits(timeout_s=2, num_procs=1))
+    yield grammars
+    grammars.close()
+
+
+def test_a_compile_past_its_bound_fails_only_its_sequence(
+    model: LlamaForCausalLM, grammars: Grammars
+) -> None:
+    timeouts_before = metrics.GRAMMAR_COMPILE_TIMEOUTS._value.get()
+    engine = make_engine(model, grammars)
+    engine.add("hostile", PROMPTS["a"], SamplingParams(max_tokens=20, structured_output=HOSTILE))
+    engine.add("good", PROMPTS["b"], constrained("outlines", temperature=0.0))
+    outputs = engine.run()
+    assert engine.finish_reasons["hostile"] is FinishReason.ERROR
+    assert "grammar compilation exceeded 2 s" in engine.finished["hostile"].error
+    assert engine.finish_reasons["good"] is FinishReason.STOP
+    jsonschema.validate(json.loads(text(outputs["good"])), SCHEMA)
+    # the repeat is answered by the cache: already failed when the sequence arrives
+    assert grammars.submit(HOSTILE).done()
+    engine.add("again", PROMPTS["c"], SamplingParams(max_tokens=20, structured_output=HOSTILE))
+    engine.run()
+    assert engine.finish_reasons["again"] is FinishReason.ERROR
+    assert metrics.GRAMMAR_COMPILE_TIMEOUTS._value.get() == timeouts_before + 1  # one compile burned
