@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from libs.grammar.sandbox import CompileLimits
 from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 
 
@@ -36,6 +37,10 @@ class Config:
     orphan_timeout_s: float = field(
         default=30.0, metadata={"help": "scheduler silence after which its sequences here are dropped"}
     )
+    max_step_s: float = field(
+        default=60.0,
+        metadata={"help": "a step running longer is stuck: the worker's heartbeat says it cannot serve"},
+    )
     host_cache_gb: float = field(
         default=1.0, metadata={"help": "host memory for KV blocks (G2), GiB; 0 turns G2 off"}
     )
@@ -55,21 +60,49 @@ class Config:
     kv_store_fsync: bool = field(
         default=False, metadata={"help": "fsync each G3 block file (survives power loss; slower)"}
     )
+    grammar_compile_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "longest one grammar compile may run; its compiler process is then killed"},
+    )
+    grammar_compile_max_mb: int = field(
+        default=2048, metadata={"help": "memory one grammar compile may take, MiB (its process is capped)"}
+    )
+    watchdog_s: float = field(
+        default=60.0, metadata={"help": "exit when the event loop has been stuck this long (0: off)"}
+    )
+    metrics_port: int = field(
+        default=0, metadata={"help": "port of this process's Prometheus /metrics (0: not served)"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.device != "cpu":
             raise ValueError(f"device={self.device!r}: only 'cpu' is supported so far")
         if self.dtype not in ("auto", "bfloat16", "float32", "int8", "int4"):
             raise ValueError(f"dtype={self.dtype!r}: expected auto, bfloat16, float32, int8 or int4")
-        for key in ("max_num_seqs", "block_size", "kv_cache_gb", "load_interval_s", "orphan_timeout_s"):
+        positive = (
+            "max_num_seqs",
+            "block_size",
+            "kv_cache_gb",
+            "load_interval_s",
+            "orphan_timeout_s",
+            "max_step_s",
+        )
+        for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("max_model_len and num_threads must be >= 0")
+        if self.grammar_compile_timeout_s <= 0 or self.grammar_compile_max_mb <= 0:
+            raise ValueError("grammar_compile_timeout_s and grammar_compile_max_mb must be > 0")
         if not self.host_cache_gb >= 0:
             raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         self.retention_policy()  # errors name the key
 
     def retention_policy(self) -> RetentionPolicy:
         return policy_from_config(self.retention_classes, self.default_retention_class)
+
+    def grammar_limits(self) -> CompileLimits:
+        return CompileLimits(self.grammar_compile_timeout_s, self.grammar_compile_max_mb)

@@ -11,15 +11,19 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.metrics_server import start_metrics_server
 from deepinfer.runtime import run_service, setup_logging
 from deepinfer.settings import build_config, kv_store_root, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
+from libs.grammar import grammar_vocab as token_bytes_vocab
+from libs.grammar import resolve_backend
 from libs.kvstore.block_file import KVLayout as BlockLayout
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
 from libs.models.registry import resolve_model_path
 from libs.recipe.tokenizer import Tokenizer
+from services.worker import metrics
 from services.worker.config import Config
 from services.worker.grammar import DEFAULT_BACKEND, Grammars
 from services.worker.host_cache import HostCache
@@ -55,9 +59,7 @@ def load_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM:
 def grammar_vocab(path: Path, cache_dir: Path, vocab_size: int) -> list[bytes]:
     """The bytes of each token id a grammar may produce; b"" for special tokens and for ids past
     the tokenizer (a padded embedding table), which no grammar may emit as text."""
-    tokenizer = Tokenizer.from_gguf(path, cache_dir)
-    special = tokenizer.special_token_ids
-    return [b"" if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
+    return token_bytes_vocab(Tokenizer.from_gguf(path, cache_dir), vocab_size)
 
 
 def build_kv_tiers(
@@ -96,8 +98,12 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
     shape = ModelShape.of(model.config)
     num_blocks = int(config.kv_cache_gb * 2**30) // shape.layout.bytes_per_block(config.block_size, dtype)
     log.info("model %s dtype=%s, %d KV blocks of %d tokens", path.name, dtype, num_blocks, config.block_size)
-    grammars = Grammars(grammar_vocab(path, Path(cache_dir), model.config.vocab_size))
-    grammars.warm(DEFAULT_BACKEND)  # the other backend is built on its first request
+    grammars = Grammars(
+        grammar_vocab(path, Path(cache_dir), model.config.vocab_size), limits=config.grammar_limits()
+    )
+    # The gateway's default, or the other backend (with a warning) where it does not import; the
+    # other one starts on its first request. Neither importing: a broken install, no start.
+    grammars.warm(resolve_backend(DEFAULT_BACKEND))
     weights = config.dtype if config.dtype in ("int8", "int4") else dtype_name(dtype)  # "auto" resolved
     fingerprint = kv_fingerprint(path, weights, dtype, shape.layout)
     kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.layout, dtype)
@@ -120,11 +126,13 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         service = WorkerService(
             config, bus, worker.runner, worker.max_model_len, worker.model_name, worker.fingerprint
         )
+        start_metrics_server(config.metrics_port, metrics.registry(worker.runner))
         await service.run(stop)
     finally:
         await bus.close()
         if worker.runner.kv_tiers is not None:
             await asyncio.to_thread(worker.runner.kv_tiers.close)  # the queued G3 writes finish
+        worker.runner.grammars.close()  # kills the grammar compiler processes
 
 
 def main(args: argparse.Namespace) -> None:
@@ -133,4 +141,4 @@ def main(args: argparse.Namespace) -> None:
     setup_logging(config.log_level, "worker")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    run_service(lambda stop: serve(config, cache_dir, stop))
+    run_service(lambda stop: serve(config, cache_dir, stop), config.watchdog_s, config.max_step_s)

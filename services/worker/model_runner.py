@@ -10,6 +10,13 @@ With KV tiers (``kv_tiers``), a plan's ``kv_saves`` are copied out first, before
 step can overwrite a freed page, then new sequences' ``kv_load`` blocks are filled from G2 / G3.
 A block that cannot be filled is recomputed in this same forward with every block after it: its
 row starts earlier and computes more tokens, and ends where the plan said.
+
+One bad sequence fails alone (``failed_seq_ids``): a new one whose tokens the model cannot take
+is refused before the step, a row whose logits are not finite samples nothing, and a forward that
+raises is rerun row by row (a rerun rewrites the same KV slots) so only the rows that raise alone
+fail. The worker drops a failed sequence at once and skips it in plans made before the scheduler
+knew (overlap), until a plan's ``finished_seq_ids`` names it. Only a forward that fails every row
+alone (the model itself is broken), or a ``PlanError``, fails the whole step (see row_isolation).
 """
 
 from __future__ import annotations
@@ -30,10 +37,16 @@ from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, Sch
 from services.worker.grammar import Grammars, MaskJob, MaskResult, SequenceGrammar
 from services.worker.kv_cache import KVCache, KVLayout, StepAttention
 from services.worker.kv_tiers import KVTiers, LoadResult
+from services.worker.row_isolation import PlanError as PlanError  # re-exported: callers import it here
+from services.worker.row_isolation import drop_non_finite, forward_isolating, kept_mask, without_blocks
 from services.worker.sampler import GrammarMask, Sampler
-from services.worker.sequence_state import SequenceState
+from services.worker.sequence_state import SequenceState, input_error
 
 log = logging.getLogger(__name__)
+
+# A step of one row that raises is blamed on its sequence; this many such steps in a row, and the
+# next one fails the step instead (the model itself is broken: the worker drops everything).
+MAX_LONE_FAILURES = 3
 
 
 class CausalLM(Protocol):
@@ -48,11 +61,13 @@ class CausalLM(Protocol):
 class ModelShape:
     num_heads: int
     layout: KVLayout
+    vocab_size: int  # rows of the embedding table: a token id at or past it is refused
+    max_num_tokens: int  # positions the model has (its RoPE table): a longer sequence is refused
 
     @classmethod
     def of(cls, config: LlamaConfig) -> ModelShape:
         layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        return cls(config.num_attention_heads, layout)
+        return cls(config.num_attention_heads, layout, config.vocab_size, config.max_position_embeddings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,17 +75,25 @@ class _Row:
     state: SequenceState
     num_tokens: int  # computed in this step, from state.num_computed_tokens on
 
+    @property
+    def samples(self) -> bool:
+        """Whether its chunk reaches the end of the tokens it knows (only before it is computed)."""
+        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
+
+    @property
+    def seq_id(self) -> str:
+        return self.state.seq_id
+
 
 @dataclass(frozen=True, slots=True)
 class _Sampled:
     rows: list[_Row]  # the rows that sampled, in layout order
     token_ids: list[int]
     logprobs: list[Logprobs | None]
-    failed: dict[str, str]  # seq_id -> why its grammar cannot be used
+    failed: dict[str, str]  # seq_id -> why its grammar cannot be used (the row sampled a stop token)
 
 
-class PlanError(ValueError):
-    """A plan that contradicts what the worker holds (a scheduler bug, or a lost step)."""
+_NO_SAMPLES = _Sampled([], [], [], {})
 
 
 class ModelRunner:
@@ -86,6 +109,7 @@ class ModelRunner:
         kv_tiers: KVTiers | None = None,
     ) -> None:
         self.model = model
+        self.shape = shape
         self.device = torch.device(device)
         self.kv_cache = KVCache(shape.layout, num_blocks, block_size, dtype, self.device)
         self.backend = make_attention_backend(
@@ -93,6 +117,13 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
+        # Failed and dropped here, not yet in a plan's finished_seq_ids: plans made before the
+        # scheduler heard of the failure (overlap) may still schedule them, and skip them here.
+        self.failed_seq_ids: set[str] = set()
+        # Per failed sequence, the blocks it held: plans made before the scheduler knew of the
+        # failure may still ask to save them, and their KV was never (or badly) written.
+        self._unwritten: dict[str, list[int]] = {}
+        self._num_lone_failures = 0  # steps in a row whose one row raised
         self.grammars = grammars if grammars is not None else Grammars(None)
         self._masks: MaskJob | None = None  # made on the first constrained step
         self.kv_tiers = kv_tiers  # None: no G2 / G3; a plan's loads are all recomputed
@@ -107,30 +138,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        # Read before this plan's finished ids release them: a plan made after the scheduler heard
+        # of a failure may still carry a save it queued earlier, or a new row that hit the blocks.
+        unwritten = {b for blocks in self._unwritten.values() for b in blocks}
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
-        self._save(plan)
+            self.failed_seq_ids.discard(seq_id)
+            self._unwritten.pop(seq_id, None)
+        self._save(plan, unwritten)
         rows: list[_Row] = []
         loads: dict[str, LoadResult] = {}
+        failed: dict[str, str] = {}  # seq_id -> why it cannot go on: dropped after the step
         for new in plan.new_seqs:
-            row = self._add(new)
+            row = self._add(new, failed)
+            if row is None:
+                continue
             if new.kv_load is not None:
                 row, loads[new.seq_id] = self._load(row, new.kv_load.first_block, new.kv_load.block_hashes)
-            rows.append(row)
-        counts = unpack_tokens(plan.num_scheduled_tokens)
-        if not len(counts) == len(plan.seq_ids) == len(plan.new_block_ids):
-            raise PlanError("seq_ids, num_scheduled_tokens and new_block_ids differ in length")
-        for seq_id, num_tokens, blocks in zip(plan.seq_ids, counts, plan.new_block_ids, strict=True):
-            state = self.seqs.get(seq_id)
-            if state is None:
-                raise PlanError(f"sequence {seq_id!r} is not held here")
-            new_blocks = unpack_tokens(blocks)
-            self._check_blocks(seq_id, new_blocks)
-            state.block_table += new_blocks
-            rows.append(_Row(state, num_tokens))
+            rows.append(self._recompute_unwritten(row, unwritten))
+        rows += self._held_rows(plan)
         for row in rows:
             self._check_row(row)
-        sampled = self._run(rows) if rows else _Sampled([], [], [], {})
+        sampled = self._run(rows, failed) if rows else _NO_SAMPLES
+        self._drop(failed)
+        failed.update(sampled.failed)
         logprobs = sampled.logprobs
         return ModelRunnerOutput(
             step_id=plan.step_id,
@@ -138,8 +169,8 @@ class ModelRunner:
             sampled_token_ids=pack_tokens(sampled.token_ids),
             num_running_seqs=self.num_running_seqs,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
-            failed_seq_ids=tuple(sampled.failed),
-            failed_errors=tuple(sampled.failed.values()),
+            failed_seq_ids=tuple(failed),
+            failed_errors=tuple(failed.values()),
             num_loaded_host_blocks=sum(r.num_host_blocks for r in loads.values()),
             num_loaded_store_blocks=sum(r.num_store_blocks for r in loads.values()),
             num_failed_load_blocks=sum(r.num_failed_blocks for r in loads.values()),
@@ -152,13 +183,15 @@ class ModelRunner:
         if self.kv_tiers is not None:
             self.kv_tiers.prefetch(plan)
 
-    def _save(self, plan: SchedulerOutput) -> None:
+    def _save(self, plan: SchedulerOutput, unwritten: set[int]) -> None:
         for save in plan.kv_saves:
             block_ids = unpack_tokens(save.block_ids)
             self._check_blocks("kv_saves", block_ids)
             if len(save.block_hashes) != HASH_NUM_BYTES * len(block_ids):
                 raise PlanError(f"kv_saves: {len(block_ids)} blocks, {len(save.block_hashes)} hash bytes")
-            if self.kv_tiers is not None:
+            if unwritten.intersection(block_ids):
+                save = without_blocks(save, block_ids, unwritten)
+            if self.kv_tiers is not None and save.block_ids:
                 self.kv_tiers.save(self.kv_cache, save)
 
     def _load(self, row: _Row, first_block: int, hashes: bytes) -> tuple[_Row, LoadResult]:
@@ -185,7 +218,8 @@ class ModelRunner:
         state.num_computed_tokens = restart
         return _Row(state, row.num_tokens + num_recomputed), loaded
 
-    def _add(self, new: NewSequence) -> _Row:
+    def _add(self, new: NewSequence, failed: dict[str, str]) -> _Row | None:
+        """Hold a new sequence; one the model cannot take goes to ``failed`` instead, unheld."""
         prompt = unpack_tokens(new.prompt_token_ids)
         block_table = unpack_tokens(new.block_ids)
         self._check_blocks(new.seq_id, block_table)
@@ -198,6 +232,13 @@ class ModelRunner:
             block_table=block_table,
             num_computed_tokens=new.num_computed_tokens,
         )
+        self.failed_seq_ids.discard(new.seq_id)  # the scheduler sends it whole: it knows best
+        why = input_error(state, self.shape.vocab_size, self.shape.max_num_tokens)
+        if why is not None:
+            failed[new.seq_id] = why
+            # What it shares (a prefix hit, choice 0's prompt) others computed; the rest is unwritten.
+            self._unwritten[new.seq_id] = block_table[new.num_computed_tokens // self.block_size :]
+            return None
         constraint = new.sampling_params.structured_output
         if constraint is not None:
             # Compiling starts now, on a helper thread, and overlaps this step's prefill.
@@ -207,6 +248,50 @@ class ModelRunner:
                 state.grammar.accept(token_id)
         self.seqs[new.seq_id] = state
         return _Row(state, new.num_scheduled_tokens)
+
+    def _recompute_unwritten(self, row: _Row, unwritten: set[int]) -> _Row:
+        """A new row whose cached prefix holds a block a failed sequence never wrote (overlap: a
+        plan made before the failure was known found it in the prefix cache) computes again from
+        that block on, rewriting it with this row's identical tokens."""
+        state = row.state
+        num_cached_blocks = state.num_computed_tokens // self.block_size
+        bad = [i for i, b in enumerate(state.block_table[:num_cached_blocks]) if b in unwritten]
+        if not bad:
+            return row
+        restart = bad[0] * self.block_size
+        log.warning("%s: its cached prefix came from a failed sequence: recomputed", state.seq_id)
+        num_recomputed = state.num_computed_tokens - restart
+        state.num_computed_tokens = restart
+        return _Row(state, row.num_tokens + num_recomputed)
+
+    def _held_rows(self, plan: SchedulerOutput) -> list[_Row]:
+        """The plan's rows of sequences held here, their new blocks appended to their tables."""
+        counts = unpack_tokens(plan.num_scheduled_tokens)
+        if not len(counts) == len(plan.seq_ids) == len(plan.new_block_ids):
+            raise PlanError("seq_ids, num_scheduled_tokens and new_block_ids differ in length")
+        rows: list[_Row] = []
+        for seq_id, num_tokens, blocks in zip(plan.seq_ids, counts, plan.new_block_ids, strict=True):
+            state = self.seqs.get(seq_id)
+            if state is None and seq_id in self.failed_seq_ids:
+                # failed in an earlier step, planned before the scheduler knew
+                self._unwritten[seq_id] += unpack_tokens(blocks)
+                continue
+            if state is None:
+                raise PlanError(f"sequence {seq_id!r} is not held here")
+            new_blocks = unpack_tokens(blocks)
+            self._check_blocks(seq_id, new_blocks)
+            state.block_table += new_blocks
+            rows.append(_Row(state, num_tokens))
+        return rows
+
+    def _drop(self, failed: dict[str, str]) -> None:
+        """Forget the sequences that failed this step; their blocks are the scheduler's to free."""
+        for seq_id, why in failed.items():
+            log.warning("sequence %s failed: %s", seq_id, why)
+            state = self.seqs.pop(seq_id, None)
+            self.failed_seq_ids.add(seq_id)
+            if state is not None:
+                self._unwritten[seq_id] = state.block_table
 
     def _check_row(self, row: _Row) -> None:
         state, end = row.state, row.state.num_computed_tokens + row.num_tokens
@@ -223,22 +308,62 @@ class ModelRunner:
         if max(block_ids, default=0) >= self.kv_cache.num_blocks:
             raise PlanError(f"{seq_id}: block id beyond the pool")
 
-    def _run(self, rows: list[_Row]) -> _Sampled:
+    def _run(self, rows: list[_Row], failed: dict[str, str]) -> _Sampled:
+        """Forward and sample; a row that fails goes to ``failed`` and samples nothing."""
         # Multi-token rows (prefill chunks) first, then single-token rows (decodes): the layout
         # the attention backends batch on. Sorting is stable, so plan order is kept within each.
         rows = sorted(rows, key=lambda r: r.num_tokens == 1)
+        sampling = [row for row in rows if row.samples]
+        masks = self._start_masks(sampling)  # filled while the forward runs
+        try:
+            blame = self._num_lone_failures < MAX_LONE_FAILURES
+            ran, logits = forward_isolating(self._forward, rows, failed, blame_lone_row=blame)
+            self._num_lone_failures = self._num_lone_failures + 1 if len(rows) == 1 and not ran else 0
+        finally:
+            mask = masks.result() if masks is not None else None  # the job never outlives its step
+        for row in ran:
+            row.state.num_computed_tokens += row.num_tokens
+        # keep[k]: the sampling row whose logits are logits[k] (the rows that ran, in order)
+        keep = [j for j, row in enumerate(sampling) if row.state.seq_id not in failed]
+        if logits is None or not keep:
+            return _NO_SAMPLES
+        logits, keep = drop_non_finite(logits, keep, lambda j: sampling[j].state.seq_id, failed)
+        if not keep:
+            return _NO_SAMPLES
+        return self._sample([sampling[j] for j in keep], logits, kept_mask(mask, keep))
+
+    def _sample(
+        self, rows: list[_Row], logits: torch.Tensor, mask: tuple[GrammarMask | None, dict[int, str]]
+    ) -> _Sampled:
+        grammar_mask, grammar_failed = mask
+        out = self.sampler(logits, [r.state for r in rows], grammar_mask)
+        token_ids = out.token_ids
+        failed: dict[str, str] = {}
+        for j, why in grammar_failed.items():
+            state = rows[j].state
+            failed[state.seq_id] = why
+            state.grammar = None
+            # A stop token keeps the worker in step with plans already in flight for it.
+            token_ids[j] = min(state.stop_token_ids, default=token_ids[j])
+        for row, token_id in zip(rows, token_ids, strict=True):
+            row.state.token_ids.append(token_id)
+            if row.state.grammar is not None:
+                row.state.grammar.accept(token_id)
+        return _Sampled(rows, token_ids, list(out.logprobs), failed)
+
+    def _forward(self, rows: list[_Row]) -> torch.Tensor | None:
+        """One forward over ``rows``, writing their KV and advancing nothing: the logits of the
+        rows that sample, [num_sampling, vocab] float32, or None when none does."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_index: list[int] = []
-        sampled_rows: list[_Row] = []
         for row in rows:
             start = row.state.num_computed_tokens
             end = start + row.num_tokens
             input_ids += row.state.token_ids[start:end]
             positions += range(start, end)
-            if end == row.state.num_tokens:
+            if row.samples:
                 logits_index.append(len(input_ids) - 1)
-                sampled_rows.append(row)
         meta = PagedAttentionMetadata.build(
             query_lens=[r.num_tokens for r in rows],
             context_lens=[r.state.num_computed_tokens for r in rows],
@@ -247,36 +372,15 @@ class ModelRunner:
             device=self.device,
         )
         self.backend.plan(meta)
-        masks = self._start_masks(sampled_rows)  # filled while the forward runs
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             StepAttention(self.backend, self.kv_cache),
         )
-        for row in rows:
-            row.state.num_computed_tokens += row.num_tokens
-        if not sampled_rows:
-            return _Sampled([], [], [], {})
+        if not logits_index:
+            return None
         index = torch.tensor(logits_index, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        mask = masks.result() if masks is not None else None
-        grammar_mask = None
-        if mask is not None and mask.bias is not None:
-            grammar_mask = GrammarMask(mask.rows, mask.bias)
-        out = self.sampler(logits, [r.state for r in sampled_rows], grammar_mask)
-        token_ids = out.token_ids
-        failed: dict[str, str] = {}
-        for j, why in mask.failed.items() if mask is not None else ():
-            state = sampled_rows[j].state
-            failed[state.seq_id] = why
-            state.grammar = None
-            # A stop token keeps the worker in step with plans already in flight for it.
-            token_ids[j] = min(state.stop_token_ids, default=token_ids[j])
-        for row, token_id in zip(sampled_rows, token_ids, strict=True):
-            row.state.token_ids.append(token_id)
-            if row.state.grammar is not None:
-                row.state.grammar.accept(token_id)
-        return _Sampled(sampled_rows, token_ids, list(out.logprobs), failed)
+        return self.model.compute_logits(hidden.index_select(0, index))
 
     def _start_masks(self, sampled_rows: list[_Row]) -> Future[MaskResult] | None:
         constrained = [
@@ -294,8 +398,13 @@ class ModelRunner:
         """Drop every sequence: after a failed step (the scheduler fails them all), or when the
         owner is gone (every sequence here is the owner's)."""
         self.seqs.clear()
+        self.failed_seq_ids.clear()
+        self._unwritten.clear()
+        self._num_lone_failures = 0
 
     def check_integrity(self) -> None:
+        assert not self.failed_seq_ids & self.seqs.keys(), "a failed sequence is still held"
+        assert self._unwritten.keys() <= self.failed_seq_ids, "unwritten blocks of a live sequence"
         for state in self.seqs.values():
             assert state.num_computed_tokens <= state.num_tokens
             assert len(state.block_table) * self.block_size >= state.num_computed_tokens

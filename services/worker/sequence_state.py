@@ -1,4 +1,5 @@
-"""What the worker holds for one sequence between steps: its tokens, block table and sampling setup."""
+"""What the worker holds for one sequence between steps: its tokens, block table and sampling setup,
+and the check that a new one is something the model can take."""
 
 from __future__ import annotations
 
@@ -37,3 +38,20 @@ class SequenceState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+def input_error(state: SequenceState, vocab_size: int, max_num_tokens: int) -> str | None:
+    """Why the model cannot take a new sequence, or None: its tokens must be ids the embedding
+    table has and positions the model has. The gateway checks the same; this guards the step
+    against any other sender (one bad row would fail the whole forward)."""
+    if not state.num_prompt_tokens:
+        return "the prompt is empty"
+    if state.num_tokens > max_num_tokens:
+        return f"{state.num_tokens} tokens exceed the model's {max_num_tokens} positions"
+    if max(state.token_ids) >= vocab_size:
+        bad = next(t for t in state.token_ids if t >= vocab_size)
+        return f"token id {bad} is outside the model's vocabulary of {vocab_size}"
+    stop = [t for t in state.stop_token_ids if not 0 <= t < vocab_size]
+    if stop:
+        return f"stop token id {min(stop)} is outside the model's vocabulary of {vocab_size}"
+    return None

@@ -2,8 +2,13 @@
 
 The worker serves one scheduler at a time, its owner: the first scheduler to send a plan. Plans
 from any other scheduler are refused while the owner lives, because block tables are the
-owner's. The worker lets go of an idle owner that left the members bucket, and of an owner that
-holds sequences here but has been silent for ``orphan_timeout_s`` (its sequences are dropped).
+owner's. The worker lets go of a silent owner gone from the members bucket for a TTL, and of an
+owner that holds sequences here but has been silent for ``orphan_timeout_s`` (its sequences are
+dropped). An owner whose step ids start again (it dropped this worker and claims it afresh) gets
+a worker holding nothing of what it had before.
+
+Its heartbeat (``member_info``) says whom it serves and how long the running step has run: past
+``max_step_s`` it is stuck, and neither the gateway's /health nor the scheduler counts on it.
 
 With KV tiers it also publishes their events (``KVEvents``, seq +1 per message, the first one
 saying this worker's G2 starts empty), answers ``KVDumpRequest`` with its G2 content without
@@ -17,6 +22,7 @@ import contextlib
 import logging
 import time
 
+from deepinfer.runtime import busy
 from libs.bus.base import Bus, Message
 from libs.bus.membership import MEMBER_TTL_S, announce, live_members
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
@@ -32,6 +38,7 @@ from libs.protocol.kv_messages import (
 )
 from libs.protocol.messages import MemberInfo, MemberKind, ModelRunnerOutput, SchedulerOutput, WorkerLoad
 from libs.protocol.subjects import Subjects
+from services.worker import metrics
 from services.worker.config import Config
 from services.worker.model_runner import ModelRunner
 
@@ -62,16 +69,18 @@ class WorkerService:
         self._owner_seen = 0.0  # monotonic time of the owner's last plan
         self._stepping = asyncio.Lock()  # orphan checks never run while a step holds the runner
         self._steps: set[asyncio.Task[None]] = set()  # steps accepted, running or waiting their turn
+        self._step_started = 0.0  # monotonic start of the running forward (0: none), for heartbeats
+        self._last_step_id = 0  # of the owner's last plan, in arrival order
+        self._owner_absent_since: float | None = None  # the silent owner first missed from membership
 
     async def run(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)]
         if self.runner.kv_tiers is not None:
             await self.publish_kv_events()  # seq 1: this worker's G2 starts empty
             subs.append(await self.bus.subscribe(self.subjects.kv_dump(self.config.worker_id), self.on_dump))
-        info = MemberInfo(MemberKind.WORKER, self.config.worker_id, model=self.model_name)
         log.info("worker %s ready (max_num_seqs=%d)", self.config.worker_id, self.config.max_num_seqs)
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(announce(self.bus, self.subjects.members_bucket, info, stop))
+            tg.create_task(announce(self.bus, self.subjects.members_bucket, self.member_info, stop))
             tg.create_task(self._report_load(stop))
             await stop.wait()
             for sub in subs:
@@ -91,35 +100,63 @@ class WorkerService:
                 msg, encode(ModelRunnerOutput(plan.step_id, (), b"", num_running, error=refusal))
             )
             return
-        self.owner = plan.scheduler_id
+        # The owner's step ids start again: it dropped this worker (it thought it dead, or lost the
+        # bus) and claims it anew with a fresh core, which knows none of the sequences held here.
+        restart = plan.scheduler_id == self.owner and plan.step_id <= self._last_step_id
+        self.owner, self._last_step_id = plan.scheduler_id, plan.step_id
         # Overlap scheduling sends the next plan while one runs. Its G3 reads start now, during
         # the step in progress, and its step waits in a task of its own: the bus hands a
         # subscription's messages over one at a time, so awaiting the step here would hold this
         # plan back until the previous reply. Steps still run one at a time in arrival order
         # (tasks start in creation order; the lock's waiters are FIFO).
         self.runner.prefetch(plan)
-        task = asyncio.create_task(self._step(msg, plan))
+        task = asyncio.create_task(self._step(msg, plan, restart))
         self._steps.add(task)
         task.add_done_callback(self._steps.discard)
 
-    async def _step(self, msg: Message, plan: SchedulerOutput) -> None:
+    async def _step(self, msg: Message, plan: SchedulerOutput, restart: bool = False) -> None:
         async with self._stepping:
+            if restart and self.runner.seqs:  # under the lock: the steps before it have run
+                log.warning(
+                    "scheduler %s claimed this worker again: %d old sequences dropped",
+                    plan.scheduler_id,
+                    self.runner.num_running_seqs,
+                )
+                self.runner.reset()
             start = time.perf_counter()
+            self._step_started = time.monotonic()
             try:
                 # The forward runs off the event loop so load reports and other messages keep flowing.
-                result = await asyncio.to_thread(self.runner.execute, plan)
+                with busy():  # the watchdog ends the process if a step outlives max_step_s
+                    result = await asyncio.to_thread(self.runner.execute, plan)
             except Exception as exc:
+                # Only a PlanError or a model that fails every row gets here: one bad sequence
+                # fails alone inside execute (the result's failed_seq_ids).
                 log.exception("step %d failed", plan.step_id)
                 self.runner.reset()  # the scheduler fails every request it had here
                 result = ModelRunnerOutput(plan.step_id, (), b"", 0, error=repr(exc))
             self._owner_seen = time.monotonic()
+            self._step_started = 0.0
             self._last_step_ms = (time.perf_counter() - start) * 1e3
+            metrics.observe_step(self._last_step_ms / 1e3, result)
         try:
             await self.bus.respond(msg, encode(result))
             await self._publish_load()
             await self.publish_kv_events()
         except Exception:  # nobody awaits this task: say it here
             log.exception("step %d: reply or reports failed", plan.step_id)
+
+    def member_info(self) -> MemberInfo:
+        """This worker's heartbeat: whether a step is running and for how long, against its bound."""
+        started = self._step_started
+        return MemberInfo(
+            MemberKind.WORKER,
+            self.config.worker_id,
+            model=self.model_name,
+            step_s=time.monotonic() - started if started else 0.0,
+            max_step_s=self.config.max_step_s,
+            owner=self.owner,
+        )
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(
@@ -190,25 +227,22 @@ class WorkerService:
 
         An owner with sequences here sends steps back to back, so silence for
         ``orphan_timeout_s`` while holding them means it died or lost this worker; they would
-        otherwise hold KV pages forever. An idle owner is released as soon as it leaves the
-        members bucket, so another scheduler can take over; a live one just claims the worker
-        again with its next plan. Membership alone never drops sequences: a process stalled
-        past the member TTL (a loaded machine) is not dead.
+        otherwise hold KV pages forever. An owner silent past the member TTL is also let go once
+        it has been missing from the members bucket for one more TTL: its entry expired and it
+        did not come back to refresh it, so it is not merely busy. A live one just claims the
+        worker again with its next plan.
         """
         if not self.owner:
             return 0
         seen = self._owner_seen
-        silent_s = time.monotonic() - seen
-        if self.runner.seqs:
-            gone = silent_s > self.config.orphan_timeout_s
+        now = time.monotonic()
+        silent_s = now - seen
+        if self.runner.seqs and silent_s > self.config.orphan_timeout_s:
+            gone = True
         elif silent_s > MEMBER_TTL_S:
-            try:
-                schedulers = await live_members(self.bus, self.subjects.members_bucket, MemberKind.SCHEDULER)
-            except Exception as exc:  # a NATS hiccup is no proof of death
-                log.warning("membership check failed: %s", exc)
-                return 0
-            gone = all(m.member_id != self.owner for m in schedulers)
+            gone = await self._owner_missing(now)
         else:
+            self._owner_absent_since = None
             gone = False
         if not gone:
             return 0
@@ -218,8 +252,22 @@ class WorkerService:
             num_freed = self.runner.num_running_seqs  # all of them are the owner's
             self.runner.reset()
             log.warning("scheduler %r is gone: released, %d sequences dropped", self.owner, num_freed)
-            self.owner = ""
+            self.owner, self._last_step_id, self._owner_absent_since = "", 0, None
             return num_freed
+
+    async def _owner_missing(self, now: float) -> bool:
+        """Whether the owner has been out of the members bucket for a whole TTL, as seen so far."""
+        try:
+            schedulers = await live_members(self.bus, self.subjects.members_bucket, MemberKind.SCHEDULER)
+        except Exception as exc:  # a NATS hiccup is no proof of death
+            log.debug("membership check failed: %r", exc)
+            return False
+        if any(m.member_id == self.owner for m in schedulers):
+            self._owner_absent_since = None
+            return False
+        if self._owner_absent_since is None:
+            self._owner_absent_since = now
+        return now - self._owner_absent_since >= MEMBER_TTL_S
 
     async def _report_load(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -1,0 +1,76 @@
+"""Every Prometheus metric of the worker process, served on ``--metrics-port`` (0: not served).
+
+Events are counted in module-level metrics as they happen (one worker per process); the running
+sequences are read from the runner at scrape time by ``RunnerCollector``:
+
+- ``deepinfer_worker_step_seconds``: one step's forward (the model run of a plan), failed ones too
+- ``deepinfer_worker_num_running_seqs``: sequences whose state the runner holds
+- ``deepinfer_worker_sequences_failed_total{reason}``: sequences this worker failed alone (each a
+  ``ModelRunnerOutput.failed_seq_ids`` entry); reason from its error (``failure_reason``)
+- ``deepinfer_grammar_compile_timeouts_total``: structured-output grammars whose compile ran past
+  its time or memory bound (counted once per compile by ``services.worker.grammar.Grammars``)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from libs.protocol.errors import failure_reason
+from libs.protocol.messages import ModelRunnerOutput
+
+if TYPE_CHECKING:  # grammar code imports this module, and the runner imports the grammar code
+    from services.worker.model_runner import ModelRunner
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series beside each counter
+
+EVENTS = CollectorRegistry()  # the counters and histograms of this process
+ProcessCollector(registry=EVENTS)
+
+# A decode step of a small model on a few CPU cores is ~10 ms; a long prefill chunk, seconds.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+STEP_SECONDS = Histogram(
+    "deepinfer_worker_step_seconds", "one step's forward", buckets=STEP_BUCKETS, registry=EVENTS
+)
+SEQUENCES_FAILED = Counter(
+    "deepinfer_worker_sequences_failed",
+    "sequences this worker failed alone, by reason",
+    ["reason"],
+    registry=EVENTS,
+)
+GRAMMAR_COMPILE_TIMEOUTS = Counter(
+    "deepinfer_grammar_compile_timeouts",
+    "structured-output grammars whose compile ran past its bound",
+    registry=EVENTS,
+)
+
+
+def observe_step(seconds: float, result: ModelRunnerOutput) -> None:
+    """A step ran for ``seconds``; its sequences that failed alone are counted."""
+    STEP_SECONDS.observe(seconds)
+    for error in result.failed_errors:
+        SEQUENCES_FAILED.labels(failure_reason(error)).inc()
+
+
+class RunnerCollector(Collector):
+    """The runner's sequences, read when scraped (a length: atomic under the GIL)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[Metric]:
+        doc = "sequences whose state this worker holds"
+        yield GaugeMetricFamily("deepinfer_worker_num_running_seqs", doc, value=self.runner.num_running_seqs)
+
+
+def registry(runner: ModelRunner) -> CollectorRegistry:
+    """What /metrics shows: this process's events and ``runner``'s sequences."""
+    view = CollectorRegistry()
+    view.register(EVENTS)
+    view.register(RunnerCollector(runner))
+    return view
