@@ -111,16 +111,23 @@ class BlockManager:
             self.prefix_cache.insert(table[i], block_hashes[i])
         self._num_cached[seq_id] = num_blocks
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: str, forget: bool = False) -> None:
         """Drop ``seq_id``'s table; blocks nobody else holds become evictable if cached, else free.
 
         The table's last block parks first: a chain's tail is the least likely part to be hit
-        again, and evicting it first keeps the rest of the chain reachable.
+        again, and evicting it first keeps the rest of the chain reachable. ``forget``: the
+        sequence failed, and plans made before the failure was known may have cached blocks whose
+        KV was never written: every block of its table leaves the cache, even one another
+        sequence holds now (a miss costs a recompute, a wrong block would reach attention).
         """
         self._num_cached.pop(seq_id, None)
         for block_id in reversed(self.block_tables.pop(seq_id, ())):
             self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0 and not self.prefix_cache.park(block_id):
+            if forget:  # also if another holds it: a hit in the same plan (the worker recomputes it)
+                self.prefix_cache.forget(block_id)
+            if self._ref_counts[block_id] > 0:
+                continue
+            if not self.prefix_cache.park(block_id):
                 self._free.append(block_id)
 
     def check_integrity(self) -> None:

@@ -50,11 +50,29 @@ class Config:
         default=5.0, metadata={"help": "period of the KV cache stats this scheduler publishes"}
     )
     step_timeout_s: float = field(default=120.0, metadata={"help": "longest a worker step may take"})
-    worker_timeout_s: float = field(default=5.0, metadata={"help": "silence after which a worker is dead"})
+    worker_timeout_s: float = field(
+        default=5.0, metadata={"help": "heartbeat silence after which a worker is dead (its requests fail)"}
+    )
     out_max_age_s: float = field(default=600.0, metadata={"help": "how long step outputs stay replayable"})
+    pause_timeout_s: float = field(
+        default=20.0,
+        metadata={
+            "help": "longest a request paused by its gateway (its stream's client left) waits for a resume "
+            "before it is cancelled here, for a pause that does not say (its gateway cancels it first, "
+            "after --resume-grace-s; this bound is for a gateway that died)"
+        },
+    )
+    watchdog_s: float = field(
+        default=60.0, metadata={"help": "exit when the event loop has been stuck this long (0: off)"}
+    )
+    metrics_port: int = field(
+        default=0, metadata={"help": "port of this process's Prometheus /metrics (0: not served)"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         for key in (
             "max_num_waiting",
             "max_num_batched_tokens",
@@ -64,6 +82,7 @@ class Config:
             "kv_lookup_timeout_s",
             "kv_dump_timeout_s",
             "kv_stats_interval_s",
+            "pause_timeout_s",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")

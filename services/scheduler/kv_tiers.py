@@ -107,7 +107,7 @@ class KVTiers:
         # G2/G3 hold the same hashed blocks as G1: without hashes there is nothing to look up
         self.enabled = limits.enable_prefix_caching and limits.enable_kv_tiers
         self._host: set[bytes] = set()  # hashes the worker's G2 holds, as its events last said
-        self._pending_saves: list[KVSave] = []  # for the next plan
+        self._pending_saves: list[tuple[str, KVSave]] = []  # (seq id, save) for the next plan
         self.stats = TierStats()
 
     @property
@@ -222,15 +222,24 @@ class KVTiers:
             block_hashes=join_hashes([block_hashes[i] for i in wanted]),
             retention_class=seq.retention_class,
         )
-        self._pending_saves.append(save)
+        self._pending_saves.append((seq.seq_id, save))
         self.stats.num_saves += 1
         saved = self.stats.num_saved_blocks
         saved[seq.retention_class] = saved.get(seq.retention_class, 0) + len(wanted)
 
     def take_saves(self) -> tuple[KVSave, ...]:
         """The saves for the plan being made: everything queued before it."""
-        saves, self._pending_saves = tuple(self._pending_saves), []
+        saves, self._pending_saves = tuple(save for _, save in self._pending_saves), []
         return saves
+
+    def discard_saves_of(self, seq: Sequence) -> None:
+        """``seq`` failed: the KV of its queued saves may never have been written."""
+        dropped = [save for seq_id, save in self._pending_saves if seq_id == seq.seq_id]
+        self._pending_saves = [(seq_id, s) for seq_id, s in self._pending_saves if seq_id != seq.seq_id]
+        saved = self.stats.num_saved_blocks
+        for save in dropped:
+            self.stats.num_saves -= 1
+            saved[seq.retention_class] -= len(unpack_tokens(save.block_ids))
 
     def discard_saves(self) -> None:
         """The worker is gone, and its blocks with it."""
@@ -251,7 +260,7 @@ class KVTiers:
         num_done = stats.num_loaded_host_blocks + stats.num_loaded_store_blocks + stats.num_failed_load_blocks
         assert num_done <= sum(stats.num_planned_blocks.values()), "more loads than planned"
         assert self.enabled or not (self._host or self._pending_saves), "tiers off, yet in use"
-        for save in self._pending_saves:
+        for _, save in self._pending_saves:
             block_ids, block_hashes = unpack_tokens(save.block_ids), split_hashes(save.block_hashes)
             assert len(block_ids) == len(block_hashes) > 0, "a save's ids and hashes differ"
             for block_id, block_hash in zip(block_ids, block_hashes, strict=True):

@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import os
 
+from deepinfer.metrics_server import start_metrics_server
 from deepinfer.runtime import run_service, setup_logging
 from deepinfer.settings import build_config
 from libs.bus.nats_bus import NatsBus
+from services.scheduler import metrics
 from services.scheduler.config import Config
 from services.scheduler.service import SchedulerService
 
@@ -16,7 +18,9 @@ from services.scheduler.service import SchedulerService
 async def serve(config: Config, stop: asyncio.Event) -> None:
     bus = await NatsBus.connect(config.nats_url, name=config.scheduler_id)
     try:
-        await SchedulerService(config, bus).run(stop)
+        service = SchedulerService(config, bus)
+        start_metrics_server(config.metrics_port, metrics.registry(service.workers))
+        await service.run(stop)
     finally:
         await bus.close()
 
@@ -24,4 +28,4 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
 def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     setup_logging(config.log_level, "scheduler")
-    run_service(lambda stop: serve(config, stop))
+    run_service(lambda stop: serve(config, stop), config.watchdog_s)

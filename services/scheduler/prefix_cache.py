@@ -92,6 +92,13 @@ class PrefixCache:
         """A hit takes an evictable block: it has an owner again."""
         del self._evictable[block_id]
 
+    def forget(self, block_id: int) -> None:
+        """Drop an unowned block's hash: its KV may never have been written (its sequence failed)."""
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of[block_hash]
+        self._evictable.pop(block_id, None)
+
     def evict(self) -> int:
         """The least recently used evictable block, its hash dropped: the caller overwrites it."""
         block_id, _ = self._evictable.popitem(last=False)

@@ -11,15 +11,18 @@ the plan is preempted by recompute: its blocks are freed, the worker drops it, a
 prefilled again over its prompt and the tokens it has already produced. No admission happens in a
 step that preempted.
 
+Pause: a request whose client left (and may resume) leaves the worker the same way at once, but
+waits outside the queue (PAUSED) until resumed or expired (see pausing).
+
 Overlap scheduling: plans may be made before earlier results arrive. A plan counts the tokens its
 predecessors will sample (``Sequence.num_pending_tokens``) so a decode can be scheduled whose
 input token only the worker knows yet.
 
-Prefix caching (G1): a sequence admitted from the waiting queue starts with the cached blocks of
-the longest prefix of its known tokens (block hashes salted with its tenant) and computes only the
-rest, always including its last token, whose logits it samples from. Full blocks enter the cache
-once the plans already made compute them, and stay cached after their owners finish or are
-preempted, until allocation evicts them (least recently used first).
+Prefix caching (G1, see kv_reuse): a sequence admitted from the waiting queue starts with the
+cached blocks of the longest prefix of its known tokens (block hashes salted with its tenant) and
+computes only the rest, always including its last token, whose logits it samples from. Full
+blocks enter the cache once the plans already made compute them, and stay cached after their
+owners finish or are preempted, until allocation evicts them (least recently used first).
 
 Lower tiers (G2 host memory, G3 shared store; ``KVTiers``): admission extends a G1 hit with the
 blocks that follow in G2 or G3, which the worker loads before the forward; store points queue
@@ -42,7 +45,9 @@ from collections.abc import Iterable, Mapping
 
 from libs.protocol.errors import QueueFull
 from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput
+from services.scheduler import integrity, pausing
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_reuse import KVReuse
 from services.scheduler.kv_tiers import KVTiers
 from services.scheduler.limits import Limits as Limits  # re-exported: callers import it from here
 from services.scheduler.plan import Plan
@@ -57,7 +62,8 @@ class Scheduler:
         self.block_manager = BlockManager(limits.num_blocks, limits.block_size)
         self._hasher = BlockHasher(limits.block_size, model_fingerprint)
         self.kv_tiers = KVTiers(limits, self._hasher, self.block_manager.prefix_cache)
-        self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, waiting or running
+        self.kv_reuse = KVReuse(limits, self.block_manager, self._hasher, self.kv_tiers)
+        self.seqs: dict[str, Sequence] = {}  # every unfinished sequence: waiting, running or paused
         self._waiting: list[tuple[tuple[int, int, int], str]] = []  # heap of (order, seq_id)
         self._running: list[Sequence] = []  # sorted by order
         self._finished_since_plan: list[str] = []  # the worker must drop these
@@ -65,6 +71,7 @@ class Scheduler:
         self._watermark_blocks = int(limits.watermark * limits.num_blocks)
         self._arrivals = itertools.count()
         self._step_ids = itertools.count(1)
+        self.num_preemptions = 0  # since start: a count for metrics
 
     @property
     def num_waiting(self) -> int:
@@ -73,6 +80,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_paused(self) -> int:
+        return pausing.num_paused(self)
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -98,17 +109,39 @@ class Scheduler:
         for choice in choices:
             choice.arrival = arrival
             self.seqs[choice.seq_id] = choice
-            heapq.heappush(self._waiting, (choice.order, choice.seq_id))
+            self._enqueue(choice)
         self._request_seqs[seq.request_id] = [c.seq_id for c in choices]
         return choices
 
     def abort(self, request_or_seq_id: str) -> list[Sequence]:
         """Finish a whole request, or one of its choices, as aborted; returns what was finished."""
-        ids = self._request_seqs.get(request_or_seq_id, [request_or_seq_id])
-        aborted = [self.seqs[s] for s in ids if s in self.seqs]
+        aborted = self._unfinished(request_or_seq_id)
         for seq in aborted:
             self._finish(seq, FinishReason.ABORT)
         return aborted
+
+    def pause(self, request_or_seq_id: str, deadline: float) -> list[Sequence]:
+        """Stop computing a request (or one choice) until ``resume``; see ``pausing.pause``."""
+        return pausing.pause(self, request_or_seq_id, deadline)
+
+    def resume(self, request_or_seq_id: str) -> list[Sequence]:
+        """Queue paused sequences again, in their old place; returns them."""
+        return pausing.resume(self, request_or_seq_id)
+
+    def expire_paused(self, now: float) -> list[Sequence]:
+        """Abort the paused sequences whose deadline has come; returns them."""
+        return pausing.expire_paused(self, now)
+
+    def _unfinished(self, request_or_seq_id: str) -> list[Sequence]:
+        ids = self._request_seqs.get(request_or_seq_id, [request_or_seq_id])
+        return [self.seqs[s] for s in ids if s in self.seqs]
+
+    def _enqueue(self, seq: Sequence) -> None:
+        heapq.heappush(self._waiting, (seq.order, seq.seq_id))
+
+    def _dequeue(self, seq: Sequence) -> None:
+        self._waiting.remove((seq.order, seq.seq_id))
+        heapq.heapify(self._waiting)
 
     def schedule(self) -> SchedulerOutput:
         plan = Plan(next(self._step_ids), self.limits.max_num_batched_tokens)
@@ -150,18 +183,19 @@ class Scheduler:
 
         Results of sequences that finished meanwhile are dropped; a preempted sequence keeps its
         token (it was sampled from intact state before the worker dropped it). A ``failed``
-        sequence (seq id -> why) finishes with ERROR and its token is dropped.
+        sequence (seq id -> why) finishes with ERROR, whether it sampled (its token is dropped)
+        or not (a prefill chunk, or a row the worker could not run).
         """
         changed: list[Sequence] = []
+        for seq_id, why in (failed or {}).items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                seq.error = why
+                self._finish(seq, FinishReason.ERROR)
+                changed.append(seq)
         for i, (seq_id, token_id) in enumerate(zip(seq_ids, sampled, strict=True)):
             seq = self.seqs.get(seq_id)
             if seq is None:
-                continue
-            if failed and seq_id in failed:
-                seq.num_pending_tokens -= 1
-                seq.error = failed[seq_id]
-                self._finish(seq, FinishReason.ERROR)
-                changed.append(seq)
                 continue
             seq.num_pending_tokens -= 1
             seq.output_token_ids.append(token_id)
@@ -218,15 +252,21 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence, plan: Plan) -> None:
-        self._release(seq)
+        self._drop_from_worker(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+        plan.preempted = True
+
+    def _drop_from_worker(self, seq: Sequence) -> None:
+        """A running sequence gives back its blocks (computed full ones stay cached) and the next
+        plan tells the worker to drop it; re-admitted, it is computed again from its tokens."""
+        self.kv_reuse.release(seq)
         self._running.remove(seq)
         self._finished_since_plan.append(seq.seq_id)
-        seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.prompt_done_step = 0
-        seq.num_preemptions += 1
-        heapq.heappush(self._waiting, (seq.order, seq.seq_id))
-        plan.preempted = True
 
     def _admit_waiting(self, plan: Plan) -> None:
         skipped: list[tuple[tuple[int, int, int], str]] = []
@@ -255,7 +295,7 @@ class Scheduler:
                 seq.num_cached_tokens = max(0, seq.num_cached_tokens - num_blocks * self.limits.block_size)
 
     def _try_admit(self, plan: Plan, seq: Sequence) -> bool:
-        num_hit_tokens = self._reuse_prefix(seq, plan)
+        num_hit_tokens = self.kv_reuse.reuse_prefix(seq, self.seqs.get(seq.request_id), plan)
         num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
         target = seq.num_computed_tokens + num_tokens
         if not self.block_manager.can_allocate(seq.seq_id, target, reserve=self._watermark_blocks):
@@ -267,7 +307,7 @@ class Scheduler:
             load = plan.kv_loads.get(seq.seq_id)
             num_device_tokens = self.kv_tiers.record_hit(seq.num_tokens, num_hit_tokens, load)
             self.prefix_cache_stats.record(seq.num_tokens, num_device_tokens)
-            if seq.num_preemptions == 0:  # usage reports the first admission's hit, and keeps it
+            if seq.num_preemptions == seq.num_pauses == 0:  # usage reports the first admission's hit
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                 seq.cached_step = plan.step_id
         seq.status = SequenceStatus.RUNNING
@@ -276,64 +316,14 @@ class Scheduler:
         self._add_to_plan(plan, seq, num_tokens)
         return True
 
-    def _reuse_prefix(self, seq: Sequence, plan: Plan) -> int | None:
-        """Start ``seq`` on KV that exists: choice 0's prompt blocks, else the longest hit of the
-        prefix cache, extended by the blocks G2 / G3 hold after it (a load in ``plan``). Returns
-        the tokens the tiers held, or None when they were not asked."""
-        self._share_prompt(seq, plan.step_id)
-        if seq.num_computed_tokens or not self.limits.enable_prefix_caching:
-            return None
-        # Never the block holding the last token: computing it gives the logits to sample from.
-        max_blocks = max(0, seq.num_tokens - 1) // self.limits.block_size
-        block_hashes = self._hasher.extend(seq, max_blocks)
-        num_blocks = self.block_manager.match(seq.seq_id, block_hashes, max_blocks)
-        load = self.kv_tiers.extend_hit(seq, num_blocks, max_blocks)
-        if load is not None:
-            plan.kv_loads[seq.seq_id] = load
-            num_blocks += len(load.tiers)
-        seq.num_computed_tokens = num_blocks * self.limits.block_size
-        return seq.num_computed_tokens
-
-    def _cache_computed_blocks(self, seq: Sequence) -> None:
-        """Offer the cache ``seq``'s full blocks whose tokens are known and whose KV the plans
-        made so far compute (tokens only the worker knows yet stay out)."""
-        if not self.limits.enable_prefix_caching:
-            return
-        num_blocks = min(seq.num_computed_tokens, seq.num_tokens) // self.limits.block_size
-        if num_blocks > self.block_manager.num_cached_blocks_of(seq.seq_id):  # a block filled up
-            block_hashes = self._hasher.extend(seq, num_blocks)
-            self.block_manager.cache_blocks(seq.seq_id, block_hashes, num_blocks)
-
-    def _save(self, seq: Sequence, num_tokens: int) -> None:
-        """Queue a save of the full blocks among ``seq``'s first ``num_tokens`` (computed by the
-        plans made so far) for the next plan."""
-        table = self.block_manager.block_tables[seq.seq_id]
-        self.kv_tiers.queue_save(seq, table, num_tokens // self.limits.block_size)
-
-    def _release(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks; its computed full blocks stay cached for later plans."""
-        self._cache_computed_blocks(seq)
-        self.block_manager.free(seq.seq_id)
-
     def _waits_for_parent(self, seq: Sequence, step_id: int) -> bool:
         """Choices > 0 wait until choice 0's prompt is computed in an earlier plan, then share it."""
         parent = self.seqs.get(seq.request_id) if seq.index > 0 else None
         return parent is not None and not 0 < parent.prompt_done_step < step_id
 
-    def _share_prompt(self, seq: Sequence, step_id: int) -> None:
-        parent = self.seqs.get(seq.request_id) if seq.index > 0 and not seq.output_token_ids else None
-        if parent is None or parent.status is not SequenceStatus.RUNNING:
-            return
-        # Full blocks only, and never the prompt's last token: the choice samples from its logits.
-        num_blocks = (seq.num_prompt_tokens - 1) // self.limits.block_size
-        if num_blocks > 0:
-            self.block_manager.share(parent.seq_id, seq.seq_id, num_blocks)
-            seq.num_computed_tokens = num_blocks * self.limits.block_size
-            seq.num_saved_blocks = min(parent.num_saved_blocks, num_blocks)  # saved in its prompt
-
     def _add_to_plan(self, plan: Plan, seq: Sequence, num_tokens: int) -> None:
         if seq.seq_id not in plan.kv_loads:  # blocks loaded by this plan are cached from the next
-            self._cache_computed_blocks(seq)  # before this plan's chunk: earlier plans computed them
+            self.kv_reuse.cache_computed_blocks(seq)  # before this plan's chunk: earlier plans computed them
         plan.num_computed_before[seq.seq_id] = seq.num_computed_tokens
         target = seq.num_computed_tokens + num_tokens
         plan.new_blocks[seq.seq_id] = self.block_manager.allocate(seq.seq_id, target)
@@ -344,7 +334,7 @@ class Scheduler:
         seq.num_computed_tokens = target
         if target >= seq.num_prompt_tokens and seq.prompt_done_step == 0:
             seq.prompt_done_step = plan.step_id
-            self._save(seq, seq.num_prompt_tokens)  # store point: the end of the user input
+            self.kv_reuse.save(seq, seq.num_prompt_tokens)  # store point: the end of the user input
         if samples:
             seq.num_pending_tokens += 1
 
@@ -363,13 +353,18 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
-            if reason is not FinishReason.ERROR:  # store point: the end of the model output
-                self._save(seq, min(seq.num_computed_tokens, seq.num_tokens))
-            self._release(seq)
+            if reason is FinishReason.ERROR:
+                # Its last plans' KV may never have been written (the worker refused or failed
+                # the row), and a plan in flight may have cached some of it already: none of its
+                # blocks enter the cache, and those it cached leave it.
+                self.block_manager.free(seq.seq_id, forget=True)
+                self.kv_tiers.discard_saves_of(seq)
+            else:
+                self.kv_reuse.save(seq, min(seq.num_computed_tokens, seq.num_tokens))  # store point
+                self.kv_reuse.release(seq)
             self._finished_since_plan.append(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
-            self._waiting.remove((seq.order, seq.seq_id))
-            heapq.heapify(self._waiting)
+            self._dequeue(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
@@ -378,37 +373,5 @@ class Scheduler:
             self._request_seqs.pop(seq.request_id, None)
 
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity()
-        self.kv_tiers.check_integrity(self.prefix_cache_stats, self.limits.num_blocks)
-        running = {s.seq_id for s in self.seqs.values() if s.status is SequenceStatus.RUNNING}
-        assert running == {s.seq_id for s in self._running}, "running list disagrees with statuses"
-        assert len(running) <= self.limits.max_num_seqs
-        assert [s.order for s in self._running] == sorted(s.order for s in self._running)
-        assert set(self.block_manager.block_tables) <= running, "a waiting sequence holds blocks"
-        waiting = {s.seq_id for s in self.seqs.values() if s.status is SequenceStatus.WAITING}
-        assert waiting == {sid for _, sid in self._waiting}, "waiting heap disagrees with statuses"
-        bs = self.limits.block_size
-        for seq in self.seqs.values():
-            assert 0 <= seq.num_pending_tokens <= 2, "more than two plans in flight"
-            assert seq.num_saved_blocks * bs <= seq.num_tokens, "saved a block that is not full"
-            table = self.block_manager.block_tables.get(seq.seq_id, [])
-            assert len(table) * bs >= seq.num_computed_tokens, "computed tokens outside the table"
-            if seq.status is SequenceStatus.WAITING:
-                assert seq.num_computed_tokens == 0
-            self._check_cached_blocks(seq)
-        assert not set(self._finished_since_plan) & running, "a running sequence is to be dropped"
-
-    def _check_cached_blocks(self, seq: Sequence) -> None:
-        """Its hash chain is that of its tokens, and a cached block of its table holds its prefix."""
-        if seq.status is not SequenceStatus.RUNNING:
-            return  # holds no blocks, and its tokens (so its chain) do not change while it waits
-        self._hasher.check(seq)
-        bm, bs = self.block_manager, self.limits.block_size
-        num_known = min(seq.num_computed_tokens, seq.num_tokens)
-        assert bm.num_cached_blocks_of(seq.seq_id) * bs <= num_known, "cached a block not computed"
-        for i, block_id in enumerate(bm.block_tables[seq.seq_id]):
-            block_hash = bm.prefix_cache.hash_of(block_id)
-            if block_hash is not None:
-                assert (i + 1) * bs <= seq.num_computed_tokens, "a cached block is still to be written"
-                if i < len(seq.block_hashes):
-                    assert block_hash == seq.block_hashes[i], "a block is cached under another prefix"
+        """Assert the core's invariants (see integrity)."""
+        integrity.check_integrity(self)

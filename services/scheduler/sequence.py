@@ -12,6 +12,7 @@ from libs.protocol.messages import FinishReason, Logprobs, SamplingParams, seq_i
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()  # admitted (or preempted), the worker holds no state for it
     RUNNING = enum.auto()  # the worker holds its state and KV blocks
+    PAUSED = enum.auto()  # its client left: like WAITING, but never scheduled until resumed
     FINISHED = enum.auto()
 
 
@@ -45,6 +46,8 @@ class Sequence:
     num_pending_tokens: int = 0
     prompt_done_step: int = 0  # the step whose plan computes the prompt's last chunk (0: none yet)
     num_preemptions: int = 0
+    num_pauses: int = 0  # pauses that took it off the worker (it was running)
+    pause_deadline: float = 0.0  # while PAUSED: when it is cancelled unless resumed (caller's clock)
     # prompt tokens its first admission took from G1, G2 or G3 (less any load the worker recomputed)
     num_cached_tokens: int = 0
     cached_step: int = 0  # the step whose plan admitted it first: the loads num_cached_tokens counts

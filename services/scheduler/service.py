@@ -3,12 +3,18 @@
 submit (request/reply, queue group) -> G3 lookup (kvcache) -> route (the worker with the most of the
 prompt cached in G1 or G2, against its load) -> core.add; each worker's StepLoop runs
 plan = core.schedule(); result = worker.step(plan); core.postprocess(result), and this service
-publishes one StepOutputs per destination gateway per step into the durable OUT stream. KVSync
-keeps each core's view of its worker's host memory (G2) current from the workers' KV events.
+publishes one StepOutputs per destination gateway per step into the durable OUT stream
+(``OutputPublisher``). KVSync keeps each core's view of its worker's host memory (G2) current
+from the workers' KV events.
 
 A worker serves one scheduler at a time (block tables are the scheduler's, so two schedulers
 would hand out the same KV pages): a scheduler claims a worker with an empty plan when it joins,
 and leaves alone workers whose load report names another owner.
+
+A worker is dropped, its requests failed with an error naming it, when its heartbeat in the
+members bucket stops for ``worker_timeout_s`` or says it is stuck in a step, and every worker is
+dropped when the bus connection is lost (steps in flight may be gone); a load report afterwards
+claims it again with a fresh core.
 """
 
 from __future__ import annotations
@@ -17,29 +23,29 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
 from typing import NamedTuple
 
 from libs.bus.base import Bus, Message
-from libs.bus.membership import announce
-from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode, pack_tokens, unpack_tokens
+from libs.bus.membership import MembershipView, announce
+from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode, unpack_tokens
 from libs.protocol.errors import QueueFull
 from libs.protocol.messages import (
     CancelRequest,
-    FinishReason,
-    Logprobs,
     MemberInfo,
     MemberKind,
-    RequestOutput,
-    StepOutputs,
+    PauseRequest,
     SubmitReply,
     SubmitRequest,
     SubmitStatus,
     WorkerLoad,
 )
 from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
+from services.scheduler import metrics
 from services.scheduler.config import Config
 from services.scheduler.kv_sync import KVSync
+from services.scheduler.kv_tiers import KVTiers
+from services.scheduler.outputs import OutputPublisher
+from services.scheduler.pausing import ResumedBy
 from services.scheduler.router import WorkerState, pick_worker
 from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
@@ -63,32 +69,45 @@ class SchedulerService:
         self.subjects = Subjects(config.subject_prefix)
         self.workers: dict[str, WorkerHandle] = {}
         self._foreign: set[str] = set()  # workers owned by another scheduler
-        self._out_seq: dict[str, int] = defaultdict(int)  # gateway id -> last StepOutputs.seq
+        self.outputs = OutputPublisher(bus, self.subjects, config.scheduler_id)
         self._tasks: asyncio.TaskGroup | None = None
         self.kv = KVSync(config, bus, self.workers)
+        self._readers = ResumedBy(config.pause_timeout_s)  # stale pauses (a reader moved gateway)
+        # Workers are dropped when their heartbeat stops or says they are stuck in a step.
+        self.members = MembershipView(bus, self.subjects.members_bucket, silence_s=config.worker_timeout_s)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.bus.ensure_stream(
             self.subjects.out_stream, [self.subjects.out_all], self.config.out_max_age_s
         )
-        info = MemberInfo(MemberKind.SCHEDULER, self.config.scheduler_id)
         async with asyncio.TaskGroup() as tg:
             self._tasks = tg  # before the subscriptions: their handlers start tasks in it
             subs = [
                 await self.bus.subscribe(self.subjects.submit, self.on_submit, queue=QUEUE_SCHEDULERS),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
+                await self.bus.subscribe(self.subjects.pause, self.on_pause),
                 await self.bus.subscribe(self.subjects.load_all, self.on_load),
                 await self.bus.subscribe(self.subjects.kv_events, self.kv.on_kv_events),
             ]
             log.info("scheduler %s ready", self.config.scheduler_id)
-            tg.create_task(announce(self.bus, self.subjects.members_bucket, info, stop))
-            tg.create_task(self._reap_dead_workers(stop))
+            tg.create_task(announce(self.bus, self.subjects.members_bucket, self.member_info, stop))
+            tg.create_task(self.members.watch(stop, self._check_workers))
+            self.bus.add_connection_listener(self._on_connection)
             tg.create_task(self.kv.publish_stats(stop))
+            tg.create_task(self._expire_paused(stop))
             await stop.wait()
             for sub in subs:
                 await sub.unsubscribe()
             for handle in list(self.workers.values()):
-                self._drop_worker(handle, "scheduler stopping")
+                self._drop_worker(
+                    handle, "scheduler stopping", f"scheduler {self.config.scheduler_id} stopping"
+                )
+
+    def member_info(self) -> MemberInfo:
+        """The heartbeat: with what this scheduler has sent each gateway, so that one whose last
+        outputs were lost (and nothing came after them) notices."""
+        out_seqs = self.outputs.out_seqs()
+        return MemberInfo(MemberKind.SCHEDULER, self.config.scheduler_id, out_seqs=out_seqs)
 
     # --- inbound messages ------------------------------------------------------------------
 
@@ -110,7 +129,8 @@ class SchedulerService:
 
     async def admit(self, req: SubmitRequest) -> SubmitReply:
         prompt = unpack_tokens(req.prompt_token_ids)
-        chains: dict[ChainKind, list[bytes]] = {}
+        # Hashing a long prompt takes a while: in a thread, so heartbeats and steps keep going.
+        chains = await asyncio.to_thread(self._hash_chains, prompt, req.tenant, self._worker_tiers())
         kinds = self._chain_kinds(prompt, req.tenant, chains)
         stored = await self._lookup_stored(kinds, chains, req.retention_class)
         # NOTE: no await from here to core.add. Submits run as concurrent tasks: a worker picked
@@ -154,7 +174,29 @@ class SchedulerService:
         except QueueFull as exc:
             return SubmitReply(SubmitStatus.QUEUE_FULL, str(exc))
         handle.wake.set()
-        return SubmitReply(SubmitStatus.ACCEPTED, scheduler_id=self.config.scheduler_id)
+        return SubmitReply(
+            SubmitStatus.ACCEPTED,
+            scheduler_id=self.config.scheduler_id,
+            out_seq=self.outputs.sent_to(req.gateway_id),
+        )
+
+    def _worker_tiers(self) -> dict[ChainKind, KVTiers]:
+        """One worker's tiers per kind of chain (they hash alike), read on the loop."""
+        tiers: dict[ChainKind, KVTiers] = {}
+        for handle in self.workers.values():
+            limits = handle.core.limits
+            kind = ChainKind(
+                limits.block_size, handle.core.kv_tiers.model_fingerprint, limits.enable_prefix_caching
+            )
+            tiers.setdefault(kind, handle.core.kv_tiers)
+        return tiers
+
+    @staticmethod
+    def _hash_chains(
+        prompt: list[int], tenant: str, tiers: dict[ChainKind, KVTiers]
+    ) -> dict[ChainKind, list[bytes]]:
+        """Each kind's chain of the prompt; pure, so it may run off the loop."""
+        return {kind: t.prompt_chain(prompt, tenant) for kind, t in tiers.items()}
 
     def _chain_kinds(
         self, prompt: list[int], tenant: str, chains: dict[ChainKind, list[bytes]]
@@ -195,6 +237,37 @@ class SchedulerService:
                     self._publish_soon(aborted, "")
                     log.info("cancelled %s", request_id)
 
+    async def on_pause(self, msg: Message) -> None:
+        """Pause requests whose stream lost its client (their sequences leave the worker at once),
+        or resume them (a reader came back: they are queued again)."""
+        pause = decode_or_warn(PauseRequest, msg.data, log, "pause")
+        if pause is None:
+            return
+        now = time.monotonic()
+        deadline = now + (pause.timeout_s or self.config.pause_timeout_s)
+        for request_id in pause.request_ids:
+            if not self._readers.admit(request_id, pause.gateway_id, pause.resume, now):
+                log.info("ignored a stale pause of %s from %s", request_id, pause.gateway_id)
+                continue
+            for handle in self.workers.values():
+                core = handle.core
+                changed = core.resume(request_id) if pause.resume else core.pause(request_id, deadline)
+                if changed:
+                    handle.wake.set()  # the next plan drops it from the worker, or admits it again
+                    log.info("%s %s", "resumed" if pause.resume else "paused", request_id)
+
+    async def _expire_paused(self, stop: asyncio.Event) -> None:
+        """Cancel paused requests that nobody resumed or cancelled in time (their gateway may be gone)."""
+        while not stop.is_set():
+            now = time.monotonic()
+            for handle in list(self.workers.values()):
+                expired = handle.core.expire_paused(now)
+                if expired:
+                    self._publish_soon(expired, "")  # a reader replaying the stream sees it end
+                    log.warning("cancelled %d sequences paused past their deadline", len(expired))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)  # deadlines are met within a second
+
     async def on_load(self, msg: Message) -> None:
         load = decode_or_warn(WorkerLoad, msg.data, log, "load message")
         if load is None:
@@ -202,15 +275,17 @@ class SchedulerService:
         handle = self.workers.get(load.worker_id)
         if load.owner not in ("", self.config.scheduler_id):
             if handle is not None:
+                metrics.WORKER_LOSSES.labels("taken").inc()
                 self._drop_worker(handle, f"taken by scheduler {load.owner}")
             if load.worker_id not in self._foreign:
                 log.info("worker %s belongs to scheduler %s", load.worker_id, load.owner)
             self._foreign.add(load.worker_id)
             return
         self._foreign.discard(load.worker_id)
-        if handle is None:
+        info = self.members.get(MemberKind.WORKER, load.worker_id)
+        if handle is None and not (info is not None and info.stuck):  # a stuck one waits for its step
             self._add_worker(load)
-        else:
+        elif handle is not None:
             handle.load = load
             handle.last_seen = time.monotonic()
 
@@ -248,7 +323,7 @@ class SchedulerService:
             handle,
             self.config.overlap,
             self.config.step_timeout_s,
-            self._publish,
+            self.outputs.publish,
         )
         # Dropped handles leave the loop by this check too: on Python 3.11 a cancel that races with
         # a reply arriving inside asyncio.wait_for can be swallowed.
@@ -258,75 +333,53 @@ class SchedulerService:
         except WorkerLost as exc:
             if self.workers.get(handle.load.worker_id) is handle:
                 log.error("worker %s: %s", handle.load.worker_id, exc)
+                metrics.WORKER_LOSSES.labels("step_failed").inc()
                 self._drop_worker(handle, str(exc))
 
-    def _drop_worker(self, handle: WorkerHandle, why: str) -> None:
-        self.workers.pop(handle.load.worker_id, None)
+    def _drop_worker(self, handle: WorkerHandle, why: str, error: str = "") -> None:
+        """Fail every request on the worker, with ``error`` (default: the worker is lost, ``why``)."""
+        worker_id = handle.load.worker_id
+        self.workers.pop(worker_id, None)
         handle.wake.set()
         if handle.task is not None:
             handle.task.cancel()
         failed = handle.core.fail_all()
         self.kv.retire(handle.core)
         if failed:
-            log.warning("worker %s lost (%s): failing %d requests", handle.load.worker_id, why, len(failed))
-            self._publish_soon(failed, error=f"worker lost: {why}")
+            log.warning("worker %s lost (%s): failing %d requests", worker_id, why, len(failed))
+            self._publish_soon(failed, error=error or f"worker {worker_id} lost: {why}")
 
     def _publish_soon(self, seqs: list[Sequence], error: str) -> None:
         if self._tasks is not None:
-            self._tasks.create_task(self._publish(seqs, error))
+            self._tasks.create_task(self.outputs.publish(seqs, error))
 
-    async def _reap_dead_workers(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            now = time.monotonic()
-            for handle in list(self.workers.values()):
-                if now - handle.last_seen > self.config.worker_timeout_s:
-                    self._drop_worker(handle, "no load report")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.worker_timeout_s / 4)
+    def _check_workers(self) -> None:
+        """After each read of the members: drop workers whose heartbeat stopped or that are stuck.
 
-    # --- outputs ---------------------------------------------------------------------------
+        A worker is judged only while the view is current, and not in its first moments (its
+        load report may come before its first heartbeat is read)."""
+        if not self.members.current:
+            return  # cut off from the bus: nothing is known, the connection listener acts
+        now = time.monotonic()
+        for worker_id, handle in list(self.workers.items()):
+            info = self.members.get(MemberKind.WORKER, worker_id)
+            if info is None and now - handle.last_seen > self.config.worker_timeout_s:
+                metrics.WORKER_LOSSES.labels("silent").inc()
+                self._drop_worker(handle, "no heartbeat")
+            elif info is not None and info.stuck:
+                metrics.WORKER_LOSSES.labels("stuck").inc()
+                self._drop_worker(handle, f"stuck in a step for {info.step_s:.0f} s")
 
-    async def _publish(self, seqs: list[Sequence], error: str = "") -> None:
-        """One StepOutputs per destination gateway, carrying each sequence's new tokens."""
-        by_gateway: dict[str, list[RequestOutput]] = defaultdict(list)
-        for seq in seqs:
-            new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
-            seq.num_sent_tokens = seq.num_output_tokens
-            by_gateway[seq.gateway_id].append(
-                RequestOutput(
-                    request_id=seq.request_id,
-                    new_token_ids=pack_tokens(new_tokens),
-                    num_output_tokens=seq.num_output_tokens,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    finish_reason=seq.finish_reason if seq.is_finished else None,
-                    num_cached_tokens=seq.num_cached_tokens,
-                    error=(seq.error or error) if seq.finish_reason is FinishReason.ERROR else "",
-                    index=seq.index,
-                    logprobs=_take_logprobs(seq),
-                )
+    def _on_connection(self, connected: bool) -> None:
+        """Step requests and replies in flight across a lost connection may be gone: every worker
+        is dropped (its requests failed) and claimed again from its next load report."""
+        if connected:
+            return
+        for handle in list(self.workers.values()):
+            metrics.WORKER_LOSSES.labels("connection_lost").inc()
+            self._drop_worker(
+                handle, "NATS connection lost", "NATS connection lost: the step outputs in flight are gone"
             )
-        for gateway_id, outputs in by_gateway.items():
-            self._out_seq[gateway_id] += 1
-            step = StepOutputs(self.config.scheduler_id, self._out_seq[gateway_id], tuple(outputs))
-            try:
-                await self.bus.publish_durable(self.subjects.out(gateway_id), encode(step))
-            except Exception as exc:  # the gateway sees the seq gap and fails these requests loudly
-                log.error("publishing to gateway %s failed: %s", gateway_id, exc)
-
-
-def _take_logprobs(seq: Sequence) -> Logprobs | None:
-    """The logprobs of the tokens not yet sent, merged into one message."""
-    parts, seq.unsent_logprobs = seq.unsent_logprobs, []
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return Logprobs(
-        token_logprobs=b"".join(p.token_logprobs for p in parts),
-        top_token_ids=b"".join(p.top_token_ids for p in parts),
-        top_logprobs=b"".join(p.top_logprobs for p in parts),
-        num_top=parts[0].num_top,
-    )
 
 
 def _reads_store(handle: WorkerHandle) -> bool:

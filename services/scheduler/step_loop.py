@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, encode, unpack_tokens
 from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerLoad
+from services.scheduler import metrics
 from services.scheduler.kv_tiers import EventCursor
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.sequence import Sequence
@@ -68,7 +70,9 @@ class StepLoop:
         core = self.handle.core
         try:
             while alive():
+                num_preemptions = core.num_preemptions
                 plan = core.next_plan(len(self._in_flight), self.max_in_flight)
+                metrics.PREEMPTIONS.inc(core.num_preemptions - num_preemptions)
                 if plan is not None:
                     self._in_flight.append(asyncio.ensure_future(self._send(plan)))
                     continue
@@ -86,7 +90,10 @@ class StepLoop:
                 task.cancel()
 
     async def _send(self, plan: SchedulerOutput) -> bytes:
-        return await self.bus.request(self.subject, encode(plan), self.step_timeout_s)
+        sent = time.perf_counter()
+        reply = await self.bus.request(self.subject, encode(plan), self.step_timeout_s)
+        metrics.STEP_SECONDS.observe(time.perf_counter() - sent)  # answered steps only
+        return reply
 
     async def _finish_step(self, task: asyncio.Future[bytes]) -> None:
         try:
@@ -99,7 +106,9 @@ class StepLoop:
         failed_loads = dict(zip(result.failed_load_seq_ids, result.failed_load_num_blocks, strict=True))
         num_host, num_store = result.num_loaded_host_blocks, result.num_loaded_store_blocks
         core.record_loads(result.step_id, num_host, num_store, failed_loads)
+        metrics.STEPS.inc()
         failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
+        metrics.count_failed(failed.values())
         changed = core.postprocess(
             result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs, failed
         )

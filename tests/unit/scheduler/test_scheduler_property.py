@@ -11,7 +11,8 @@ With ``tiers`` the fake worker also keeps a small host memory (G2) and a store (
 of G2 through its events, late, sometimes not at all (then a dump replaces its view), and each
 request starts with the G3 prefix the store holds, sometimes overstated; every load of a block the
 worker no longer holds is recomputed, outputs must still be exact, and each sequence's usage counts
-as cached only the tokens the worker did not compute.
+as cached only the tokens the worker did not compute. With ``pauses`` requests are paused (their
+client left a stream) and resumed later, in any state: outputs must still be exact.
 """
 
 from __future__ import annotations
@@ -77,8 +78,28 @@ def num_stored_blocks(rng: random.Random, worker: FakeWorker, engine: LocalEngin
     return n + (rng.randint(1, 3) if rng.random() < 0.1 else 0)
 
 
+def pause_or_resume(rng: random.Random, engine: LocalEngine, paused: set[str]) -> None:
+    """Now and then pause a live request, or resume a paused one (always, once nothing else runs)."""
+    core = engine.core
+    if rng.random() < 0.05 and core.seqs:
+        request_id = rng.choice(sorted(core.seqs)).split("#")[0]
+        core.pause(request_id, deadline=0.0)  # never expired: expire_paused is not called
+        paused.add(request_id)
+        core.check_integrity()
+    if paused and (rng.random() < 0.1 or not engine.has_work()):
+        request_id = rng.choice(sorted(paused))
+        paused.discard(request_id)
+        core.resume(request_id)
+        core.check_integrity()
+
+
 def run(
-    seed: int, overlap: bool, num_requests: int, shared_prefixes: bool = False, tiers: bool = False
+    seed: int,
+    overlap: bool,
+    num_requests: int,
+    shared_prefixes: bool = False,
+    tiers: bool = False,
+    pauses: bool = False,
 ) -> tuple[int, int, PrefixCacheStats, TierStats]:
     rng = random.Random(seed)
     limits = Limits(NUM_BLOCKS, BLOCK_SIZE, 8, MAX_MODEL_LEN, rng.choice([16, 32, 64]), 64, 0.01, True, tiers)
@@ -86,7 +107,8 @@ def run(
     engine = LocalEngine(runner, limits, EOS, overlap=overlap, check=True)
     seqs: dict[str, Sequence] = {}
     num_added = num_checked = 0
-    while num_added < num_requests or engine.has_work():
+    paused: set[str] = set()  # request ids
+    while num_added < num_requests or engine.has_work() or paused:
         for _ in range(rng.choice([0, 0, 1, 2])):
             if num_added < num_requests and engine.core.num_waiting < 48:
                 prompt, params, priority = random_request(rng, shared_prefixes)
@@ -99,6 +121,8 @@ def run(
         if rng.random() < 0.05 and engine.core.seqs:
             victim = rng.choice(sorted(engine.core.seqs))
             assert all(s.finish_reason is FinishReason.ABORT for s in engine.abort(victim.split("#")[0]))
+        if pauses:
+            pause_or_resume(rng, engine, paused)
         engine.step()  # checks integrity after its plan and after its result
         if tiers:
             host_events(rng, runner.worker, engine)
@@ -140,3 +164,12 @@ def test_random_traffic_with_lower_tiers_loads_saves_and_keeps_outputs(overlap: 
     assert stats.num_loaded_host_blocks > 0 and stats.num_loaded_store_blocks > 0
     assert stats.num_failed_load_blocks > 0  # stale hints happen, and cost only a recompute
     assert sum(stats.num_saved_blocks.values()) > 100 and g1.num_evicted_blocks > 100
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_traffic_with_pauses_and_resumes_keeps_integrity_and_outputs(overlap: bool) -> None:
+    num_checked, _, stats, _ = run(
+        4, overlap, num_requests=500, shared_prefixes=True, tiers=True, pauses=True
+    )
+    assert num_checked > 500
+    assert stats.num_hit_tokens > 0

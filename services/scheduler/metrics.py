@@ -1,0 +1,88 @@
+"""Every Prometheus metric of the scheduler process, served on ``--metrics-port`` (0: off).
+
+Events are counted in module-level metrics as they happen (one scheduler per process); the queue
+gauges are read from the cores at scrape time by ``QueueCollector``:
+
+- ``deepinfer_num_requests_running{worker_id}``: sequences running on that worker (its core's view)
+- ``deepinfer_num_requests_waiting{worker_id}``: sequences queued for that worker
+- ``deepinfer_steps_total``: steps a worker ran and answered
+- ``deepinfer_step_seconds``: from a plan's send to its result (queueing at the worker included,
+  with overlap on)
+- ``deepinfer_preemptions_total``: running sequences preempted (recomputed later) for KV blocks
+- ``deepinfer_sequences_failed_total{reason}``: sequences a worker failed alone (a
+  ``ModelRunnerOutput.failed_seq_ids`` entry); reason from its error (``failure_reason``)
+- ``deepinfer_worker_losses_total{reason}``: workers dropped with their sequences: step_failed
+  (no answer, or the step raised), silent (no heartbeat), stuck (in one step too long), taken
+  (another scheduler owns it), connection_lost (this scheduler's NATS connection)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from libs.protocol.errors import failure_reason
+
+if TYPE_CHECKING:
+    from services.scheduler.step_loop import WorkerHandle
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series beside each counter
+
+EVENTS = CollectorRegistry()  # the counters and histograms of this process
+ProcessCollector(registry=EVENTS)
+
+# Steps: a decode of a small model on CPU is some ms, a long prefill chunk seconds.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+STEPS = Counter("deepinfer_steps", "steps a worker ran and answered", registry=EVENTS)
+STEP_SECONDS = Histogram(
+    "deepinfer_step_seconds", "from a plan's send to its result", buckets=STEP_BUCKETS, registry=EVENTS
+)
+PREEMPTIONS = Counter(
+    "deepinfer_preemptions", "running sequences preempted for KV blocks (recomputed later)", registry=EVENTS
+)
+SEQUENCES_FAILED = Counter(
+    "deepinfer_sequences_failed", "sequences a worker failed alone, by reason", ["reason"], registry=EVENTS
+)
+WORKER_LOSSES = Counter(
+    "deepinfer_worker_losses",
+    "workers dropped with their sequences: step_failed, silent, stuck, taken, connection_lost",
+    ["reason"],
+    registry=EVENTS,
+)
+
+
+def count_failed(errors: Iterable[str]) -> None:
+    """Sequences a worker failed alone, one per error."""
+    for error in errors:
+        SEQUENCES_FAILED.labels(failure_reason(error)).inc()
+
+
+class QueueCollector(Collector):
+    """Running and waiting sequences per owned worker, read from the cores when scraped (from the
+    server's thread: a copy of the dict and two lengths, each atomic under the GIL)."""
+
+    def __init__(self, workers: Mapping[str, WorkerHandle]) -> None:
+        self.workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker_id"]
+        running = GaugeMetricFamily("deepinfer_num_requests_running", "sequences running", labels=labels)
+        waiting = GaugeMetricFamily("deepinfer_num_requests_waiting", "sequences waiting", labels=labels)
+        for worker_id, handle in list(self.workers.items()):
+            running.add_metric([worker_id], handle.core.num_running)
+            waiting.add_metric([worker_id], handle.core.num_waiting)
+        yield running
+        yield waiting
+
+
+def registry(workers: Mapping[str, WorkerHandle]) -> CollectorRegistry:
+    """What /metrics shows: this process's events and the queues of ``workers`` (the service's)."""
+    view = CollectorRegistry()
+    view.register(EVENTS)
+    view.register(QueueCollector(workers))
+    return view
