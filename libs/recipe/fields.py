@@ -12,7 +12,7 @@ cannot walk, nor ``repr`` print). ``lookup``, ``shown`` and ``check_depth`` read
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 INT64_MIN = -(2**63)
@@ -112,6 +112,17 @@ def token_ids(body: dict[str, Any], key: str) -> tuple[int, ...]:
     if not is_token_ids(ids):
         raise ApiError(400, f"'{key}' must be a list of token ids", param=key)
     return tuple(ids)
+
+
+def check_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """400 when an id in ``ids`` is not below ``vocab_size``: the model has no such token."""
+    if ids and (max(ids) >= vocab_size or min(ids) < 0):  # C-speed scans: prompts may be long
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
+        raise ApiError(
+            400,
+            f"'{param}' has token id {bad}, outside this model's vocabulary (ids 0 to {vocab_size - 1})",
+            param=param,
+        )
 
 
 def lookup(table: Mapping[str, _T], value: Any) -> _T | None:

@@ -1,25 +1,26 @@
-"""The HTTP front (starlette): every API's routes, /v1/models, /health and /metrics, over one
-GatewayService."""
+"""The HTTP front (starlette): every API's routes, /v1/models, /health (= /readyz), /livez and
+/metrics, over one GatewayService."""
 
 from __future__ import annotations
 
-import time
-
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.gateway.admission import Admission
 from services.gateway.cache_scope import CacheScoping
-from services.gateway.metrics import Sample, kv_samples, render
+from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.response_store import ResponseStore
 from services.gateway.routes_messages import MessagesRoutes
 from services.gateway.routes_openai import OpenAIRoutes
 from services.gateway.routes_responses import ResponsesRoutes
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
-from services.gateway.serving import Server
+from services.gateway.serving import LastResort, Server, http_error
 
 
 def build_app(
@@ -40,23 +41,28 @@ def build_app(
     messages = MessagesRoutes(server, admission)
 
     async def health(request: Request) -> Response:
-        if await service.healthy():
+        """Readiness: a live scheduler and worker can serve (from state a watcher keeps current)."""
+        if service.ready():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def livez(request: Request) -> Response:
+        """Liveness: the gateway process answers, whatever the rest is doing."""
+        return JSONResponse({"status": "ok"})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [served.card()]})
 
+    gateway_metrics = GatewayMetrics(service)
+
     async def metrics(request: Request) -> Response:
-        own = Sample(
-            "deepinfer_gateway_requests_in_flight", (("gateway", service.gateway_id),), service.num_in_flight
-        )
-        text = render([*kv_samples(service.kv_stats.current(time.monotonic())), own])
-        return Response(text, media_type="text/plain; version=0.0.4")
+        return Response(gateway_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return Starlette(
         routes=[
             Route("/health", health),
+            Route("/readyz", health),
+            Route("/livez", livez),
             Route("/v1/models", models),
             Route("/metrics", metrics),
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -69,5 +75,7 @@ def build_app(
             Route("/v1/messages", messages.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/v1/messages/{request_id}", messages.resume, methods=["GET"]),
-        ]
+        ],
+        middleware=[Middleware(LastResort), Middleware(RequestMetrics, metrics=gateway_metrics)],
+        exception_handlers={HTTPException: http_error},
     )

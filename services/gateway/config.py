@@ -6,6 +6,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from libs.grammar.sandbox import CompileLimits
 from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 from libs.recipe.chat_formats import FORMATS
 
@@ -36,6 +37,13 @@ class Config:
     grammar_backend: str = field(
         default="xgrammar",
         metadata={"help": "structured-output grammar backend: xgrammar | outlines (outlines-core)"},
+    )
+    grammar_compile_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "longest one grammar compile may run; its compiler process is then killed"},
+    )
+    grammar_compile_max_mb: int = field(
+        default=2048, metadata={"help": "memory one grammar compile may take, MiB (its process is capped)"}
     )
     submit_timeout_s: float = field(
         default=5.0, metadata={"help": "how long a submit may wait for a scheduler"}
@@ -72,6 +80,12 @@ class Config:
             "proxy) instead of hashing the API key; '' = off"
         },
     )
+    watchdog_s: float = field(
+        default=60.0, metadata={"help": "exit when the event loop has been stuck this long (0: off)"}
+    )
+    shutdown_grace_s: float = field(
+        default=10.0, metadata={"help": "on SIGTERM, how long in-flight streams may take to finish"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -83,6 +97,8 @@ class Config:
             raise ValueError(f"grammar_backend must be xgrammar or outlines, got {self.grammar_backend!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.grammar_compile_timeout_s <= 0 or self.grammar_compile_max_mb <= 0:
+            raise ValueError("grammar_compile_timeout_s and grammar_compile_max_mb must be > 0")
         if self.submit_timeout_s <= 0:
             raise ValueError(f"submit_timeout_s must be > 0, got {self.submit_timeout_s}")
         if self.resume_grace_s < 0:
@@ -98,3 +114,7 @@ class Config:
     @property
     def retention_policy(self) -> RetentionPolicy:
         return policy_from_config(self.retention_classes, self.default_retention_class)
+
+    @property
+    def grammar_limits(self) -> CompileLimits:
+        return CompileLimits(self.grammar_compile_timeout_s, self.grammar_compile_max_mb)

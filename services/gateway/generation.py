@@ -52,6 +52,16 @@ class ApiRenderer(Protocol):
     def body(self) -> dict[str, Any]: ...
 
 
+class GenerationObserver(Protocol):
+    """Told what a live generation sees as it sees it (its metrics); the clock is the observer's."""
+
+    def tokens(self, index: int) -> None:
+        """A delta with tokens of choice ``index`` came."""
+        ...
+
+    def ended_with(self, usage: Usage, error: str) -> None: ...
+
+
 def parser_spec(record: StreamRecord, index: int) -> ParserSpec:
     return ParserSpec(
         syntax=record.syntax,  # type: ignore[arg-type]
@@ -71,8 +81,10 @@ class Generation:
         tokenizer: Tokenizer,
         renderer: ApiRenderer,
         keep_token_ids: frozenset[int] = frozenset(),
+        observer: GenerationObserver | None = None,
     ) -> None:
         self.renderer = renderer
+        self._observer = observer
         self._choices = [
             ChoiceText(tokenizer, OutputParser(parser_spec(record, i)), keep_token_ids)
             for i in range(record.n)
@@ -91,6 +103,8 @@ class Generation:
             if delta is None:
                 yield KEEPALIVE
                 continue
+            if delta.token_ids and self._observer is not None:
+                self._observer.tokens(delta.index)
             self._num_prompt_tokens = delta.num_prompt_tokens or self._num_prompt_tokens
             self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)
             if not opened:
@@ -117,6 +131,8 @@ class Generation:
             self._num_cached_tokens,
             sum(c.num_reasoning_tokens for c in self._choices),
         )
+        if self._observer is not None:
+            self._observer.ended_with(self.usage, self.error)
         if not opened:  # failed before any output
             for event in self.renderer.open(self.usage):
                 yield event
@@ -124,9 +140,7 @@ class Generation:
             yield event
 
 
-async def numbered(
-    events: AsyncIterator[Event], after: int = -1
-) -> AsyncIterator[tuple[int | None, Event]]:
+async def numbered(events: AsyncIterator[Event], after: int = -1) -> AsyncIterator[tuple[int | None, Event]]:
     """Events with their ordinals (the SSE ids), skipping those up to ``after`` (a resume).
     A keep-alive is not an event of the stream: it has no ordinal."""
     ordinal = -1

@@ -6,21 +6,23 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import sys
 from collections.abc import Iterator
 
 import uvicorn
 
-from deepinfer.runtime import run_service, setup_logging
+from deepinfer.runtime import StopEvent, run_service, setup_logging
 from deepinfer.settings import build_config, resolve_cache_dir
 from libs.bus.membership import announce
 from libs.bus.nats_bus import NatsBus
+from libs.grammar import resolve_backend
 from libs.protocol.messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
 from services.gateway.app import build_app
 from services.gateway.cache_scope import CacheScoping
 from services.gateway.config import Config
-from services.gateway.grammar_check import warm_grammar
 from services.gateway.response_store import ResponseStore
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
@@ -36,7 +38,19 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
+async def _serve_http(server: _Server) -> bool:
+    """``server.serve()``; False when it could not start: uvicorn then raises SystemExit, which
+    must not escape a task (the loop would stop half-way, the process stay up)."""
+    try:
+        await server.serve()
+    except SystemExit:
+        return False
+    return True
+
+
+async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
+    # A configured backend that does not import here is replaced by the other one, with a warning.
+    grammar_backend = await asyncio.to_thread(resolve_backend, config.grammar_backend)
     served = await asyncio.to_thread(
         ServedModel.load,
         config.model,
@@ -44,7 +58,8 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         config.served_model_name,
         config.max_model_len,
         config.chat_format,
-        config.grammar_backend,
+        grammar_backend,
+        config.grammar_limits,
     )
     subjects = Subjects(config.subject_prefix)
     bus = await NatsBus.connect(config.nats_url, name=config.gateway_id)
@@ -74,25 +89,37 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
                 port=config.port,
                 log_level=config.log_level,
                 access_log=False,
-                timeout_graceful_shutdown=5,
+                timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s),  # SIGTERM: streams finish
             )
         )
         info = MemberInfo(MemberKind.GATEWAY, config.gateway_id, model=served.name)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(announce(bus, subjects.members_bucket, info, stop))
-            # Import the grammar library now, off the loop, not in the first constrained request.
-            tg.create_task(asyncio.to_thread(warm_grammar, config.grammar_backend))
-            serving = tg.create_task(server.serve())
+            # Start the grammar compiler processes now, off the loop, not in the first constrained request.
+            if served.grammar is not None:
+                tg.create_task(asyncio.to_thread(served.grammar.warm, grammar_backend))
+            serving = tg.create_task(_serve_http(server))
             stopping = tg.create_task(stop.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            server.should_exit = True
+            server.should_exit = True  # no new connections; the running ones finish, within the grace
             stop.set()  # the server may have ended on its own (port taken): leave cleanly
+            if stop.hurried.is_set():  # Ctrl-C: no drain (running requests are cancelled)
+                server.config.timeout_graceful_shutdown = 0
+            else:  # a second signal cuts the drain short
+                hurried = tg.create_task(stop.hurried.wait())
+                await asyncio.wait({serving, hurried}, return_when=asyncio.FIRST_COMPLETED)
+                server.force_exit = True
+                hurried.cancel()
     finally:
         await bus.close()
+    if not serving.result():
+        sys.exit(1)  # the port is taken: a supervisor restarts this process
+        if served.grammar is not None:
+            served.grammar.close()  # kills the compiler processes
 
 
 def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
     setup_logging(config.log_level, "gateway")
-    run_service(lambda stop: serve(config, cache_dir, stop))
+    run_service(lambda stop: serve(config, cache_dir, stop), config.watchdog_s)

@@ -1,30 +1,56 @@
-"""/metrics: every service's latest KV-cache stats and the gateway's own gauges, as Prometheus text. Pure.
+"""The gateway's /metrics: every service's latest KV-cache stats, and what this gateway measures of
+the requests it serves. Exposition is prometheus_client's (one registry per app).
 
-Schedulers, workers and kvcache services each publish a ``KVCacheStats`` now and then on
-``stats.<kind>.<id>``. A ``StatsBoard`` keeps the latest per (kind, publisher) and drops a
+KV-cache stats: schedulers, workers and kvcache services each publish a ``KVCacheStats`` now and
+then on ``stats.<kind>.<id>``. A ``StatsBoard`` keeps the latest per (kind, publisher) and drops a
 publisher silent for ``STALE_AFTER_S`` (it stopped, or lost its connection): its last numbers would
-otherwise be scraped forever as if current. Times come in as ``now`` (monotonic seconds).
-
-Every counter becomes ``deepinfer_kv_<name>{kind, publisher, label} value``: whether it is a
-counter or a gauge is its publisher's business, so these families are ``untyped``. Derived from the
-schedulers' counters, summed over them:
+otherwise be scraped forever as if current. Times come in as ``now`` (monotonic seconds). Every
+counter becomes ``deepinfer_kv_<name>{kind, publisher, label} value``: whether it is a counter or a
+gauge is its publisher's business, so these families are untyped. Derived from the schedulers'
+counters, summed over them:
 
     deepinfer_kv_hit_rate{tier=T} = sum hit_tokens{label=T} / sum query_tokens
 
 where a scheduler's query tokens for T are its ``query_tokens{label=T}`` if it counts them per tier,
 else its total (label "all", "total" or ""). A tier with no query tokens yet has no rate (not 0,
 not NaN).
+
+Requests (``POST`` to a generation route; resumes, retrievals and count_tokens are not requests):
+``RequestMetrics`` (ASGI middleware) times each from its arrival and counts it by api and outcome
+once its response ended; the ``Generation`` serving it reports each delta with tokens and its end
+to the request's ``RequestObserver``. A background Responses request is counted when its queued
+object is answered; its generation runs on after the request, unmeasured.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Final, Literal
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Final
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from libs.protocol.kv_messages import KVCacheStats
+from libs.recipe.segments import Usage
+
+if TYPE_CHECKING:
+    from services.gateway.service import GatewayService
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series beside each counter
 
 STALE_AFTER_S: Final = 60.0
 KV_PREFIX: Final = "deepinfer_kv_"
@@ -32,15 +58,28 @@ HIT_RATE: Final = KV_PREFIX + "hit_rate"
 TOTAL_LABELS: Final = ("all", "total", "")  # how publishers label a counter not split by tier
 _NOT_IN_NAME: Final = re.compile(r"[^a-zA-Z0-9_]")
 
-MetricType = Literal["untyped", "gauge", "counter"]
+# The generation routes, by path (POST only): the ``api`` label.
+API_OF_PATH: Final = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
+_OBSERVER_KEY: Final = "deepinfer.request_observer"  # in the ASGI scope's "state"
 
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    name: str
-    labels: tuple[tuple[str, str], ...]
-    value: float
-    type: MetricType = "gauge"
+# Buckets in seconds (vLLM's, with finer steps at the fast end for small models).
+TTFT_BUCKETS: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+ITL_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS: Final = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+)  # fmt: skip
 
 
 class StatsBoard:
@@ -85,53 +124,213 @@ def _total(by_label: dict[str, float]) -> float:
     return next((by_label[label] for label in TOTAL_LABELS if label in by_label), 0.0)
 
 
-def kv_samples(stats: Sequence[KVCacheStats]) -> list[Sample]:
-    """Every counter of ``stats`` as a sample, then the derived hit rates."""
-    samples = [
-        Sample(
-            KV_PREFIX + metric_name(c.name),
-            (("kind", one.kind), ("publisher", one.publisher_id), ("label", c.label)),
-            c.value,
-            "untyped",
-        )
-        for one in stats
-        for c in one.counters
-    ]
-    samples += [Sample(HIT_RATE, (("tier", tier),), rate) for tier, rate in hit_rates(stats).items()]
-    return samples
-
-
-def render(samples: Iterable[Sample]) -> str:
-    """Prometheus' text format (0.0.4): each family's samples together under one TYPE line, in the
-    order first seen; a series given twice keeps its last value (a scrape with one fails whole)."""
-    families: dict[str, tuple[MetricType, dict[tuple[tuple[str, str], ...], float]]] = {}
-    for sample in samples:
-        _, series = families.setdefault(sample.name, (sample.type, {}))
-        series[sample.labels] = sample.value
-    lines: list[str] = []
-    for name, (type_, series) in families.items():
-        lines.append(f"# TYPE {name} {type_}")
-        for labels, value in series.items():
-            lines.append(f"{name}{_labels(labels)} {_value(value)}")
-    return "".join(line + "\n" for line in lines)
-
-
 def metric_name(name: str) -> str:
     """A publisher's counter name as a legal metric name part (anything else becomes '_')."""
     return _NOT_IN_NAME.sub("_", name) or "_"
 
 
-def _labels(labels: tuple[tuple[str, str], ...]) -> str:
-    if not labels:
-        return ""
-    escaped = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in labels)
-    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(labels, escaped, strict=True)) + "}"
+def kv_families(stats: Sequence[KVCacheStats]) -> list[Metric]:
+    """Every counter of ``stats`` (untyped, each family's series in the order first seen; a series
+    given twice keeps its last value, as a scrape with a duplicate fails whole), then the hit rates."""
+    series: dict[str, dict[tuple[str, str, str], float]] = {}
+    for one in stats:
+        for c in one.counters:
+            by_labels = series.setdefault(KV_PREFIX + metric_name(c.name), {})
+            by_labels[(one.kind, one.publisher_id, c.label)] = c.value
+    families: list[Metric] = []
+    doc = "a KV-cache stat as its publishers report it"
+    for name, values in series.items():
+        family = UnknownMetricFamily(name, doc, labels=["kind", "publisher", "label"])
+        for labels, value in values.items():
+            family.add_metric(list(labels), value)
+        families.append(family)
+    rates = hit_rates(stats)
+    if rates:
+        doc = "prompt tokens found cached in a tier / prompt tokens looked up, over every scheduler"
+        hit_rate = GaugeMetricFamily(HIT_RATE, doc, labels=["tier"])
+        for tier, rate in rates.items():
+            hit_rate.add_metric([tier], rate)
+        families.append(hit_rate)
+    return families
 
 
-def _value(value: float) -> str:
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+class GatewayCollector(Collector):
+    """Read at scrape time: the KV-cache stats board, and the requests this gateway has pending."""
+
+    def __init__(self, service: GatewayService, clock: Callable[[], float] = time.monotonic) -> None:
+        self.service = service
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        yield from kv_families(self.service.kv_stats.current(self.clock()))
+        doc = "requests submitted by this gateway and not yet over (background ones included)"
+        pending = GaugeMetricFamily("deepinfer_gateway_requests_in_flight", doc, labels=["gateway"])
+        pending.add_metric([self.service.gateway_id], self.service.num_in_flight)
+        yield pending
+
+
+class GatewayMetrics:
+    """Every metric of one gateway app, on a registry of its own (several apps share a test process)."""
+
+    def __init__(self, service: GatewayService) -> None:
+        self.registry = registry = CollectorRegistry()
+        api = ["api"]
+        self.requests = Counter(
+            "deepinfer_requests",
+            "generation requests by api and outcome: ok, client_error (4xx), queue_full (429), "
+            "unavailable (503), server_error, cancelled (the client left first)",
+            ["api", "outcome"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "deepinfer_requests_in_flight",
+            "generation requests whose response is not over",
+            api,
+            registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "deepinfer_time_to_first_token_seconds",
+            "from a request's arrival to its first delta with tokens",
+            api,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "deepinfer_inter_token_latency_seconds",
+            "between a choice's consecutive deltas with tokens",
+            api,
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "deepinfer_e2e_request_latency_seconds",
+            "from a request's arrival to the end of its response, for the requests that ended ok",
+            api,
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "deepinfer_prompt_tokens", "prompt tokens of the generations that ended", api, registry=registry
+        )
+        self.cached_prompt_tokens = Counter(
+            "deepinfer_cached_prompt_tokens",
+            "of those prompt tokens, the ones served from a KV cache",
+            api,
+            registry=registry,
+        )
+        self.generation_tokens = Counter(
+            "deepinfer_generation_tokens",
+            "output tokens of the generations that ended",
+            api,
+            registry=registry,
+        )
+        registry.register(GatewayCollector(service))
+        ProcessCollector(registry=registry)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def outcome(status: int, raised: BaseException | None, error: bool, abandoned: bool) -> str:
+    """A request's outcome: ``status`` the HTTP status sent (0: none), ``raised`` what the app
+    raised, ``error`` its generation ended in error, ``abandoned`` its generation never ended."""
+    if isinstance(raised, asyncio.CancelledError | ClientDisconnect | OSError):
+        return "cancelled"
+    if raised is not None or (status >= 500 and status != 503):
+        return "server_error"
+    if status in (0, 499):  # nothing sent, or the non-streaming client left first
+        return "cancelled"
+    if status == 429:
+        return "queue_full"
+    if status == 503:
+        return "unavailable"
+    if status >= 400:
+        return "client_error"
+    if error:
+        return "server_error"
+    return "cancelled" if abandoned else "ok"
+
+
+class RequestObserver:
+    """One request's measurements, from its arrival (made by ``RequestMetrics``)."""
+
+    def __init__(
+        self, metrics: GatewayMetrics, api: str, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.metrics = metrics
+        self.api = api
+        self.clock = clock
+        self.arrival = clock()
+        self.generating = False  # a generation answers it: it is over when that has ended
+        self.ended = False
+        self.error = False
+        self._last_tokens: dict[int, float] = {}  # choice -> when its last delta with tokens came
+
+    def tokens(self, index: int) -> None:
+        """A delta with tokens of choice ``index`` came: the first of the request is its TTFT."""
+        now = self.clock()
+        if not self._last_tokens:
+            self.metrics.time_to_first_token.labels(self.api).observe(now - self.arrival)
+        elif index in self._last_tokens:
+            self.metrics.inter_token_latency.labels(self.api).observe(now - self._last_tokens[index])
+        self._last_tokens[index] = now
+
+    def ended_with(self, usage: Usage, error: str) -> None:
+        """The generation ended: count its tokens (as its usage reports them)."""
+        self.ended, self.error = True, bool(error)
+        self.metrics.prompt_tokens.labels(self.api).inc(usage.prompt_tokens)
+        self.metrics.cached_prompt_tokens.labels(self.api).inc(usage.cached_tokens)
+        self.metrics.generation_tokens.labels(self.api).inc(usage.completion_tokens)
+
+    def finish(self, status: int, raised: BaseException | None) -> None:
+        """The response is over."""
+        result = outcome(status, raised, self.error, self.generating and not self.ended)
+        self.metrics.requests.labels(self.api, result).inc()
+        if result == "ok":
+            self.metrics.e2e_request_latency.labels(self.api).observe(self.clock() - self.arrival)
+
+
+def watch_generation(request: Request) -> RequestObserver | None:
+    """The request's observer (None when the route is not measured), now waiting for the end of
+    the generation that answers it."""
+    observer = request.scope.get("state", {}).get(_OBSERVER_KEY)
+    if isinstance(observer, RequestObserver):
+        observer.generating = True
+        return observer
+    return None
+
+
+class RequestMetrics:
+    """ASGI middleware: each generation request counted by api and outcome, timed, kept in flight."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        measured = scope["type"] == "http" and scope["method"] == "POST"
+        api = API_OF_PATH.get(scope["path"]) if measured else None
+        if api is None:
+            await self.app(scope, receive, send)
+            return
+        observer = RequestObserver(self.metrics, api)
+        scope.setdefault("state", {})[_OBSERVER_KEY] = observer
+        status = 0
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        raised: BaseException | None = None
+        in_flight = self.metrics.in_flight.labels(api)
+        in_flight.inc()
+        try:
+            await self.app(scope, receive, sending)
+        except BaseException as exc:
+            raised = exc
+            raise
+        finally:
+            in_flight.dec()
+            observer.finish(status, raised)

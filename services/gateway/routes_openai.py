@@ -45,8 +45,8 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         try:
-            req = parse_completion_request(await json_body(request))
             served = self.server.served
+            req = parse_completion_request(await json_body(request), served.num_token_ids)
             served.check_model(req.model)
             scope = self.admission.scoping.scope(request.headers, "openai", req.cache_retention)
             if isinstance(req.prompt, str):
@@ -55,6 +55,8 @@ class OpenAIRoutes:
             else:
                 token_ids = list(req.prompt)
                 echo = served.tokenizer.decode(token_ids, skip_special_tokens=False) if req.echo else ""
+            if not token_ids:  # no BOS is added: an empty text is no tokens, which nothing can continue
+                raise ApiError(400, "the prompt must not be empty", param="prompt")
             prompt = Prompt(
                 token_ids, syntax="plain", start="content", parse_tool_calls=False, thinking=False
             )

@@ -21,14 +21,14 @@ from starlette.responses import JSONResponse, Response
 from libs.protocol.messages import StreamRecord
 from libs.recipe.api.responses import ResponsesRequest, parse_responses_request
 from libs.recipe.api.responses_input import parse_input
-from libs.recipe.fields import ApiError
+from libs.recipe.fields import ApiError, shown
 from libs.recipe.segments import Usage
 from services.gateway.admission import Admission, Admitted
 from services.gateway.generation import Generation
 from services.gateway.renderers import ResponsesRenderer, renderer_for
 from services.gateway.request_stream import RequestStream
 from services.gateway.response_store import TERMINAL, ResponseStore, Stored, encode_items
-from services.gateway.serving import Server, error_response, json_body, last_event_id
+from services.gateway.serving import Server, error_response, is_issued_id, json_body, last_event_id
 
 log = logging.getLogger(__name__)
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for the background task to store the final object
@@ -40,7 +40,8 @@ def _input_items(body: dict[str, Any]) -> list[Any]:
 
 
 def _not_found(response_id: str) -> ApiError:
-    return ApiError(404, f"No response found with id '{response_id}'.", param="response_id", code="not_found")
+    message = f"No response found with id {shown(response_id)}."
+    return ApiError(404, message, param="response_id", code="not_found")
 
 
 class ResponsesRoutes:
@@ -93,11 +94,12 @@ class ResponsesRoutes:
     async def _history(self, req: ResponsesRequest, tenant: str) -> list[Any]:
         if req.previous_response_id is None:
             return []
-        history = await self.store.history(req.previous_response_id, tenant)
+        previous = req.previous_response_id
+        history = await self.store.history(previous, tenant) if is_issued_id(previous) else None
         if history is None:
             raise ApiError(
                 400,
-                f"Previous response with id '{req.previous_response_id}' not found.",
+                f"Previous response with id {shown(previous)} not found.",
                 param="previous_response_id",
             )
         return history
@@ -175,7 +177,7 @@ class ResponsesRoutes:
             if request.query_params.get("stream", "false").lower() == "true":
                 after = last_event_id(request, "starting_after")
                 return await self.server.resume(response_id, "responses", after, tenant)
-            found = await self.store.get(response_id, tenant)
+            found = await self._get(response_id, tenant)
             if found is None:
                 raise _not_found(response_id)
         except ApiError as err:
@@ -187,7 +189,7 @@ class ResponsesRoutes:
         response_id = request.path_params["response_id"]
         try:
             tenant = self.admission.scoping.tenant(request.headers, "openai")
-            found = await self.store.get(response_id, tenant)
+            found = await self._get(response_id, tenant)
             if found is None:
                 raise _not_found(response_id)
             if not found.response.get("background"):
@@ -210,6 +212,10 @@ class ResponsesRoutes:
         response = {**found.response, "status": "cancelled"}
         await self.store.put(response, found.input_json, tenant)
         return JSONResponse(response)
+
+    async def _get(self, response_id: str, tenant: str) -> Stored | None:
+        """The stored response a client names; an id this gateway never issues is in no store."""
+        return await self.store.get(response_id, tenant) if is_issued_id(response_id) else None
 
     async def _until_terminal(self, response_id: str, tenant: str) -> None:
         """Another gateway runs it: wait (backing off) for it to store the end."""

@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from libs.grammar import grammar_vocab
+from libs.grammar.sandbox import CompileLimits
 from libs.models.gguf_metadata import read_gguf_config
 from libs.models.registry import resolve_model_path
 from libs.recipe.chat_formats import ChatFormat, make_chat_format
@@ -14,11 +16,11 @@ from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.constraints import structured_output
 from libs.recipe.conversation import Conversation, RecipeError
 from libs.recipe.dsml import THINK_END
-from libs.recipe.fields import ApiError
+from libs.recipe.fields import ApiError, check_vocabulary
 from libs.recipe.output_parser import MARKER_SPELLINGS
 from libs.recipe.template_format import Prompt
 from libs.recipe.tokenizer import Tokenizer
-from services.gateway.grammar_check import check_constraint
+from services.gateway.grammar_check import GrammarCheck
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,12 @@ class ServedModel:
     keep_token_ids: frozenset[int]  # special tokens the output parser must see
     grammar_backend: str = "xgrammar"  # which backend enforces structured outputs
     reasoning_end: tuple[int, ...] = ()  # the tokens that close the model's reasoning
+    # Token ids the model has: its embedding rows (the GGUF's vocab_size, which may pad past the
+    # tokenizer), or the tokenizer's size where that is unknown (0). See ``num_token_ids``.
+    vocab_size: int = 0
+    # Bounded, cached compile checks of constraints; None: unchecked here (a worker bounds its own
+    # compiles and fails a bad constraint's sequence alone).
+    grammar: GrammarCheck | None = None
 
     @classmethod
     def load(
@@ -42,11 +50,12 @@ class ServedModel:
         max_model_len: int,
         chat_format: str = "template",
         grammar_backend: str = "xgrammar",
+        grammar_limits: CompileLimits | None = None,
     ) -> ServedModel:
         path = resolve_model_path(spec)
         tokenizer = Tokenizer.from_gguf(path, Path(cache_dir))
-        if not max_model_len:
-            max_model_len = read_gguf_config(path).max_position_embeddings
+        config = read_gguf_config(path)  # its vocab_size falls back to the token list's length
+        max_model_len = max_model_len or config.max_position_embeddings
         if tokenizer.eos_token_id is None:
             raise ValueError(f"model {spec!r}: the GGUF names no EOS token")
         template = None
@@ -64,8 +73,23 @@ class ServedModel:
         think_end = [i for i in keep if tokenizer.id_to_token(i) == THINK_END]
         reasoning_end = tuple(think_end or tokenizer.encode_plain(THINK_END))
         return cls(
-            name, aliases, tokenizer, speaks, max_model_len, eos_id, keep, grammar_backend, reasoning_end
+            name,
+            aliases,
+            tokenizer,
+            speaks,
+            max_model_len,
+            eos_id,
+            keep,
+            grammar_backend,
+            reasoning_end,
+            config.vocab_size,
+            GrammarCheck(grammar_vocab(tokenizer, config.vocab_size or tokenizer.vocab_size), grammar_limits),
         )
+
+    @property
+    def num_token_ids(self) -> int:
+        """How many token ids a request may use: 0 to num_token_ids - 1."""
+        return self.vocab_size or self.tokenizer.vocab_size
 
     def card(self) -> dict[str, Any]:
         return {
@@ -97,12 +121,18 @@ class ServedModel:
         # With tools on, the constraint is theirs: beside forced tools a format has no content to
         # shape, and beside auto tools it is a 400 (libs/recipe/constraints.py).
         from_tools = bool(conversation.tools) and conversation.tool_choice != "none"
-        check_constraint(constraint, "tools" if from_tools else format_param)
+        if self.grammar is not None:
+            self.grammar.check(constraint, "tools" if from_tools else format_param)
         return replace(prompt, structured_output=constraint)
 
     def encode_text(self, text: str) -> list[int]:
         """A raw prompt (Completions): the client's text is the prompt, special tokens included."""
         return self.tokenizer.encode(text)
+
+    def check_token_ids(self, token_ids: list[int], stop_token_ids: tuple[int, ...]) -> None:
+        """400 for a token id the model has no embedding for (it would fail the worker's step)."""
+        check_vocabulary(token_ids, self.num_token_ids, "prompt")
+        check_vocabulary(stop_token_ids, self.num_token_ids, "stop_token_ids")
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """The request's max_tokens, defaulting to what the context window leaves; 400 if it does not fit."""

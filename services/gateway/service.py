@@ -9,10 +9,16 @@ A request with n > 1 is one submit; the scheduler runs choice i as sequence
 ``seq_id_of(request_id, i)`` and tags its outputs with ``index`` i. The request is over when every
 choice is: finished by the scheduler, or stopped here (a stop string cancels just that sequence).
 
+Liveness: a watcher keeps a view of the members bucket. A scheduler gone from it (heartbeat
+stopped, or a clean leave) fails the requests it took, naming it; a lost bus connection fails
+every request in flight, naming NATS (outputs published meanwhile never arrive). ``ready()``
+(/health) reads only that view and the connection state, never the bus.
+
 Resume: at admission a ``StreamRecord`` goes into the streams bucket (where the outputs will be in
-the out stream, and how to render them). A client that went away leaves its request running for
-``resume_grace_s``; a reconnect, here or at any gateway, replays the out stream from the record
-and claims the request (``ResumeClaim``), so the cancel never comes.
+the out stream, and how to render them). A client that went away leaves its request paused (it
+computes nothing, its KV stays cached) for ``resume_grace_s``; a reconnect, here or at any gateway,
+replays the out stream from the record, claims the request (``ResumeClaim``), so the cancel never
+comes, and resumes it (a ``PauseRequest`` with ``resume``).
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ from collections.abc import Coroutine
 from typing import Any
 
 from libs.bus.base import Bus, Message, NoResponders, Subscription
-from libs.bus.membership import MEMBER_TTL_S, live_members, member_key
+from libs.bus.membership import MEMBER_TTL_S, MembershipView, member_key
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode, pack_tokens
 from libs.protocol.kv_messages import KVCacheStats
 from libs.protocol.messages import (
     CancelRequest,
     MemberInfo,
     MemberKind,
+    PauseRequest,
     ResumeClaim,
     SamplingParams,
     StepOutputs,
@@ -45,6 +52,9 @@ from services.gateway.metrics import StatsBoard
 from services.gateway.request_stream import Pending, RequestStream
 
 log = logging.getLogger(__name__)
+
+# Outputs a scheduler's heartbeat says it sent but that have not arrived this long after are lost.
+OUT_LAG_S = 10.0
 
 
 class SubmitRejected(Exception):
@@ -73,9 +83,19 @@ class GatewayService:
         self._pending: dict[str, Pending] = {}
         self._last_seq: dict[str, int] = {}  # scheduler id -> last StepOutputs.seq seen
         self._background: set[asyncio.Task[None]] = set()
-        self._grace = GracePeriods(resume_grace_s, self.cancel_soon)
+        self._grace = GracePeriods(resume_grace_s, self.cancel_soon, self.pause_soon)
         self._out_seq_seen = 0  # the newest out stream sequence this gateway has seen
         self.kv_stats = StatsBoard()  # every service's latest KV-cache stats, for /metrics
+        # Kept current by a background watcher: /health and the failing of requests whose
+        # scheduler died read it without a round trip.
+        self.members = MembershipView(bus, subjects.members_bucket)
+        self._accepted_at: dict[str, float] = {}  # request id -> when its scheduler took it
+        self._schedulers_seen: set[str] = set()  # ever live in the view
+        self._replays: set[Pending] = set()
+        self._behind_since: dict[str, float] = {}  # scheduler id -> since when its heartbeat
+        # says it sent more than has arrived here
+        self.out_lag_s = OUT_LAG_S
+        self._stop = asyncio.Event()
 
     async def start(self) -> None:
         subjects = self.subjects
@@ -86,16 +106,25 @@ class GatewayService:
         await self.bus.subscribe(subjects.stats_all, self._on_stats)
         self._out_seq_seen = await self.bus.stream_last_seq(subjects.out_stream)
         await self.bus.subscribe_durable(subjects.out(self.gateway_id), self._on_step_outputs)
+        self.bus.add_connection_listener(self._on_connection)
+        await self.members.refresh()
+        self._on_members()
+        self._spawn(self.members.watch(self._stop, self._on_members))
+
+    async def close(self) -> None:
+        self._stop.set()
 
     @property
     def num_in_flight(self) -> int:
         return len(self._pending)
 
+    def ready(self) -> bool:
+        """Whether a request can be served now: connected to the bus, and a live scheduler with a
+        live worker it may use, not stuck in a step (from the watched members: no round trip)."""
+        return self.bus.connected and self.members.can_serve()
+
     async def healthy(self) -> bool:
-        bucket = self.subjects.members_bucket
-        return bool(await live_members(self.bus, bucket, MemberKind.WORKER)) and bool(
-            await live_members(self.bus, bucket, MemberKind.SCHEDULER)
-        )
+        return self.ready()
 
     async def gateway_alive(self, gateway_id: str) -> bool:
         if not gateway_id:
@@ -150,6 +179,9 @@ class GatewayService:
             self._pending.pop(request_id, None)
             raise SubmitRejected(reply.status, reply.message)
         pending.scheduler_id = reply.scheduler_id
+        if reply.out_seq >= 0:  # outputs seen since are newer; if none, the next is out_seq + 1
+            self._last_seq.setdefault(reply.scheduler_id, reply.out_seq)
+        self._accepted_at[request_id] = time.monotonic()
         # Only a resumable stream is worth keeping for a while once its client is gone.
         on_leave: OnLeave = "now" if record is None else "never" if record.background else "grace"
         return self._stream(request_id, pending, on_leave)
@@ -187,8 +219,11 @@ class GatewayService:
         sub = await self.bus.subscribe_durable(
             self.subjects.out(record.gateway_id), on_message, start_seq=record.start_seq
         )
-        # Claimed once the replay runs: the gateway whose reader left must not cancel it now.
+        # Claimed once the replay runs: the gateway whose reader left must not cancel it now. And
+        # resumed from here too, for when that gateway is gone (a request resumed twice just runs).
         await self.bus.publish(self.subjects.resume_claim, encode(ResumeClaim(request_id, self.gateway_id)))
+        await self.bus.publish(self.subjects.pause, encode(PauseRequest((request_id,), resume=True)))
+        self._replays.add(pending)
         return self._stream(request_id, pending, on_leave, sub)
 
     def _stream(
@@ -201,7 +236,9 @@ class GatewayService:
         def close(stream: RequestStream, failed: bool) -> None:
             if sub is None:
                 self._pending.pop(request_id, None)
+                self._accepted_at.pop(request_id, None)
             else:
+                self._replays.discard(pending)
                 self._spawn(sub.unsubscribe())
             self._grace.left(request_id, on_leave, stream.finished, failed)
 
@@ -226,6 +263,13 @@ class GatewayService:
         """Publish a cancel without awaiting: safe from a cancelled task or a finally block."""
         self._spawn(self.bus.publish(self.subjects.cancel, encode(CancelRequest((request_id,)))))
 
+    def pause_soon(self, request_id: str, resume: bool) -> None:
+        """Publish a pause (or, ``resume``, its end) without awaiting. A pause left alone is
+        cancelled by the scheduler after twice the grace period, should this gateway not be there
+        to cancel it after one."""
+        pause = PauseRequest((request_id,), resume, 2 * self._grace.grace_s, self.gateway_id)
+        self._spawn(self.bus.publish(self.subjects.pause, encode(pause)))
+
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
@@ -239,8 +283,11 @@ class GatewayService:
             return
         self._out_seq_seen = max(self._out_seq_seen, msg.seq)
         last = self._last_seq.get(step.scheduler_id)
-        self._last_seq[step.scheduler_id] = step.seq
-        if last is not None and step.seq != last + 1:
+        # Not older than what was seen or said: a submit's reply (its out_seq) may overtake an
+        # output the scheduler had published before it accepted.
+        if last is None or step.seq > last:
+            self._last_seq[step.scheduler_id] = step.seq
+        if last is not None and step.seq > last + 1:
             self._fail_scheduler(step.scheduler_id, f"lost step outputs {last + 1}..{step.seq - 1}")
         for out in step.outputs:
             pending = self._pending.get(out.request_id)
@@ -252,3 +299,74 @@ class GatewayService:
         for pending in self._pending.values():
             if pending.scheduler_id == scheduler_id:
                 pending.fail(why)
+
+    def _on_members(self) -> None:
+        """After each read of the members: fail the requests of schedulers that are gone.
+
+        Gone: not live in a current view, and either seen live before or silent since it took
+        the request (a scheduler answers submits a moment before its first heartbeat)."""
+        if not self.members.current:
+            return  # cut off from the bus: the connection listener acts
+        live = {m.member_id for m in self.members.live(MemberKind.SCHEDULER)}
+        self._schedulers_seen |= live
+        now = time.monotonic()
+        gone: dict[str, list[str]] = {}
+        for request_id, accepted_at in list(self._accepted_at.items()):
+            pending = self._pending.get(request_id)
+            if pending is None:
+                self._accepted_at.pop(request_id)
+                continue
+            scheduler_id = pending.scheduler_id
+            known = scheduler_id in self._schedulers_seen or now - accepted_at > self.members.silence_s
+            if scheduler_id not in live and known:
+                gone.setdefault(scheduler_id, []).append(request_id)
+        self._check_arrivals(now)
+        for scheduler_id, request_ids in gone.items():
+            log.error("scheduler %s lost: failing %d requests", scheduler_id, len(request_ids))
+            for request_id in request_ids:
+                self._accepted_at.pop(request_id)
+                self._pending[request_id].fail(f"scheduler {scheduler_id} lost: no heartbeat")
+
+    def _check_arrivals(self, now: float) -> None:
+        """Fail the requests of a scheduler whose last outputs never came: its heartbeat has said
+        for ``out_lag_s`` that it sent more than arrived (and nothing since showed a gap)."""
+        for info in self.members.live(MemberKind.SCHEDULER):
+            sent = next((o.seq for o in info.out_seqs if o.gateway_id == self.gateway_id), 0)
+            last = self._last_seq.get(info.member_id)
+            if last is None or last >= sent:  # None: nothing since the start or an outage
+                self._behind_since.pop(info.member_id, None)
+                continue
+            since = self._behind_since.setdefault(info.member_id, now)
+            if now - since < self.out_lag_s:
+                continue
+            lost = [
+                rid
+                for rid, accepted_at in self._accepted_at.items()
+                if accepted_at < since and self._pending[rid].scheduler_id == info.member_id
+            ]
+            if lost:  # those taken later had nothing in the missing outputs
+                log.error("scheduler %s: step outputs up to %d never arrived", info.member_id, sent)
+            for rid in lost:
+                self._accepted_at.pop(rid)
+                self._pending[rid].fail(f"lost step outputs of scheduler {info.member_id} (up to {sent})")
+
+    def _on_connection(self, connected: bool) -> None:
+        """Step outputs published while this gateway was cut off never arrive: every request in
+        flight fails at once; sequence numbers start afresh with the next output."""
+        # The first output of each scheduler after the outage starts its numbering afresh: also
+        # at the reconnect, for outputs read before the loss but handled after its news.
+        self._last_seq.clear()
+        self._behind_since.clear()
+        if connected:
+            self._spawn(self._refresh_members())
+            return
+        readers = [*self._pending.values(), *self._replays]
+        if readers:
+            log.error("lost the connection to NATS: failing %d requests", len(readers))
+        for pending in readers:
+            pending.fail("NATS connection lost: the step outputs in flight are gone")
+        self._accepted_at.clear()
+
+    async def _refresh_members(self) -> None:
+        await self.members.refresh()
+        self._on_members()

@@ -7,30 +7,40 @@ Error bodies follow the API: OpenAI's ``{"error": {message, type, param, code}}`
 from __future__ import annotations
 
 import json
+import logging
+import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from libs.protocol.messages import StreamRecord
-from libs.recipe.fields import ApiError
+from libs.recipe.fields import ApiError, shown
 from services.gateway.admission import Admitted
-from services.gateway.generation import Generation, numbered
+from services.gateway.generation import Generation, GenerationObserver, numbered
+from services.gateway.metrics import watch_generation
 from services.gateway.renderers import renderer_for
 from services.gateway.request_stream import RequestStream
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
 from services.gateway.sse import EventStreamResponse, frame, until_disconnect
 
+log = logging.getLogger(__name__)
 Shape = Literal["openai", "anthropic"]
 OnDone = Callable[[Generation], Awaitable[None]]
+_ISSUED_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")  # uuid4 hex after a prefix, with room to spare
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_BODY_BYTES = 32 << 20  # a 1M-token prompt is ~4 MB of text; anything far past that is a mistake
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
@@ -46,6 +56,53 @@ def error_response(err: ApiError, shape: Shape = "openai", retry_after_s: int = 
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
+def shape_of(path: str) -> Shape:
+    """Which API's error shape a path answers in."""
+    return "anthropic" if path == "/v1/messages" or path.startswith("/v1/messages/") else "openai"
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's routing errors (no such route: 404, wrong method: 405) in the API's shape."""
+    assert isinstance(exc, HTTPException)
+    what = "route" if exc.status_code == 404 else "method for route"
+    message = f"Unknown {what} {request.method} {shown(request.url.path)}: {exc.detail}"
+    code = "not_found" if exc.status_code == 404 else None
+    response = error_response(ApiError(exc.status_code, message, code=code), shape_of(request.url.path))
+    response.headers.update(exc.headers or {})  # a 405's Allow
+    return response
+
+
+class LastResort:
+    """ASGI middleware: an exception no route turned into an answer becomes a JSON 500 in the
+    API's shape, logged with its traceback, on a connection that stays open (Starlette's own
+    ``Exception`` handler re-raises after answering, and uvicorn then drops the connection). A
+    500 here is a server bug still; a client's mistake is a 400 raised where its input is parsed.
+    Once the response has started, nothing can be answered: the exception ends the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if started:
+                raise
+            err = ApiError(500, "The server had an error processing the request.", type_="server_error")
+            await error_response(err, shape_of(scope["path"]))(scope, receive, send)
+
+
 async def json_body(request: Request) -> Any:
     message = f"the request body is over {MAX_BODY_BYTES >> 20} MiB"
     too_large = ApiError(413, message, code="request_too_large")
@@ -58,11 +115,44 @@ async def json_body(request: Request) -> Any:
         size += len(chunk)
         if size > MAX_BODY_BYTES:
             raise too_large
-    raw = b"".join(chunks)
+    return parse_json(b"".join(chunks))
+
+
+def _non_finite(literal: str) -> Any:
+    raise ValueError(f"{literal} is not a JSON number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise ValueError(f"{literal[:40]} is out of range for a double")
+    return value
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON, or a 400: not UTF-8, not JSON, NaN or Infinity (which JSON lacks,
+    though Python reads them), a number past a double, nesting past the parser's recursion, and a
+    lone surrogate escape such as ``"\\ud800"`` (no UTF-8 string holds it: every later encode of
+    the value, even quoting it in an error message, would fail)."""
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        value = json.loads(raw, parse_constant=_non_finite, parse_float=_finite_float)
+        if _SURROGATE_ESCAPE.search(raw):  # rare: check the escapes made valid pairs
+            json.dumps(value, ensure_ascii=False).encode()
+    except RecursionError as exc:
+        raise ApiError(400, "invalid JSON body: nested too deeply") from exc
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, "invalid JSON body: a \\u escape is a lone UTF-16 surrogate") from exc
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
         raise ApiError(400, f"invalid JSON body: {exc}") from exc
+    return value
+
+
+def is_issued_id(value: str) -> bool:
+    """Whether ``value`` could be an id this gateway issued (an API's prefix, then hex). Anything
+    else is unknown without a lookup, and must not reach one: a KV key may not hold NATS subject
+    wildcards (``*``, ``>``), spaces or non-ASCII (the client library raises), nor start or end
+    with ``.``; and a key with a ``.`` inside names a different subject hierarchy."""
+    return _ISSUED_ID.fullmatch(value) is not None
 
 
 def last_event_id(request: Request, query_key: str) -> int:
@@ -92,10 +182,12 @@ class Server:
         self.retry_after_s = retry_after_s
         self.keepalive_s = keepalive_s
 
-    def generation(self, record: StreamRecord, collect: bool = False) -> Generation:
-        """``collect``: the non-streaming body will be asked for."""
+    def generation(
+        self, record: StreamRecord, collect: bool = False, observer: GenerationObserver | None = None
+    ) -> Generation:
+        """``collect``: the non-streaming body will be asked for; ``observer``: the request's metrics."""
         renderer = renderer_for(record, collect)
-        return Generation(record, self.served.tokenizer, renderer, self.served.keep_token_ids)
+        return Generation(record, self.served.tokenizer, renderer, self.served.keep_token_ids, observer)
 
     def sse(
         self,
@@ -153,18 +245,17 @@ class Server:
     ) -> Response:
         """An admitted request's answer: its SSE stream, or its body. ``on_done`` runs once the
         generation ended without error (Responses stores the object then)."""
-        generation = self.generation(admitted.record, collect=not stream)
+        generation = self.generation(admitted.record, not stream, watch_generation(request))
         if stream:
             return self.sse(generation, admitted.stream, on_done=on_done)
         return await self.body(request, generation, admitted.stream, shape, on_done)
 
     async def resume(self, request_id: str, api: str, after: int, tenant: str) -> EventStreamResponse:
         """``tenant``: the resuming client's; another tenant's stream is as unknown as a missing one."""
-        record = await self.service.stream_record(request_id)
+        record = await self.service.stream_record(request_id) if is_issued_id(request_id) else None
         if record is None or record.api != api or record.tenant != tenant:
-            raise ApiError(
-                404, f"no resumable stream with id {request_id!r} (it may have expired)", code="not_found"
-            )
+            message = f"no resumable stream with id {shown(request_id)} (it may have expired)"
+            raise ApiError(404, message, code="not_found")
         generation = self.generation(record)
         stream = await self.service.replay(record, "never" if record.background else "grace")
         return self.sse(generation, stream, after)

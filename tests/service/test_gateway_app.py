@@ -338,6 +338,11 @@ LONG = "word " * 9000  # past SmolLM2's 8192-token context
         ("/v1/chat/completions", {**BODY, "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/chat/completions", {**BODY, "messages": [{"role": "user", "content": LONG}]}, 400, "context"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+        # token ids past SmolLM2's 49152 (they would fail the worker's step)
+        ("/v1/completions", {"model": MODEL, "prompt": [49152]}, 400, "token id 49152"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 49152], "echo": True}, 400, "token id 49152"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [49152]}, 400, "49152"),
+        ("/v1/chat/completions", {**BODY, "stop_token_ids": [2, 10**6]}, 400, "token id 1000000"),
         (
             "/v1/responses",
             {"model": MODEL, "input": "x", "previous_response_id": "resp_nope"},

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from libs.bus.memory import InMemoryBus
@@ -207,15 +208,25 @@ def test_metrics_show_the_published_stats_and_the_hit_rate(
     assert client.portal is not None
     client.portal.call(publish)
     resp = client.get("/metrics")
-    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain; version=0.0.4")
-    lines = set(resp.text.splitlines())
-    assert {
-        'deepinfer_kv_hit_tokens{kind="scheduler",publisher="s1",label="G1"} 30',
-        'deepinfer_kv_stored_blocks{kind="kvcache",publisher="kv1",label="chat"} 7',
-        'deepinfer_kv_hit_rate{tier="G1"} 0.15',
-        'deepinfer_kv_hit_rate{tier="G3"} 0.05',
-        'deepinfer_gateway_requests_in_flight{gateway="gw1"} 0',
-    } <= lines
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(resp.text)
+        for s in family.samples
+    }
+    assert (
+        samples[("deepinfer_kv_hit_tokens", (("kind", "scheduler"), ("label", "G1"), ("publisher", "s1")))]
+        == 30
+    )
+    assert (
+        samples[
+            ("deepinfer_kv_stored_blocks", (("kind", "kvcache"), ("label", "chat"), ("publisher", "kv1")))
+        ]
+        == 7
+    )
+    assert samples[("deepinfer_kv_hit_rate", (("tier", "G1"),))] == pytest.approx(0.15)
+    assert samples[("deepinfer_kv_hit_rate", (("tier", "G3"),))] == pytest.approx(0.05)
+    assert samples[("deepinfer_gateway_requests_in_flight", (("gateway", "gw1"),))] == 0
 
 
 def sse_events(text: str) -> list[tuple[int, str]]:

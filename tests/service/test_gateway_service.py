@@ -49,7 +49,8 @@ class ScriptedScheduler:
 
     async def on_submit(self, msg: Message) -> None:
         self.submitted.append(decode(SubmitRequest, msg.data))
-        await self.bus.respond(msg, encode(SubmitReply(self.status, "busy", scheduler_id="s1")))
+        reply = SubmitReply(self.status, "busy", scheduler_id="s1", out_seq=self.seq)
+        await self.bus.respond(msg, encode(reply))
 
     async def on_cancel(self, msg: Message) -> None:
         self.cancelled += decode(CancelRequest, msg.data).request_ids

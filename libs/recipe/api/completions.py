@@ -6,6 +6,8 @@ format) and ``logit_bias``. ``logprobs`` here is OpenAI's integer 0-5: how many 
 return per token (0: just the sampled token's logprob). ``max_tokens`` defaults to 16, OpenAI's
 default for this endpoint. Chat's ``prompt_cache_key`` and ``prompt_cache_retention`` are
 accepted here too (OpenAI's legacy endpoint has neither), so one client setting fits both.
+Given the model's vocabulary size, token ids it has no row for (in the prompt or
+``stop_token_ids``) are a 400 here, before anything decodes or embeds them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from libs.recipe.api.common import (
     prompt_cache_retention,
     reject_present,
 )
-from libs.recipe.fields import ApiError, boolean, is_token_ids, optional_int, optional_str
+from libs.recipe.fields import ApiError, boolean, check_vocabulary, is_token_ids, optional_int, optional_str
 from libs.recipe.sampling import MAX_N, Sampling, read_sampling
 
 FIELDS = (
@@ -67,8 +69,9 @@ def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
     raise ApiError(400, "'prompt' is required: a string or a non-empty list of token ids", param="prompt")
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a Completions body (400 naming the offending field on bad input)."""
+def parse_completion_request(body: Any, vocab_size: int | None = None) -> CompletionRequest:
+    """Validate a Completions body (400 naming the offending field on bad input). With
+    ``vocab_size``, every token id must be below it; without, any uint32 passes (the caller checks)."""
     body = json_object(body)
     check_fields(body, FIELDS, lambda key: f"Unrecognized request argument supplied: {key}")
     model = model_name(body)
@@ -89,6 +92,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         n=n,
     )
     optional_str(body, "user")  # accepted, and unused
+    if vocab_size is not None:
+        if not isinstance(prompt, str):
+            check_vocabulary(prompt, vocab_size, "prompt")
+        check_vocabulary(sampling.base.stop_token_ids, vocab_size, "stop_token_ids")
     return CompletionRequest(
         model=model,
         prompt=prompt,

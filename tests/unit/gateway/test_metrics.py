@@ -1,10 +1,20 @@
-"""/metrics rendering, pure: every publisher's counters, the schedulers' hit rate per tier, stale
-publishers dropped, and Prometheus' text format (families together, escaped labels, numbers)."""
+"""The gateway's KV-cache metrics, pure: every publisher's counters, the schedulers' hit rate per
+tier, stale publishers dropped; and what prometheus_client makes of them (parsed back, families
+together, escaped labels, numbers). Also how a request's outcome is named."""
 
 from __future__ import annotations
 
+import asyncio
+import math
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect
+
 from libs.protocol.kv_messages import KVCacheStats, TierCounter
-from services.gateway.metrics import Sample, StatsBoard, hit_rates, kv_samples, metric_name, render
+from services.gateway.metrics import StatsBoard, hit_rates, kv_families, metric_name, outcome
 
 
 def stats(kind: str, publisher: str, *counters: tuple[str, str, float]) -> KVCacheStats:
@@ -18,26 +28,56 @@ S2 = stats("scheduler", "s2", ("hit_tokens", "G1", 10), ("query_tokens", "", 100
 W1 = stats("worker", "w1", ("loaded_blocks", "G2", 4), ("failed_loads", "corrupt", 1))
 
 
-def test_counters_and_hit_rates_render_as_prometheus_text() -> None:
-    own = Sample("deepinfer_gateway_requests_in_flight", (("gateway", "gw1"),), 2)
-    assert render([*kv_samples([S1, S2, W1]), own]) == (
-        "# TYPE deepinfer_kv_hit_tokens untyped\n"
-        'deepinfer_kv_hit_tokens{kind="scheduler",publisher="s1",label="G1"} 30\n'
-        'deepinfer_kv_hit_tokens{kind="scheduler",publisher="s1",label="G3"} 10\n'
-        'deepinfer_kv_hit_tokens{kind="scheduler",publisher="s2",label="G1"} 10\n'
-        "# TYPE deepinfer_kv_query_tokens untyped\n"
-        'deepinfer_kv_query_tokens{kind="scheduler",publisher="s1",label="all"} 100\n'
-        'deepinfer_kv_query_tokens{kind="scheduler",publisher="s2",label=""} 100\n'
-        "# TYPE deepinfer_kv_loaded_blocks untyped\n"
-        'deepinfer_kv_loaded_blocks{kind="worker",publisher="w1",label="G2"} 4\n'
-        "# TYPE deepinfer_kv_failed_loads untyped\n"
-        'deepinfer_kv_failed_loads{kind="worker",publisher="w1",label="corrupt"} 1\n'
-        "# TYPE deepinfer_kv_hit_rate gauge\n"
-        'deepinfer_kv_hit_rate{tier="G1"} 0.2\n'
-        'deepinfer_kv_hit_rate{tier="G3"} 0.05\n'
-        "# TYPE deepinfer_gateway_requests_in_flight gauge\n"
-        'deepinfer_gateway_requests_in_flight{gateway="gw1"} 2\n'
-    )
+class Fixed(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def scraped(families: list[Metric]) -> list[tuple[str, str, list[tuple[dict[str, str], float]]]]:
+    """The families as a scraper reads them from prometheus_client's text: (name, type, samples)."""
+    registry = CollectorRegistry()
+    registry.register(Fixed(families))
+    text = generate_latest(registry).decode()
+    return [
+        (f.name, f.type, [(s.labels, s.value) for s in f.samples])
+        for f in text_string_to_metric_families(text)
+    ]
+
+
+def test_counters_and_hit_rates_are_exposed_under_their_names() -> None:
+    assert scraped(kv_families([S1, S2, W1])) == [
+        (
+            "deepinfer_kv_hit_tokens",
+            "unknown",
+            [
+                ({"kind": "scheduler", "publisher": "s1", "label": "G1"}, 30),
+                ({"kind": "scheduler", "publisher": "s1", "label": "G3"}, 10),
+                ({"kind": "scheduler", "publisher": "s2", "label": "G1"}, 10),
+            ],
+        ),
+        (
+            "deepinfer_kv_query_tokens",
+            "unknown",
+            [
+                ({"kind": "scheduler", "publisher": "s1", "label": "all"}, 100),
+                ({"kind": "scheduler", "publisher": "s2", "label": ""}, 100),
+            ],
+        ),
+        (
+            "deepinfer_kv_loaded_blocks",
+            "unknown",
+            [({"kind": "worker", "publisher": "w1", "label": "G2"}, 4)],
+        ),
+        (
+            "deepinfer_kv_failed_loads",
+            "unknown",
+            [({"kind": "worker", "publisher": "w1", "label": "corrupt"}, 1)],
+        ),
+        ("deepinfer_kv_hit_rate", "gauge", [({"tier": "G1"}, 0.2), ({"tier": "G3"}, 0.05)]),
+    ]
 
 
 def test_hit_rates_use_per_tier_query_tokens_where_a_scheduler_counts_them() -> None:
@@ -49,6 +89,7 @@ def test_hit_rates_use_per_tier_query_tokens_where_a_scheduler_counts_them() -> 
     assert hit_rates([total]) == {"G1": 0.25}
     assert hit_rates([W1]) == {}  # only schedulers count queries
     assert hit_rates([stats("scheduler", "idle", ("hit_tokens", "G1", 0))]) == {}  # no queries: no rate
+    assert [f.name for f in kv_families([W1])] == ["deepinfer_kv_loaded_blocks", "deepinfer_kv_failed_loads"]
 
 
 def test_the_board_keeps_the_latest_per_publisher_and_drops_the_silent() -> None:
@@ -65,14 +106,34 @@ def test_the_board_keeps_the_latest_per_publisher_and_drops_the_silent() -> None
     assert board.current(now=202) == [S2]
 
 
-def test_labels_are_escaped_names_sanitised_and_numbers_spelled_as_prometheus_reads_them() -> None:
+def test_odd_labels_names_and_numbers_survive_the_round_trip() -> None:
     odd = stats("kvcache", 'kv"1\\', ("stored bytes/class", "line\nbreak", 1.5), ("x", "", float("inf")))
-    assert render(kv_samples([odd])) == (
-        "# TYPE deepinfer_kv_stored_bytes_class untyped\n"
-        'deepinfer_kv_stored_bytes_class{kind="kvcache",publisher="kv\\"1\\\\",label="line\\nbreak"} 1.5\n'
-        "# TYPE deepinfer_kv_x untyped\n"
-        'deepinfer_kv_x{kind="kvcache",publisher="kv\\"1\\\\",label=""} +Inf\n'
-    )
+    labels = {"kind": "kvcache", "publisher": 'kv"1\\'}
+    assert scraped(kv_families([odd])) == [
+        ("deepinfer_kv_stored_bytes_class", "unknown", [({**labels, "label": "line\nbreak"}, 1.5)]),
+        ("deepinfer_kv_x", "unknown", [({**labels, "label": ""}, math.inf)]),
+    ]
     assert metric_name("") == "_"
-    assert render([Sample("m", (), float("nan")), Sample("m", (), 3e20)]) == "# TYPE m gauge\nm 3e+20\n"
-    assert render([]) == ""
+    twice = stats("worker", "w", ("m", "", float("nan")), ("m", "", 3e20))  # the last one stays
+    assert scraped(kv_families([twice])) == [
+        ("deepinfer_kv_m", "unknown", [({"kind": "worker", "publisher": "w", "label": ""}, 3e20)])
+    ]
+    assert scraped(kv_families([])) == []
+
+
+def test_outcomes_name_what_happened_to_a_request() -> None:
+    assert outcome(200, None, error=False, abandoned=False) == "ok"
+    assert outcome(200, None, error=True, abandoned=False) == "server_error"  # an error event ended it
+    assert outcome(200, None, error=False, abandoned=True) == "cancelled"  # the SSE client left
+    assert outcome(499, None, error=False, abandoned=True) == "cancelled"
+    assert outcome(0, asyncio.CancelledError(), error=False, abandoned=False) == "cancelled"
+    assert outcome(200, ClientDisconnect(), error=False, abandoned=True) == "cancelled"
+    assert outcome(0, RuntimeError("bug"), error=False, abandoned=False) == "server_error"
+    assert [outcome(s, None, False, False) for s in (400, 404, 413, 429, 503, 500)] == [
+        "client_error",
+        "client_error",
+        "client_error",
+        "queue_full",
+        "unavailable",
+        "server_error",
+    ]

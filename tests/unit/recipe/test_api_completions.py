@@ -59,3 +59,27 @@ def test_best_of_equal_to_n() -> None:
 )
 def test_bad_input(request_body: dict[str, Any], param: str, fragment: str) -> None:
     assert_names_field(parse_completion_request, request_body, param, fragment)
+
+
+VOCAB = 100  # ids 0..99
+
+
+def test_token_ids_inside_the_vocabulary_pass() -> None:
+    request = parse_completion_request(body(prompt=[0, 99], stop_token_ids=[99]), VOCAB)
+    assert request.prompt == (0, 99) and request.sampling.base.stop_token_ids == (99,)
+    assert parse_completion_request(body(prompt=[100]), None).prompt == (100,)  # the caller checks
+
+
+@pytest.mark.parametrize(
+    ("request_body", "param", "fragment"),
+    [
+        (body(prompt=[1, 100, 2]), "prompt", "token id 100"),
+        (body(prompt=[[5, 2**32 - 1]]), "prompt", f"token id {2**32 - 1}"),
+        (body(prompt=[100], echo=True), "prompt", "vocabulary"),
+        (body(stop_token_ids=[7, 100]), "stop_token_ids", "token id 100"),
+    ],
+)
+def test_token_ids_past_the_vocabulary_are_a_400(
+    request_body: dict[str, Any], param: str, fragment: str
+) -> None:
+    assert_names_field(lambda b: parse_completion_request(b, VOCAB), request_body, param, fragment)
