@@ -46,9 +46,17 @@ class Config:
         metadata={"help": "period of the full pass: scan every file (index == store), then snapshot"},
     )
     stats_interval_s: float = field(default=5.0, metadata={"help": "period of the kvcache stats"})
+    watchdog_s: float = field(
+        default=60.0, metadata={"help": "exit when the event loop has been stuck this long (0: off)"}
+    )
+    metrics_port: int = field(
+        default=0, metadata={"help": "port of this process's Prometheus /metrics (0: not served)"}
+    )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         for key in ("store_capacity_gb", "gc_interval_s", "reconcile_interval_s", "stats_interval_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")

@@ -7,9 +7,11 @@ import asyncio
 import os
 from pathlib import Path
 
+from deepinfer.metrics_server import start_metrics_server
 from deepinfer.runtime import run_service, setup_logging
 from deepinfer.settings import build_config, kv_store_root, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
+from services.kvcache import metrics
 from services.kvcache.config import Config
 from services.kvcache.service import KVCacheService
 
@@ -17,7 +19,9 @@ from services.kvcache.service import KVCacheService
 async def serve(config: Config, store_root: Path | None, stop: asyncio.Event) -> None:
     bus = await NatsBus.connect(config.nats_url, name=config.kvcache_id)
     try:
-        await KVCacheService(config, bus, store_root).run(stop)
+        service = KVCacheService(config, bus, store_root)
+        start_metrics_server(config.metrics_port, metrics.registry(service))
+        await service.run(stop)
     finally:
         await bus.close()
 
@@ -26,4 +30,4 @@ def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     setup_logging(config.log_level, "kvcache")
     store_root = kv_store_root(config.kv_store_path, resolve_cache_dir(config.cache_dir, os.environ))
-    run_service(lambda stop: serve(config, store_root, stop))
+    run_service(lambda stop: serve(config, store_root, stop), config.watchdog_s)

@@ -261,7 +261,7 @@ def test_main_reads_kv_store_path_as_the_worker_does(
 
     monkeypatch.setattr(kvcache_main, "serve", serve)
     monkeypatch.setattr(kvcache_main, "setup_logging", lambda *args: None)
-    monkeypatch.setattr(kvcache_main, "run_service", lambda start: asyncio.run(start(asyncio.Event())))
+    monkeypatch.setattr(kvcache_main, "run_service", lambda start, *_: asyncio.run(start(asyncio.Event())))
     kvcache_main.main(argparse.Namespace(kv_store_path=flag, cache_dir=str(tmp_path)))
     want = {"": tmp_path / "kv-store", "~/kv": Path.home() / "kv"}.get(flag)  # "none": G3 off
     assert roots == [want] == [kv_store_root(flag, str(tmp_path))]
