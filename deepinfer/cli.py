@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from deepinfer import serve
+from deepinfer import health, serve
 from deepinfer.settings import add_config_args
 from services.gateway.config import Config as GatewayConfig
 from services.kvcache.config import Config as KVCacheConfig
@@ -33,18 +33,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_args(commands.add_parser("serve", help=help_text, description=help_text))
     for name, (help_text, config_cls) in SERVICES.items():
         add_config_args(commands.add_parser(name, help=help_text, description=help_text), config_cls)
+    help_text = "exit 0 when a member of a kind is live (a healthcheck for the services without HTTP)"
+    add_config_args(commands.add_parser("health", help=help_text, description=help_text), health.Config)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    run = (
-        serve.main
-        if args.command == "serve"
-        else importlib.import_module(f"services.{args.command}.main").main
-    )
+    commands = {"serve": serve.main, "health": health.main}
+    run = commands.get(args.command) or importlib.import_module(f"services.{args.command}.main").main
     try:
         run(args)
     except ValueError as exc:  # a bad configuration value: say which, no traceback
         print(f"deepinfer {args.command}: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the service's loop took SIGINT over: no traceback
+        sys.exit(130)

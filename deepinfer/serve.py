@@ -1,28 +1,50 @@
 """``deepinfer serve``: an embedded nats-server plus worker, scheduler, kvcache and gateway processes.
 
-A plain supervisor (no event loop): start everything, wait for the gateway's /health, then watch.
-SIGINT/SIGTERM or any child's death stops every process it started, nats-server last. Children
-also get SIGKILL from the kernel if this process dies without cleaning up (Linux).
+A plain supervisor (no event loop). Every Config is built first: a bad value fails before anything
+starts. Then it starts everything, waits for the gateway's /health and watches: a child that dies
+(nats-server included) is restarted with backoff, up to ``max_restarts`` within
+``restart_window_s`` (past that: exit 1). Every exit path stops the services first and
+nats-server last:
+
+- SIGTERM: the gateway first (it stops taking requests and lets in-flight streams finish for up to
+  ``shutdown_grace_s``), then the other services, then nats-server.
+- SIGINT (Ctrl-C): every service at once, SIGKILL after ``INTERRUPT_TIMEOUT_S``, then nats-server.
+
+Children also get SIGKILL from the kernel if this process dies without cleaning up (Linux).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
+from deepinfer.metrics_server import start_metrics_server
+from deepinfer.restart_policy import RestartPolicy
 from deepinfer.runtime import setup_logging
-from deepinfer.settings import add_config_args, build_config, to_argv
+from deepinfer.settings import add_config_args, build_config
+from deepinfer.supervisor import (
+    REGISTRY,
+    Child,
+    NatsChild,
+    ServiceChild,
+    Supervised,
+    Supervisor,
+    terminate,
+    wait_exited,
+)
 from libs.bus.nats_server import EmbeddedNatsServer
 from services.gateway.config import Config as GatewayConfig
 from services.kvcache.config import Config as KVCacheConfig
@@ -31,29 +53,64 @@ from services.worker.config import Config as WorkerConfig
 
 log = logging.getLogger("deepinfer.serve")
 
-READY_TIMEOUT_S = 600.0  # the first start converts the model's weights
-STOP_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL, for each service
+INTERRUPT_TIMEOUT_S = 3.0  # the same after Ctrl-C: the whole stack is gone within 5 s
+SERVICE_CONFIGS: dict[str, type] = {
+    "worker": WorkerConfig,
+    "scheduler": SchedulerConfig,
+    "kvcache": KVCacheConfig,
+    "gateway": GatewayConfig,  # last: it serves once the others are up, and stops first
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    max_restarts: int = field(
+        default=5,
+        metadata={"help": "restarts of one process within --restart-window-s before serve gives up"},
+    )
+    restart_window_s: float = field(default=60.0, metadata={"help": "the window --max-restarts counts in"})
+    restart_backoff_s: float = field(
+        default=0.5,
+        metadata={"help": "delay before a first restart, doubled for each next one in the window"},
+    )
+    max_restart_backoff_s: float = field(
+        default=10.0, metadata={"help": "the longest delay before a restart"}
+    )
+    ready_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "how long the stack may take to answer /health (the first start "
+            "converts the model's weights)"
+        },
+    )
+    # Shared with the gateway's Config (one flag): the gateway drains for this long, serve waits for it.
+    shutdown_grace_s: float = field(
+        default=10.0, metadata={"help": "on SIGTERM, how long in-flight streams may take to finish"}
+    )
+    log_level: str = field(default="info", metadata={"help": "logging level"})
+    # Shared with the services' Configs (one flag): serve's own metrics take the port after theirs.
+    metrics_port: int = field(
+        default=0, metadata={"help": "Prometheus /metrics port of each service (0: not served)"}
+    )
+
+    def __post_init__(self) -> None:
+        self.restart_policy()  # a bad value fails now, naming its key
+        for key in ("ready_timeout_s", "shutdown_grace_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(
+            self.max_restarts, self.restart_window_s, self.restart_backoff_s, self.max_restart_backoff_s
+        )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", default=None, help="use this NATS instead of an embedded one")
     # A field two services share (nats_url, cache_dir, kv_store_path, ...) is one flag for both.
-    for cls in (GatewayConfig, WorkerConfig, SchedulerConfig, KVCacheConfig):
+    for cls in (Config, *SERVICE_CONFIGS.values()):
         add_config_args(parser, cls)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask the kernel for SIGKILL when the parent goes away."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: a clean stop still ends every child
-
-
-def _spawn(command: str, argv: list[str]) -> subprocess.Popen[bytes]:
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen([sys.executable, "-m", "deepinfer", command, *argv], preexec_fn=preexec)
 
 
 class ChildExited(RuntimeError):
@@ -103,62 +160,112 @@ def wait_healthy(
     return False
 
 
-def _stop_all(children: dict[str, subprocess.Popen[bytes]]) -> None:
-    for proc in children.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for name, proc in children.items():
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in time: killing it", name)
-            proc.kill()
-            proc.wait()
+class _Signals:
+    """SIGINT/SIGTERM received by serve, in order (a handler may only record)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    def hurried(self) -> bool:
+        """Ctrl-C, or a second signal: stop now, no drain."""
+        return signal.SIGINT in self.received or len(self.received) > 1
+
+
+def _supervise(
+    config: Config, services: list[ServiceChild], nats: EmbeddedNatsServer | None, signals: _Signals
+) -> int:
+    """Restart what dies until a signal (0), a child past its restart limit or not ready in time (1)."""
+    children: list[Child] = [*([NatsChild(nats)] if nats is not None else []), *services]
+    supervisor = Supervisor([Supervised(child, config.restart_policy()) for child in children])
+    gateway: GatewayConfig = services[-1].config  # type: ignore[assignment]
+    health_url = f"http://{gateway.host}:{gateway.port}/health"
+    ready_deadline = time.monotonic() + config.ready_timeout_s
+    ready, next_health_check = False, 0.0
+    while not signals.received:
+        now = time.monotonic()
+        reason = supervisor.check(now)
+        if reason is not None:
+            log.error("%s: stopping the stack", reason)
+            return 1
+        if not ready and now >= next_health_check:
+            ready = is_healthy(health_url)
+            if ready:
+                log.info(
+                    "deepinfer ready: http://%s:%d/v1 (nats %s)", gateway.host, gateway.port, gateway.nats_url
+                )
+            elif now > ready_deadline:
+                log.error("not ready after %.0f s: stopping the stack", config.ready_timeout_s)
+                return 1
+            next_health_check = now + 0.5
+        time.sleep(0.1)
+    log.info("%s: stopping the stack", signal.Signals(signals.received[0]).name)
+    return 0
+
+
+def _stop_services(config: Config, services: list[ServiceChild], signals: _Signals) -> None:
+    """Services only (nats-server is stopped after them). SIGTERM: the gateway drains first."""
+    if signals.received and not signals.hurried():
+        gateway = services[-1]
+        gateway.send(signal.SIGTERM)
+        wait_exited([gateway], config.shutdown_grace_s + STOP_TIMEOUT_S, signals.hurried)
+    if signals.hurried():
+        # SIGINT as well: a service already stopping on SIGTERM cuts its drain short.
+        terminate(services, (signal.SIGINT, signal.SIGTERM), INTERRUPT_TIMEOUT_S)
+    else:
+        terminate(services, (signal.SIGTERM,), STOP_TIMEOUT_S)
+
+
+def _spread_metrics_ports(configs: dict[str, Any]) -> dict[str, Any]:
+    """One ``--metrics-port`` reaches every service that has the field (and serve itself, last): on
+    one host they cannot all bind it, so the worker takes the port itself and each next one the
+    port after."""
+    with_port = [name for name, c in configs.items() if getattr(c, "metrics_port", 0)]
+    for offset, name in enumerate(with_port):
+        port = configs[name].metrics_port + offset
+        if port > 65535:
+            print(f"--metrics-port: no room for {len(with_port)} ports", file=sys.stderr)
+            sys.exit(2)
+        configs[name] = dataclasses.replace(configs[name], metrics_port=port)
+        log.info("%s metrics on port %d", name, port)
+    return configs
 
 
 def main(args: argparse.Namespace) -> None:
-    gateway = build_config(GatewayConfig, args, os.environ)
-    setup_logging(gateway.log_level, "serve")
-    nats: EmbeddedNatsServer | None = None
-    nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
-    if not nats_url:
-        nats = EmbeddedNatsServer()
-        nats.start()
-        nats_url = nats.url
-    configs = {
-        "worker": dataclasses.replace(build_config(WorkerConfig, args, os.environ), nats_url=nats_url),
-        "scheduler": dataclasses.replace(build_config(SchedulerConfig, args, os.environ), nats_url=nats_url),
-        "kvcache": dataclasses.replace(build_config(KVCacheConfig, args, os.environ), nats_url=nats_url),
-        "gateway": dataclasses.replace(gateway, nats_url=nats_url),
+    # Every Config first: a bad value raises here (exit 2) before anything has started.
+    config = build_config(Config, args, os.environ)
+    configs: dict[str, Any] = {
+        name: build_config(cls, args, os.environ) for name, cls in SERVICE_CONFIGS.items()
     }
-    stop = False
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    children = {name: _spawn(name, to_argv(config)) for name, config in configs.items()}
-    health_url = f"http://{gateway.host}:{gateway.port}/health"
-    exit_code = 0
+    nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
+    setup_logging(config.log_level, "serve")
+    configs = _spread_metrics_ports({**configs, "serve": config})
+    config = configs.pop("serve")
+    start_metrics_server(config.metrics_port, REGISTRY, "127.0.0.1")  # restarts, by service
+    signals = _Signals()
+    signal.signal(signal.SIGINT, signals)
+    signal.signal(signal.SIGTERM, signals)
+    # serve owns the JetStream store, so that a restarted nats-server finds its streams again.
+    store = None if nats_url else tempfile.TemporaryDirectory(prefix="deepinfer-nats-")
+    nats = None if store is None else EmbeddedNatsServer(store.name)
+    services: list[ServiceChild] = []
+    exit_code = 1
     try:
-        if wait_healthy(health_url, children.values(), READY_TIMEOUT_S, 0.2, lambda: stop):
-            log.info("deepinfer ready: http://%s:%d/v1 (nats %s)", gateway.host, gateway.port, nats_url)
-        while not stop:
-            check_alive(children.values())
-            time.sleep(0.2)
-    except ChildExited as exc:
-        name = next(name for name, proc in children.items() if proc is exc.proc)
-        log.error("%s exited (code %s): stopping the stack", name, exc.proc.returncode)
-        exit_code = 1
-    except TimeoutError:
-        log.error("not ready after %.0f s: stopping", READY_TIMEOUT_S)
-        exit_code = 1
+        if nats is not None:
+            nats.start()
+            nats_url = nats.url
+        for name, service_config in configs.items():
+            services.append(ServiceChild(name, dataclasses.replace(service_config, nats_url=nats_url)))
+            services[-1].start()
+        exit_code = _supervise(config, services, nats, signals)
     finally:
-        _stop_all(children)
+        if services:
+            _stop_services(config, services, signals)
         if nats is not None:
             nats.stop()
+        if store is not None:
+            store.cleanup()
         log.info("stopped")
     sys.exit(exit_code)

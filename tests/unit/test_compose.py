@@ -216,6 +216,62 @@ def nats_problems(compose: dict[str, Any], base_dir: Path) -> tuple[list[str], i
     return problems, int(port_text)
 
 
+# ---------------------------------------------------------------- supervision: restart, health, stop
+
+RESTART_POLICIES = ("always", "unless-stopped", "on-failure")
+STOP_MARGIN_S = 5.0  # stop_grace_period over the gateway's drain: its own exit, after the streams
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
+_DURATION_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """A compose duration (``30s``, ``1m30s``, ``500ms``) in seconds."""
+    parts = _DURATION.findall(text.strip())
+    if not parts or "".join(n + u for n, u in parts) != text.strip():
+        raise ValueError(f"not a compose duration: {text!r}")
+    return sum(float(n) * _DURATION_S[u] for n, u in parts)
+
+
+def restart_problems(name: str, service: dict[str, Any]) -> list[str]:
+    """Every service restarts on exit (a crash, or a watchdog's exit) and has a healthcheck."""
+    problems = []
+    if str(service.get("restart", "no")) not in RESTART_POLICIES:
+        problems.append(f"{name}: restart {service.get('restart', 'no')!r}: a crashed process stays down")
+    test = (service.get("healthcheck") or {}).get("test")
+    if not isinstance(test, list) or len(test) < 2 or test[0] != "CMD":
+        problems.append(f"{name}: no healthcheck (an exec-form CMD list)")
+    return problems
+
+
+def health_argv(service: dict[str, Any]) -> list[str] | None:
+    """The argv after ``deepinfer`` of a ``["CMD", "deepinfer", ...]`` healthcheck, else None."""
+    test = (service.get("healthcheck") or {}).get("test") or []
+    return [str(a) for a in test[2:]] if test[:2] == ["CMD", "deepinfer"] else None
+
+
+def supervision_problems(name: str, service: dict[str, Any], command: str, config: Any) -> list[str]:
+    problems = []
+    try:
+        grace_s = parse_duration(str(service.get("stop_grace_period", "10s")))
+    except ValueError as exc:
+        return [f"{name}: stop_grace_period: {exc}"]
+    if command == "gateway":
+        if grace_s < config.shutdown_grace_s + STOP_MARGIN_S:
+            problems.append(
+                f"{name}: stop_grace_period {grace_s:.0f} s is not above shutdown_grace_s "
+                f"{config.shutdown_grace_s:.0f} s + {STOP_MARGIN_S:.0f} s: the drain is cut by SIGKILL"
+            )
+        missing = {"scheduler", "worker"} - _depends_on(service)
+        if missing:
+            problems.append(f"{name}: does not depend on {sorted(missing)}: it would not stop first")
+    elif command in ("scheduler", "worker", "kvcache"):
+        argv = health_argv(service)
+        args = None if argv is None else _parse_args(argv)[0]
+        if args is None or args.command != "health" or args.kind != command:
+            problems.append(f"{name}: healthcheck is not `deepinfer health --kind {command}`")
+    return problems
+
+
 # ---------------------------------------------------------------- the compose checker
 
 
@@ -236,6 +292,7 @@ def compose_problems(compose: dict[str, Any], base_dir: Path) -> list[str]:
             problems += [
                 f"{name}: {key} set on a non-deepinfer service" for key in env if key.startswith(ENV_PREFIX)
             ]
+            problems += restart_problems(name, service)
             continue
         if "build" in service:
             build = service["build"] if isinstance(service["build"], dict) else {"context": service["build"]}
@@ -271,6 +328,9 @@ def compose_problems(compose: dict[str, Any], base_dir: Path) -> list[str]:
             continue
         if "nats" not in _depends_on(service):
             problems.append(f"{name}: does not depend on nats")
+        problems += restart_problems(name, service) + supervision_problems(
+            name, service, args.command, config
+        )
 
         url = urlsplit(config.nats_url)
         if url.scheme != "nats" or url.hostname not in nats_names or (url.port or 4222) != nats_port:
@@ -553,6 +613,14 @@ def test_dockerignore_keeps_build_inputs() -> None:
     assert dockerignore_problems(DOCKERIGNORE.read_text(), REPO) == []
 
 
+def test_parse_duration() -> None:
+    assert parse_duration("30s") == 30.0
+    assert parse_duration("1m30s") == 90.0
+    assert parse_duration("500ms") == 0.5
+    with pytest.raises(ValueError):
+        parse_duration("30")
+
+
 def test_nats_conf_parser() -> None:
     conf = parse_nats_conf(
         'port: 4222  # c\nmax_payload = "8MB"\njetstream { store_dir: "/d" }\ncluster {\n  port: 6222\n}\n'
@@ -623,6 +691,25 @@ COMPOSE_BREAKAGES: dict[str, tuple[Mutation, str]] = {
     "cache not on volume": (_set("worker", "volumes", None), "not on a named volume"),
     "env on nats": (_set_env("nats", "DEEPINFER_PORT", "1"), "non-deepinfer service"),
     "no depends_on": (_set("scheduler", "depends_on", None), "does not depend on nats"),
+    "no restart": (_set("worker", "restart", None), "a crashed process stays down"),
+    "restart no": (_set("nats", "restart", "no"), "a crashed process stays down"),
+    "nats no healthcheck": (_set("nats", "healthcheck", None), "nats: no healthcheck"),
+    "worker no healthcheck": (_set("worker", "healthcheck", None), "worker: no healthcheck"),
+    "kvcache health of another kind": (
+        _set("kvcache", "healthcheck", {"test": ["CMD", "deepinfer", "health", "--kind", "worker"]}),
+        "not `deepinfer health --kind kvcache`",
+    ),
+    "scheduler health does not parse": (
+        _set("scheduler", "healthcheck", {"test": ["CMD", "deepinfer", "health", "--knd", "scheduler"]}),
+        "not `deepinfer health --kind scheduler`",
+    ),
+    "grace below the drain": (_set("gateway", "stop_grace_period", "20s"), "the drain is cut by SIGKILL"),
+    "drain above the grace": (_set_env("gateway", "DEEPINFER_SHUTDOWN_GRACE_S", "29"), "shutdown_grace_s"),
+    "bad grace": (_set("gateway", "stop_grace_period", "soon"), "not a compose duration"),
+    "gateway stops with the workers": (
+        _set("gateway", "depends_on", {"nats": {"condition": "service_healthy"}}),
+        "it would not stop first",
+    ),
 }
 
 
