@@ -51,7 +51,10 @@ class Stack:
     log: Path
     cache_dir: Path
     kv_store: Path  # G3: block files, kept across a stop and a start on the same path
+    dtype: str = "float32"
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    worker: subprocess.Popen[bytes] | None = None  # the latest worker and scheduler spawned
+    scheduler: subprocess.Popen[bytes] | None = None
 
     @property
     def base_url(self) -> str:
@@ -66,33 +69,14 @@ class Stack:
         nats = EmbeddedNatsServer()
         nats.start()
         kv_store = kv_store or cache_dir / "kv-store"
-        stack = cls(nats, free_port(), "worker-test", log, cache_dir, kv_store)
+        stack = cls(nats, free_port(), "worker-test", log, cache_dir, kv_store, dtype)
         common = ("--nats-url", nats.url, "--log-level", "info")
         store = ("--kv-store-path", str(kv_store))
         try:
-            stack.procs = [
-                spawn("kvcache", *common, *store, "--cache-dir", str(cache_dir), log=log),
-                spawn(
-                    "worker",
-                    *common,
-                    "--worker-id",
-                    stack.worker_id,
-                    "--dtype",
-                    dtype,
-                    "--cache-dir",
-                    str(cache_dir),
-                    "--kv-cache-gb",
-                    "0.5",
-                    "--max-num-seqs",
-                    "16",
-                    *store,
-                    log=log,
-                ),
-                # Overlap on: the harder path (two plans in flight over real NATS); serve's test runs
-                # the default. Stats often, so /metrics shows a request's hits soon after it ends.
-                spawn("scheduler", *common, "--overlap", "true", "--kv-stats-interval-s", "0.2", log=log),
-                stack.spawn_gateway(stack.port),
-            ]
+            stack.procs = [spawn("kvcache", *common, *store, "--cache-dir", str(cache_dir), log=log)]
+            stack.spawn_worker()
+            stack.spawn_scheduler()
+            stack.procs.append(stack.spawn_gateway(stack.port))
             wait_healthy(f"{stack.root_url}/health", stack.procs, log, READY_TIMEOUT_S)
             # /health needs a scheduler and a worker; G3 lookups need the kvcache's index loaded,
             # which it announces only once it has.
@@ -101,6 +85,51 @@ class Stack:
             stack.stop()
             raise
         return stack
+
+    def spawn_worker(self) -> subprocess.Popen[bytes]:
+        """A worker process (id ``worker_id``): the stack's first, or a replacement for a dead one."""
+        old, self.worker = (
+            self.worker,
+            spawn(
+                "worker",
+                *("--nats-url", self.nats.url, "--log-level", "info", "--worker-id", self.worker_id),
+                *("--dtype", self.dtype, "--cache-dir", str(self.cache_dir), "--kv-cache-gb", "0.5"),
+                *("--max-num-seqs", "16", "--kv-store-path", str(self.kv_store)),
+                log=self.log,
+            ),
+        )
+        return self._replace(old, self.worker)
+
+    def spawn_scheduler(self) -> subprocess.Popen[bytes]:
+        """A scheduler process: the stack's first, or a replacement for a dead one."""
+        # Overlap on: the harder path (two plans in flight over real NATS); serve's test runs
+        # the default. Stats often, so /metrics shows a request's hits soon after it ends.
+        old, self.scheduler = (
+            self.scheduler,
+            spawn(
+                "scheduler",
+                *("--nats-url", self.nats.url, "--log-level", "info"),
+                *("--overlap", "true", "--kv-stats-interval-s", "0.2"),
+                log=self.log,
+            ),
+        )
+        return self._replace(old, self.scheduler)
+
+    def _replace(
+        self, old: subprocess.Popen[bytes] | None, new: subprocess.Popen[bytes]
+    ) -> subprocess.Popen[bytes]:
+        """``procs`` holds one process per role: a replacement takes its predecessor's place."""
+        if old in self.procs:
+            self.procs[self.procs.index(old)] = new
+        else:
+            self.procs.append(new)
+        return new
+
+    def restart_nats(self, down_s: float) -> None:
+        """kill -9 nats-server, leave it down ``down_s``, start it again on its port and store."""
+        self.nats.kill()
+        time.sleep(down_s)
+        self.nats.start()
 
     def spawn_gateway(self, port: int) -> subprocess.Popen[bytes]:
         """A gateway process on this stack's NATS (the stack's own, or another for restart tests)."""

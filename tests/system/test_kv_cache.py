@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.system.stack import Stack
 
@@ -34,15 +35,13 @@ def cached(resp: dict[str, Any]) -> int:
 def hit_tokens(root_url: str, tier: str) -> float:
     """The schedulers' published hit_tokens counter for ``tier`` (0 before any is published)."""
     text = httpx.get(f"{root_url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if (
-            line.startswith("deepinfer_kv_hit_tokens{")
-            and 'kind="scheduler"' in line
-            and f'label="{tier}"' in line
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "deepinfer_kv_hit_tokens"
+        for sample in family.samples
+        if sample.labels["kind"] == "scheduler" and sample.labels["label"] == tier
+    )
 
 
 def wait_for(predicate: Any, timeout_s: float = 30.0) -> bool:

@@ -1,66 +1,182 @@
-"""``deepinfer serve``: the whole stack from one command, and nothing left behind after SIGTERM."""
+"""``deepinfer serve``: the whole stack from one command; it heals itself, stops cleanly and leaves
+nothing behind. Real processes, real faults (kill -9 by pid, Ctrl-C to the process group)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
-import subprocess
-import sys
-import time
+import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from libs.bus.nats_server import free_port
-from tests.system.stack import wait_healthy
+from tests.system.serve_proc import MODEL, Serve
+
+READY_S = 240.0
+HEAL_S = 180.0  # a restarted worker loads the model again, on a loaded machine
 
 
-def test_serve_answers_then_sigterm_leaves_no_process(model_cache_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "deepinfer",
-                "serve",
-                "--port",
-                str(port),
-                "--cache-dir",
-                str(model_cache_dir),
-                "--kv-cache-gb",
-                "0.25",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+def _listen_ports(proc: psutil.Process) -> set[int]:
+    return {c.laddr.port for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def test_bad_config_exits_2_and_starts_nothing(model_cache_dir: Path, tmp_path: Path) -> None:
+    serve = Serve.start(model_cache_dir, tmp_path, "--max-num-seqs", "-1")
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], log, timeout_s=180)
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) for p in descendants)
+        assert serve.proc.wait(60) == 2
+        assert "max_num_seqs must be > 0" in serve.text()
+        assert serve.leftovers_after(5) == []  # before: an orphan nats-server (PPID 1) kept running
+    finally:
+        serve.kill()
+
+
+def test_sigterm_drains_streams_then_leaves_no_process(model_cache_dir: Path, tmp_path: Path) -> None:
+    serve = Serve.start(model_cache_dir, tmp_path, "--shutdown-grace-s", "30")
+    try:
+        serve.wait_until("/health 200", serve.healthy, READY_S)
+        names = " ".join(
+            " ".join(p.cmdline()) for p in psutil.Process(serve.proc.pid).children(recursive=True)
+        )
         for part in ("nats-server", "deepinfer worker", "deepinfer scheduler", "deepinfer gateway"):
             assert part in names
-        resp = httpx.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            json={
-                "model": "SmolLM2-135M-Instruct",
-                "temperature": 0,
-                "max_tokens": 16,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            },
-            timeout=60,
-        )
-        assert resp.status_code == 200
-        assert "Paris" in resp.json()["choices"][0]["message"]["content"]  # the default dtype (bf16 here)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        _gone, alive = psutil.wait_procs(descendants, timeout=5)
-        assert alive == [], f"left behind: {[p.cmdline() for p in alive]}"
-        assert b"deepinfer ready" in log.read_bytes()
+        started = threading.Event()
+        events: list[dict] = []  # type: ignore[type-arg]
+
+        def stream() -> None:
+            body = {"model": MODEL, "temperature": 0, "max_tokens": 48, "stream": True}
+            body["messages"] = [{"role": "user", "content": "Tell me about Paris."}]
+            with httpx.stream("POST", f"{serve.url}/v1/chat/completions", json=body, timeout=120) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(120), serve.text()[-4000:]
+        serve.proc.send_signal(signal.SIGTERM)  # mid-stream
+        reader.join(120)
+        assert serve.proc.wait(60) == 0
+        # The stream in flight ran to its end: the gateway drained before anything stopped.
+        finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+        assert finish in (["length"], ["stop"]), events[-3:]
+        assert serve.leftovers_after(5) == []
+        assert "deepinfer ready" in serve.text() and "Traceback" not in serve.text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            time.sleep(0.5)
+        serve.kill()
+
+
+def test_restart_limit_stops_the_stack_with_exit_1(model_cache_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as taken:  # the gateway cannot bind its port: it exits, again and again
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        serve = Serve.start(model_cache_dir, tmp_path, "--max-restarts", "1", port=port)
+        try:
+            assert serve.proc.wait(240) == 1, serve.text()[-4000:]
+        finally:
+            serve.kill()
+    text = serve.text()
+    assert "gateway exited (code" in text and "restarting it in" in text
+    assert "after 1 restarts within 60 s: giving up: stopping the stack" in text
+    assert serve.leftovers_after(5) == []
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free now."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+METRICS_PORT = free_ports(4)  # worker, scheduler, kvcache, then serve's own
+
+
+@pytest.fixture(scope="module")
+def running(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """One stack for the fault tests below, which run in order; the last one stops it."""
+    serve = Serve.start(
+        model_cache_dir, tmp_path_factory.mktemp("serve"), "--metrics-port", str(METRICS_PORT)
+    )
+    try:
+        serve.wait_until("/health 200", serve.healthy, READY_S)
+        yield serve
+    finally:
+        serve.kill()
+
+
+def test_kill_9_worker_is_restarted_and_serves(running: Serve) -> None:
+    assert running.answers()
+    (worker,) = running.children("deepinfer worker")
+    worker.kill()
+    running.wait_until(
+        "a new worker",
+        lambda: [p.pid for p in running.children("deepinfer worker")] not in ([], [worker.pid]),
+        30,
+    )
+    assert "worker exited (code -9): restarting it in" in running.text()
+    running.wait_until("an answer from the restarted worker", running.answers, HEAL_S)
+    assert running.healthy()
+    # Each service on its own port, serve's restart counter after them.
+    assert scrape(METRICS_PORT + 3)[("deepinfer_restarts_total", (("service", "worker"),))] == 1
+    assert scrape(METRICS_PORT)[("deepinfer_worker_step_seconds_count", ())] > 0  # the new worker's
+    assert ("deepinfer_steps_total", ()) in scrape(METRICS_PORT + 1)
+
+
+def test_kill_9_nats_server_is_restarted_on_its_port(running: Serve) -> None:
+    (nats,) = running.children("nats-server")
+    ports = _listen_ports(nats)
+    nats.kill()
+    running.wait_until(
+        "a new nats-server",
+        lambda: [p.pid for p in running.children("nats-server")] not in ([], [nats.pid]),
+        30,
+    )
+    assert not psutil.pid_exists(nats.pid)  # reaped: no <defunct> left
+    (again,) = running.children("nats-server")
+    running.wait_until("nats listening", lambda: _listen_ports(again) >= ports, 30)
+    assert "nats-server exited (code -9): restarting it in" in running.text()
+    # The services reconnect to the same URL (their NATS client retries forever).
+    running.wait_until("an answer after the nats restart", running.answers, HEAL_S)
+
+
+def test_ctrl_c_stops_quietly_within_5_s(running: Serve) -> None:
+    children = psutil.Process(running.proc.pid).children()  # the services and nats-server
+    descendants = psutil.Process(running.proc.pid).children(recursive=True)
+    mark = len(running.text())
+    os.killpg(running.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    assert running.proc.wait(5) == 0
+    _gone, alive = psutil.wait_procs(children, timeout=0)  # serve reaped each before it exited
+    assert alive == [], f"left behind: {[p.cmdline() for p in alive]}"
+    # Grandchildren (grammar sandboxes) end when their parent's socket closes, a moment later.
+    _gone, alive = psutil.wait_procs(descendants, timeout=10)
+    assert alive == [], f"left behind: {[p.cmdline() for p in alive]}"
+    assert running.leftovers_after(10) == []
+    after = running.text()[mark:]
+    assert "Traceback" not in after and "KeyboardInterrupt" not in after, after[-4000:]
+    # nats-server stopped last: no service saw it go away while it was still running
+    assert "Connection refused" not in after and "ConnectionRefused" not in after, after[-4000:]
