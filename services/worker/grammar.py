@@ -11,8 +11,11 @@ Budget: a grammar keeps every prefix valid but cannot make a model stop, so an o
 (recursion, unbounded strings or numbers) could run out of ``max_tokens`` mid-value. Once the
 tokens left come within ``HORIZON`` of a way out (``completion_path``, in whole tokens), the
 sequence searches one every few steps, then every step; its margin is the tokens left beyond it.
-While the margin is above ``STEER_SLACK`` the model chooses freely. At ``STEER_SLACK`` or less it
-is guarded: it may still write plain tokens (more of a string, a number's digits: a plain token
+While the margin is above ``OPEN_SLACK`` the model chooses freely. At ``OPEN_SLACK`` or less it
+may no longer add structure (a token that opens an item, an object or a property lengthens the
+way out by as much as that item's shortest form: ``}, {"`` in an array of objects with required
+properties adds a dozen): only plain tokens and those that begin the way out. At ``STEER_SLACK``
+or less it is guarded: it may still write plain tokens (more of a string, a number's digits: a plain token
 lengthens the way out by one at most) and the tokens that begin the way out, never other
 structure; where the grammar allows few plain tokens (an enum's values) each is checked, so the
 model keeps its own choice to the last token. With a margin under two and many plain tokens, only
@@ -58,6 +61,9 @@ DEFAULT_BACKEND = "xgrammar"  # the gateway's default --grammar-backend
 # way out's; above it the model chooses freely, so it is the most that one free token (a '{"'
 # opening an object, a ', "' opening a property) may lengthen the way out between two searches.
 STEER_SLACK = 8
+# The margin at which tokens that add structure stop being free: more than the most one free token
+# is expected to add (an item of an array of small objects; a deeper one is a heuristic's miss).
+OPEN_SLACK = 24
 MAX_GROWTH = 4  # what a free token is taken to add to the way out, to space the searches
 RECHECK_STEPS = 8  # the most steps between searches while the way out is not yet close
 HORIZON = 128  # no search while more tokens than this are left beyond the last way out
@@ -168,6 +174,7 @@ class SequenceGrammar:
         self._next: dict[int, list[int]] = {}  # next token -> a way out after it (``next_steps``)
         self._way_out_len = 0  # length of the last way out found
         self._wait = 0  # steps to go before the next search
+        self._strict = False  # the last guard: STEER_SLACK (checked) or only OPEN_SLACK (no new structure)
         self._call_cost: int | None = None  # tokens the longest tool call takes (None: not yet known)
 
     def accept(self, token_id: int) -> None:
@@ -218,8 +225,8 @@ class SequenceGrammar:
         assert self._alphabet is not None
         plain = _plain_mask(self._alphabet, bitmask.shape[1])
         keep = [*keep, *(t for t in self._stop_token_ids if int(bitmask[row, t // 32]) & _bit(t))]
-        candidates = _set_bits(bitmask[row] & plain)
-        if len(candidates) <= MAX_CHECKED:
+        candidates = _set_bits(bitmask[row] & plain) if self._strict else []
+        if self._strict and len(candidates) <= MAX_CHECKED:
             for token_id in candidates:
                 rest = self._way_out_after(matcher, token_id)
                 if rest is not None and len(rest) < remaining:
@@ -227,7 +234,7 @@ class SequenceGrammar:
                     self._next[token_id] = rest
             _allow_only(bitmask, row, keep)
             return
-        if remaining - self._way_out_len < 2:
+        if self._strict and remaining - self._way_out_len < 2:
             _allow_only(bitmask, row, keep)
             return
         bitmask[row] &= plain
@@ -269,10 +276,13 @@ class SequenceGrammar:
         slack = STEER_SLACK
         if len(path) == 1:  # the grammar may end here: a tool call opened now must fit
             slack = max(slack, self._tool_call_cost(self._alphabet))
+        # Where it may end now, nothing but a call adds to the way out (text goes on freely).
+        open_slack = slack if len(path) == 1 else max(OPEN_SLACK, slack)
         # Until the next search each free token takes up to 1 + MAX_GROWTH of the margin.
-        self._wait = min(RECHECK_STEPS, max(0, margin - slack - 1) // (1 + MAX_GROWTH))
-        if margin > slack:
+        self._wait = min(RECHECK_STEPS, max(0, margin - open_slack - 1) // (1 + MAX_GROWTH))
+        if margin > open_slack:
             return None
+        self._strict = margin <= slack
         # The way out's first token always: it is what makes a row never empty.
         return [path[0], *(t for t, rest in self._next.items() if len(rest) < remaining and t != path[0])]
 

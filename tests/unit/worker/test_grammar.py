@@ -21,7 +21,7 @@ from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import FinishReason, SamplingParams, StructuredOutput, StructuredOutputKind
 from services.scheduler.scheduler import Limits
-from services.worker.grammar import STEER_SLACK, Grammars, SequenceGrammar
+from services.worker.grammar import OPEN_SLACK, STEER_SLACK, Grammars, SequenceGrammar
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.tiny_models import TINY_LLAMA
 
@@ -205,13 +205,13 @@ def spelled(text: str, grammars: Grammars) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
 def test_a_model_with_room_to_spare_is_never_steered(grammars: Grammars, backend: str) -> None:
-    """Every token of an answer that leaves more than STEER_SLACK tokens of its budget unused is
+    """Every token of an answer that leaves more than OPEN_SLACK tokens of its budget unused is
     allowed, its structure too (a third tag), though the way out is close from the first token."""
     answer = spelled('{"name": "abcd", "size": 12, "tags": ["ab", "cd", "x"], "ok": true}', grammars)
     constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA), backend)
     grammar = SequenceGrammar(constraint, grammars.submit(constraint), [EOS], grammars.alphabet)
     bitmask = torch.zeros(1, (CONFIG.vocab_size + 31) // 32, dtype=torch.int32)
-    budget = len(answer) + 1 + STEER_SLACK + 1  # EOS, then the margin
+    budget = len(answer) + 1 + OPEN_SLACK + 1  # EOS, then the margin
     for i, token_id in enumerate([*answer, EOS]):
         grammar.fill(bitmask, 0, budget - i)
         assert token_id in allowed(bitmask), (i, VOCAB[token_id])
@@ -220,8 +220,8 @@ def test_a_model_with_room_to_spare_is_never_steered(grammars: Grammars, backend
 
 @pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
 def test_a_close_way_out_guards_then_is_walked(grammars: Grammars, backend: str) -> None:
-    """After '{"a": "x"' the way out is '}' then EOS. With a margin above STEER_SLACK the model may
-    open the optional property; at STEER_SLACK or less it may not (only '}' is left); at a margin
+    """After '{"a": "x"' the way out is '}' then EOS. With a margin above OPEN_SLACK the model may
+    open the optional property; at OPEN_SLACK or less it may not (only '}' is left); at a margin
     of one the way out is walked. Inside the string, a guarded model still writes letters."""
     constraint = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(OPTIONAL), backend)
     bitmask = torch.zeros(1, (CONFIG.vocab_size + 31) // 32, dtype=torch.int32)
@@ -234,9 +234,12 @@ def test_a_close_way_out_guards_then_is_walked(grammars: Grammars, backend: str)
         grammar.fill(bitmask, 0, remaining)
         return allowed(bitmask)
 
-    assert {close, comma} <= mask('{"a": "x"', 2 + STEER_SLACK + 1)
-    guarded = mask('{"a": "x"', 2 + STEER_SLACK)
-    assert close in guarded and comma not in guarded
+    assert {close, comma} <= mask('{"a": "x"', 2 + OPEN_SLACK + 1)
+    for margin in (OPEN_SLACK, STEER_SLACK + 1, STEER_SLACK):  # no new structure, then checked
+        guarded = mask('{"a": "x"', 2 + margin)
+        assert close in guarded and comma not in guarded, margin
+    loose = mask('{"a": "x', 2 + OPEN_SLACK)  # in a string, margin OPEN_SLACK - 1: letters go on
+    assert letter in loose and VOCAB.index(b'"}') in loose
     assert mask('{"a": "x"', 3) == {close}
     inside = mask('{"a": "x', 3 + 2)  # way out '"}' EOS, margin 3: guarded
     assert letter in inside and VOCAB.index(b'"}') in inside and VOCAB.index(b"\\") not in inside
