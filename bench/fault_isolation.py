@@ -13,6 +13,9 @@
    helps); the stack runs `--grammar-backend outlines` and the gateway's compile check kills each
    at --compile-timeout-s. Baseline: the same streams without the hostile requests, same run;
    ratio = median inter-token latency with / without (1.0: unaffected).
+3. A long conversation (999 short messages, ~7k prompt tokens) beside the canaries: canaries lost,
+   and whether any service logged a peer as lost or gone meanwhile (membership must not lapse
+   because a process is busy).
 """
 
 from __future__ import annotations
@@ -156,6 +159,15 @@ async def with_hostile_compiles(
         return list(await running), hostile
 
 
+async def with_long_conversation(base_url: str, n: int, max_tokens: int) -> tuple[list[Canary], int]:
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"hi {i}"} for i in range(999)]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
+        running = asyncio.gather(*(canary(http, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(n)))
+        resp = await http.post("/chat/completions", json=body)
+        return list(await running), resp.status_code
+
+
 def median_gap_ms(runs: list[Canary]) -> float:
     gaps = [g for c in runs for g in c.gaps_s]
     return statistics.median(gaps) * 1e3 if gaps else float("nan")
@@ -194,6 +206,9 @@ def main() -> None:
         beside_hostile, hostile = asyncio.run(with_hostile_compiles(url, args.streams, args.max_tokens))
         again = asyncio.run(canaries(url, args.streams, args.max_tokens))
         pid_after = worker_pid(proc.pid)
+        beside_long, long_status = asyncio.run(with_long_conversation(url, args.streams, args.max_tokens))
+        log_text = (Path(tmp) / "serve.log").read_text(errors="replace")
+    lapses = [line for line in log_text.splitlines() if " lost" in line or " is gone" in line]
     lost = [c.error for c in beside_bad + beside_hostile if c.error]
     print(f"1. bad requests beside {args.streams} canary streams")
     for line in statuses:
@@ -212,6 +227,10 @@ def main() -> None:
     print(f"   hostile requests: {len(hostile)}, statuses {statuses_h}, each {each_s:.1f} s")
     if hostile:
         print(f"   e.g. {hostile[0][2]!r}")
+    print("3. a 1000-message conversation beside the canaries")
+    print(f"   its status: {long_status}; canary streams lost: {sum(bool(c.error) for c in beside_long)}")
+    print(f"   peers logged as lost or gone: {len(lapses)} {lapses[:2]}")
+    lost += [c.error for c in beside_long if c.error]
     if lost:
         print(f"   PROBLEMS: {lost[:3]}")
 

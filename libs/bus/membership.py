@@ -166,22 +166,34 @@ class MembershipView:
             return None
         return seen.info
 
-    def live(self, kind: MemberKind, confirmed: bool = False) -> list[MemberInfo]:
+    def live(
+        self, kind: MemberKind, confirmed: bool = False, silence_s: float | None = None
+    ) -> list[MemberInfo]:
         """The live members of ``kind``; ``confirmed``: only those seen to heartbeat since the
-        first read or the last gap (not yet: not known dead, but not known up either)."""
+        first read or the last gap (not yet: not known dead, but not known up either);
+        ``silence_s``: this view's own bound, or a longer one (failing work on a member's death
+        is worth a surer verdict than readiness is)."""
         prefix = kind.name.lower() + "."
         return [
             s.info
             for k, s in self._seen.items()
-            if k.startswith(prefix) and self._alive(s) and (s.confirmed or not confirmed)
+            if k.startswith(prefix) and self._alive(s, silence_s) and (s.confirmed or not confirmed)
         ]
 
+    def silent_for(self, kind: MemberKind, member_id: str) -> float | None:
+        """Seconds since the member's heartbeat was last seen to move (None: not in the bucket)."""
+        seen = self._seen.get(member_key(MemberInfo(kind, member_id)))
+        return None if seen is None else self.clock() - seen.heard_at
+
     def can_serve(self) -> bool:
-        """A confirmed scheduler and a confirmed worker, not stuck in a step, free or that
-        scheduler's."""
-        schedulers = {m.member_id for m in self.live(MemberKind.SCHEDULER, confirmed=True)}
+        """A confirmed scheduler that drives a worker (or does not say) and a confirmed worker,
+        not stuck in a step, free or that scheduler's."""
+        schedulers = {
+            m.member_id for m in self.live(MemberKind.SCHEDULER, confirmed=True) if m.num_workers != 0
+        }
         workers = self.live(MemberKind.WORKER, confirmed=True)
         return bool(schedulers) and any(not w.stuck and w.owner in ("", *schedulers) for w in workers)
 
-    def _alive(self, seen: _Seen) -> bool:
-        return self.current and seen.info.ready and self.clock() - seen.heard_at <= self.silence_s
+    def _alive(self, seen: _Seen, silence_s: float | None = None) -> bool:
+        bound = self.silence_s if silence_s is None else silence_s
+        return self.current and seen.info.ready and self.clock() - seen.heard_at <= bound

@@ -257,6 +257,9 @@ class MemberInfo:
     owner: str = ""  # a worker: the scheduler it serves ("": none)
     # a scheduler: what it has sent each gateway; a gateway that stays behind lost the rest
     out_seqs: tuple[OutSeq, ...] = ()
+    # a scheduler: the workers it drives now (-1: not said); with none, it cannot serve yet (after a
+    # NATS outage it claims its workers again from their next load reports)
+    num_workers: int = -1
 
     @property
     def stuck(self) -> bool:

@@ -89,6 +89,9 @@ class GatewayService:
         # Kept current by a background watcher: /health and the failing of requests whose
         # scheduler died read it without a round trip.
         self.members = MembershipView(bus, subjects.members_bucket)
+        # Failing a scheduler's requests wants a surer verdict than readiness (/health goes 503 at
+        # the view's own silence): twice the TTL, and its streams still end well inside 30 s.
+        self.scheduler_loss_s = 2 * MEMBER_TTL_S
         self._accepted_at: dict[str, float] = {}  # request id -> when its scheduler took it
         self._schedulers_seen: set[str] = set()  # ever live in the view
         self._replays: set[Pending] = set()
@@ -307,7 +310,10 @@ class GatewayService:
         the request (a scheduler answers submits a moment before its first heartbeat)."""
         if not self.members.current:
             return  # cut off from the bus: the connection listener acts
-        live = {m.member_id for m in self.members.live(MemberKind.SCHEDULER)}
+        live = {
+            m.member_id
+            for m in self.members.live(MemberKind.SCHEDULER, silence_s=self.scheduler_loss_s)
+        }
         self._schedulers_seen |= live
         now = time.monotonic()
         gone: dict[str, list[str]] = {}
@@ -317,12 +323,14 @@ class GatewayService:
                 self._accepted_at.pop(request_id)
                 continue
             scheduler_id = pending.scheduler_id
-            known = scheduler_id in self._schedulers_seen or now - accepted_at > self.members.silence_s
+            known = scheduler_id in self._schedulers_seen or now - accepted_at > self.scheduler_loss_s
             if scheduler_id not in live and known:
                 gone.setdefault(scheduler_id, []).append(request_id)
         self._check_arrivals(now)
         for scheduler_id, request_ids in gone.items():
-            log.error("scheduler %s lost: failing %d requests", scheduler_id, len(request_ids))
+            silent_s = self.members.silent_for(MemberKind.SCHEDULER, scheduler_id)
+            heard = "gone from the members" if silent_s is None else f"heartbeat silent {silent_s:.1f} s"
+            log.error("scheduler %s lost (%s): failing %d requests", scheduler_id, heard, len(request_ids))
             for request_id in request_ids:
                 self._accepted_at.pop(request_id)
                 self._pending[request_id].fail(f"scheduler {scheduler_id} lost: no heartbeat")

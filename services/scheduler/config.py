@@ -51,7 +51,7 @@ class Config:
     )
     step_timeout_s: float = field(default=120.0, metadata={"help": "longest a worker step may take"})
     worker_timeout_s: float = field(
-        default=5.0, metadata={"help": "heartbeat silence after which a worker is dead (its requests fail)"}
+        default=10.0, metadata={"help": "heartbeat silence after which a worker is dead (its requests fail)"}
     )
     out_max_age_s: float = field(default=600.0, metadata={"help": "how long step outputs stay replayable"})
     pause_timeout_s: float = field(

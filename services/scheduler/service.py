@@ -105,9 +105,12 @@ class SchedulerService:
 
     def member_info(self) -> MemberInfo:
         """The heartbeat: with what this scheduler has sent each gateway, so that one whose last
-        outputs were lost (and nothing came after them) notices."""
+        outputs were lost (and nothing came after them) notices, and how many workers it drives."""
         out_seqs = self.outputs.out_seqs()
-        return MemberInfo(MemberKind.SCHEDULER, self.config.scheduler_id, out_seqs=out_seqs)
+        scheduler_id = self.config.scheduler_id
+        return MemberInfo(
+            MemberKind.SCHEDULER, scheduler_id, out_seqs=out_seqs, num_workers=len(self.workers)
+        )
 
     # --- inbound messages ------------------------------------------------------------------
 

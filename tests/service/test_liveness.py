@@ -126,6 +126,10 @@ async def test_the_stack_can_serve_only_with_a_heartbeating_pair_and_no_stuck_wo
     assert await can_serve(sched, worker)
     assert await can_serve(sched, dataclasses.replace(worker, owner="s1", step_s=2.0))
     assert not await can_serve(sched)
+    # A scheduler that drives no worker yet (just started, or claiming them again after a NATS
+    # outage) cannot serve; one that says 1 can.
+    assert not await can_serve(dataclasses.replace(sched, num_workers=0), worker)
+    assert await can_serve(dataclasses.replace(sched, num_workers=1), dataclasses.replace(worker, owner="s1"))
     assert not await can_serve(worker)
     assert not await can_serve(sched, dataclasses.replace(worker, step_s=31.0))  # stuck in a step
     assert not await can_serve(sched, dataclasses.replace(worker, owner="s-dead"))  # not free yet
@@ -239,6 +243,7 @@ async def test_the_gateway_fails_the_requests_of_a_scheduler_that_is_gone(
 ) -> None:
     service, bus, _scheduler = gateway
     service.members.silence_s = 3.0
+    service.scheduler_loss_s = 4.0
     sched = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
     work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
     await until(service.ready)
