@@ -13,7 +13,7 @@
    helps); the stack runs `--grammar-backend outlines` and the gateway's compile check kills each
    at --compile-timeout-s. Baseline: the same streams without the hostile requests, same run;
    ratio = median inter-token latency with / without (1.0: unaffected).
-3. A long conversation (999 short messages, ~7k prompt tokens) beside the canaries: canaries lost,
+3. A long conversation (625 short messages, ~6.5k prompt tokens) beside the canaries: canaries lost,
    and whether any service logged a peer as lost or gone meanwhile (membership must not lapse
    because a process is busy).
 """
@@ -160,7 +160,7 @@ async def with_hostile_compiles(
 
 
 async def with_long_conversation(base_url: str, n: int, max_tokens: int) -> tuple[list[Canary], int]:
-    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"hi {i}"} for i in range(999)]
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"hi {i}"} for i in range(625)]
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         running = asyncio.gather(*(canary(http, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(n)))
@@ -227,7 +227,7 @@ def main() -> None:
     print(f"   hostile requests: {len(hostile)}, statuses {statuses_h}, each {each_s:.1f} s")
     if hostile:
         print(f"   e.g. {hostile[0][2]!r}")
-    print("3. a 1000-message conversation beside the canaries")
+    print("3. a 625-message conversation (~6.5k tokens) beside the canaries")
     print(f"   its status: {long_status}; canary streams lost: {sum(bool(c.error) for c in beside_long)}")
     print(f"   peers logged as lost or gone: {len(lapses)} {lapses[:2]}")
     lost += [c.error for c in beside_long if c.error]
