@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -196,7 +197,7 @@ def main() -> None:
         "--grammar-compile-timeout-s": str(args.compile_timeout_s),
         "--kv-cache-gb": "0.5",
         "--dtype": "float32",  # exact: a canary beside bad requests must equal its answer alone
-        "--cache-dir": resolve_cache_dir("", {}),
+        "--cache-dir": resolve_cache_dir("", os.environ),
         "--log-level": "warning",
     }
     with tempfile.TemporaryDirectory() as tmp, running_serve(flags, Path(tmp) / "serve.log") as (url, proc):
