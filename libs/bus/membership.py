@@ -4,7 +4,8 @@ Each process ``announce``s itself: its ``MemberInfo`` is put every ``REFRESH_S``
 counter one higher. A ``MembershipView`` (one per process that cares: gateway, scheduler) reads
 the bucket every ``WATCH_S`` in the background and keeps a local picture, so callers (``/health``,
 the reaping of dead workers) ask it without a round trip. A member is live while its heartbeat
-keeps changing: one unchanged for ``silence_s`` is dead even before the TTL removes its entry.
+keeps changing: one unchanged for ``silence_s`` is dead even before the TTL removes its entry, and
+one missing from a read counts as silent since it was last heard (not as dead at once).
 """
 
 from __future__ import annotations
@@ -144,6 +145,14 @@ class MembershipView:
                 seen[key] = _Seen(info, now, confirmed=True)
             else:
                 seen[key] = _Seen(info, before.heard_at, before.confirmed)
+        if not after_gap:
+            # A key missing from one read is no proof of death (a listing under load can miss
+            # one): the member's silence decides. One whose entry expired was silent for a TTL
+            # already, and a clean leave is noticed once its silence passes the caller's bound.
+            keep_s = max(self.silence_s, 2 * MEMBER_TTL_S)
+            for key, before in self._seen.items():
+                if key not in seen and now - before.heard_at <= keep_s:
+                    seen[key] = before
         self._seen, self._read_at = seen, now
         return True
 
