@@ -211,6 +211,10 @@ class SandboxedBackend:
 
     def _take(self) -> _Child:
         child = self._idle.get()
+        if self._closed:  # a compile racing shutdown: start nothing that nobody would stop
+            if child is not None:
+                child.kill()
+            raise BackendUnavailable(f"grammar backend {self.name} is closed")
         if child is None:
             try:
                 child = _Child(self._factory, self._args, self.limits)
@@ -334,7 +338,7 @@ def child_main(fd: int) -> None:
     while True:
         try:
             constraint, export = conn.recv()
-        except EOFError:  # the parent closed the pool or died
+        except (EOFError, ConnectionResetError):  # the parent closed the pool, or died (kill -9)
             return
         _limit_cpu(timeout_s)
         reply = _compile_one(backend, constraint, export)

@@ -63,15 +63,15 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
     )
     subjects = Subjects(config.subject_prefix)
     bus = await NatsBus.connect(config.nats_url, name=config.gateway_id)
+    service = GatewayService(
+        bus,
+        subjects,
+        config.gateway_id,
+        config.submit_timeout_s,
+        resume_grace_s=config.resume_grace_s,
+        out_max_age_s=config.stream_retention_s,
+    )
     try:
-        service = GatewayService(
-            bus,
-            subjects,
-            config.gateway_id,
-            config.submit_timeout_s,
-            resume_grace_s=config.resume_grace_s,
-            out_max_age_s=config.stream_retention_s,
-        )
         await service.start()
         store = ResponseStore(bus, subjects.responses_bucket, config.responses_ttl_s)
         await store.start()
@@ -111,11 +111,12 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
                 server.force_exit = True
                 hurried.cancel()
     finally:
+        await service.close()
         await bus.close()
-    if not serving.result():
-        sys.exit(1)  # the port is taken: a supervisor restarts this process
         if served.grammar is not None:
             served.grammar.close()  # kills the compiler processes
+    if not serving.result():
+        sys.exit(1)  # the port is taken: a supervisor restarts this process
 
 
 def main(args: argparse.Namespace) -> None:

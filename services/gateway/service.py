@@ -225,7 +225,7 @@ class GatewayService:
         # Claimed once the replay runs: the gateway whose reader left must not cancel it now. And
         # resumed from here too, for when that gateway is gone (a request resumed twice just runs).
         await self.bus.publish(self.subjects.resume_claim, encode(ResumeClaim(request_id, self.gateway_id)))
-        await self.bus.publish(self.subjects.pause, encode(PauseRequest((request_id,), resume=True)))
+        self.pause_soon(request_id, resume=True)  # with this gateway's id: a stale pause loses to it
         self._replays.add(pending)
         return self._stream(request_id, pending, on_leave, sub)
 
