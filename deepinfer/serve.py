@@ -226,8 +226,7 @@ def _spread_metrics_ports(configs: dict[str, Any]) -> dict[str, Any]:
     for offset, name in enumerate(with_port):
         port = configs[name].metrics_port + offset
         if port > 65535:
-            print(f"--metrics-port: no room for {len(with_port)} ports", file=sys.stderr)
-            sys.exit(2)
+            raise ValueError(f"metrics_port: no room for {len(with_port)} ports from {port - offset}")
         configs[name] = dataclasses.replace(configs[name], metrics_port=port)
         log.info("%s metrics on port %d", name, port)
     return configs

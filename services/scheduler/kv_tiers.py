@@ -223,23 +223,20 @@ class KVTiers:
             retention_class=seq.retention_class,
         )
         self._pending_saves.append((seq.seq_id, save))
-        self.stats.num_saves += 1
-        saved = self.stats.num_saved_blocks
-        saved[seq.retention_class] = saved.get(seq.retention_class, 0) + len(wanted)
 
     def take_saves(self) -> tuple[KVSave, ...]:
-        """The saves for the plan being made: everything queued before it."""
+        """The saves for the plan being made: everything queued before it (counted as sent)."""
         saves, self._pending_saves = tuple(save for _, save in self._pending_saves), []
+        saved = self.stats.num_saved_blocks
+        for save in saves:
+            self.stats.num_saves += 1
+            num_blocks = len(unpack_tokens(save.block_ids))
+            saved[save.retention_class] = saved.get(save.retention_class, 0) + num_blocks
         return saves
 
     def discard_saves_of(self, seq: Sequence) -> None:
         """``seq`` failed: the KV of its queued saves may never have been written."""
-        dropped = [save for seq_id, save in self._pending_saves if seq_id == seq.seq_id]
         self._pending_saves = [(seq_id, s) for seq_id, s in self._pending_saves if seq_id != seq.seq_id]
-        saved = self.stats.num_saved_blocks
-        for save in dropped:
-            self.stats.num_saves -= 1
-            saved[seq.retention_class] -= len(unpack_tokens(save.block_ids))
 
     def discard_saves(self) -> None:
         """The worker is gone, and its blocks with it."""
