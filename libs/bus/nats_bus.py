@@ -193,17 +193,20 @@ class NatsBus:
         return entry.value or None
 
     async def kv_items(self, bucket: str) -> dict[str, bytes]:
+        """Every key's current value. The keys come from the stream's own subject state (one
+        request the server answers from its index), not from ``kv.keys()``: that one builds a
+        consumer and ends on a pending count that races with concurrent puts, and under load it
+        returned listings missing live keys (a health check saw no worker while one heartbeated)."""
         kv = self._kv[bucket]
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return {}
+        prefix = f"$KV.{bucket}."
+        info = await self._js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
         items: dict[str, bytes] = {}
-        for key in keys:
+        for subject in (info.state.subjects or {}):
+            key = subject[len(prefix) :]
             try:
                 entry = await kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                continue  # expired or deleted between keys() and get()
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                continue  # expired, deleted or purged (a purge leaves a marker under the key)
             if entry.value:
                 items[key] = entry.value
         return items
