@@ -140,7 +140,9 @@ def test_kill_9_worker_is_restarted_and_serves(running: Serve) -> None:
     )
     assert "worker exited (code -9): restarting it in" in running.text()
     running.wait_until("an answer from the restarted worker", running.answers, HEAL_S)
-    assert running.healthy()
+    # The gateway confirms the new worker from two reads of the members a second apart, and the
+    # scheduler may hand it work before that: /health follows within a few seconds.
+    running.wait_until("/health 200 again", running.healthy, 5)
     # Each service on its own port, serve's restart counter after them.
     assert scrape(METRICS_PORT + 3)[("deepinfer_restarts_total", (("service", "worker"),))] == 1
     assert scrape(METRICS_PORT)[("deepinfer_worker_step_seconds_count", ())] > 0  # the new worker's
