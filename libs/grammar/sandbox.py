@@ -352,4 +352,7 @@ def child_main(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    child_main(int(sys.argv[1]))
+    # The parent may go (a stop, a kill -9) at any point, a start-up still warming included: a
+    # send or receive on the closed socket then ends this process, quietly (nobody is listening).
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError, EOFError):
+        child_main(int(sys.argv[1]))
