@@ -1,5 +1,8 @@
 """``deepinfer serve``: an embedded nats-server plus worker, scheduler, kvcache and gateway processes.
 
+``--num-workers N`` workers, each its own process and ``--worker-id``: the first keeps the worker
+Config's id, the next ones add ``-1``, ``-2``, ... to it; each is supervised on its own.
+
 A plain supervisor (no event loop). Every Config is built first: a bad value fails before anything
 starts. Then it starts everything, waits for the gateway's /health and watches: a child that dies
 (nats-server included) is restarted with backoff, up to ``max_restarts`` within
@@ -7,7 +10,8 @@ starts. Then it starts everything, waits for the gateway's /health and watches: 
 nats-server last:
 
 - SIGTERM: the gateway first (it stops taking requests and lets in-flight streams finish for up to
-  ``shutdown_grace_s``), then the other services, then nats-server.
+  ``shutdown_grace_s``), then the other services, then nats-server. The workers drain, but their
+  scheduler leaves with them, so a worker still holding sequences lets them go within seconds.
 - SIGINT (Ctrl-C): every service at once, SIGKILL after ``INTERRUPT_TIMEOUT_S``, then nats-server.
 
 Children also get SIGKILL from the kernel if this process dies without cleaning up (Linux).
@@ -65,6 +69,10 @@ SERVICE_CONFIGS: dict[str, type] = {
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    num_workers: int = field(
+        default=1,
+        metadata={"help": "worker processes, each with its own id (<worker id>, <worker id>-1, ...)"},
+    )
     max_restarts: int = field(
         default=5,
         metadata={"help": "restarts of one process within --restart-window-s before serve gives up"},
@@ -96,6 +104,8 @@ class Config:
 
     def __post_init__(self) -> None:
         self.restart_policy()  # a bad value fails now, naming its key
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         for key in ("ready_timeout_s", "shutdown_grace_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
@@ -218,10 +228,18 @@ def _stop_services(config: Config, services: list[ServiceChild], signals: _Signa
         terminate(services, (signal.SIGTERM,), STOP_TIMEOUT_S)
 
 
+def extra_workers(worker: WorkerConfig, num_workers: int) -> dict[str, WorkerConfig]:
+    """The workers after the first, by process name (``worker-1``, ...), each with its own id."""
+    return {
+        f"worker-{i}": dataclasses.replace(worker, worker_id=f"{worker.worker_id}-{i}")
+        for i in range(1, num_workers)
+    }
+
+
 def _spread_metrics_ports(configs: dict[str, Any]) -> dict[str, Any]:
-    """One ``--metrics-port`` reaches every service that has the field (and serve itself, last): on
-    one host they cannot all bind it, so the worker takes the port itself and each next one the
-    port after."""
+    """One ``--metrics-port`` reaches every service that has the field (and serve itself): on one
+    host they cannot all bind it, so the first takes the port itself and each next one, in the
+    order of ``configs``, the port after."""
     with_port = [name for name, c in configs.items() if getattr(c, "metrics_port", 0)]
     for offset, name in enumerate(with_port):
         port = configs[name].metrics_port + offset
@@ -240,8 +258,12 @@ def main(args: argparse.Namespace) -> None:
     }
     nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
     setup_logging(config.log_level, "serve")
-    configs = _spread_metrics_ports({**configs, "serve": config})
-    config = configs.pop("serve")
+    extra = extra_workers(configs["worker"], config.num_workers)
+    # Extra workers' ports come after serve's, so that those of a single-worker stack stay put.
+    spread = _spread_metrics_ports({**configs, "serve": config, **extra})
+    config = spread.pop("serve")
+    # All workers first, the gateway still last (it serves once the others are up, and stops first).
+    configs = {"worker": spread.pop("worker"), **{name: spread.pop(name) for name in extra}, **spread}
     start_metrics_server(config.metrics_port, REGISTRY, "127.0.0.1")  # restarts, by service
     signals = _Signals()
     signal.signal(signal.SIGINT, signals)
@@ -256,7 +278,9 @@ def main(args: argparse.Namespace) -> None:
             nats.start()
             nats_url = nats.url
         for name, service_config in configs.items():
-            services.append(ServiceChild(name, dataclasses.replace(service_config, nats_url=nats_url)))
+            command = "worker" if name in extra else name
+            child_config = dataclasses.replace(service_config, nats_url=nats_url)
+            services.append(ServiceChild(name, child_config, command))
             services[-1].start()
         exit_code = _supervise(config, services, nats, signals)
     finally:

@@ -70,10 +70,12 @@ class Child(Protocol):
 
 
 class ServiceChild:
-    """One service process, ``python -m deepinfer <command>`` with its Config as flags."""
+    """One service process, ``python -m deepinfer <command>`` with its Config as flags; ``name``
+    (in logs and the restarts metric) is the command unless several processes run it."""
 
-    def __init__(self, name: str, config: object) -> None:
+    def __init__(self, name: str, config: object, command: str = "") -> None:
         self.name = name
+        self.command = command or name
         self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
         self.incarnation = 0
@@ -86,7 +88,7 @@ class ServiceChild:
         argv = to_argv(renamed(self.config, self.incarnation))
         preexec = _child_setup if sys.platform.startswith("linux") else None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deepinfer", self.name, *argv], preexec_fn=preexec
+            [sys.executable, "-m", "deepinfer", self.command, *argv], preexec_fn=preexec
         )
         self.incarnation += 1
 

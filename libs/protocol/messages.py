@@ -260,6 +260,7 @@ class MemberInfo:
     # a scheduler: the workers it drives now (-1: not said); with none, it cannot serve yet (after a
     # NATS outage it claims its workers again from their next load reports)
     num_workers: int = -1
+    draining: bool = False  # a worker: told to stop (SIGTERM), it takes no new sequences
 
     @property
     def stuck(self) -> bool:
@@ -284,6 +285,9 @@ class WorkerLoad:
     # empty: the scheduler falls back to ``model``
     model_fingerprint: str = ""
     has_kv_store: bool = False  # it reads the shared store (G3): only then are G3 loads planned for it
+    # told to stop (SIGTERM): its owner sends it no new sequences and moves those it holds; it
+    # leaves once it holds none (or its drain timeout passes)
+    draining: bool = False
 
 
 def seq_id_of(request_id: str, index: int) -> str:

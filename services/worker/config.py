@@ -41,6 +41,13 @@ class Config:
         default=60.0,
         metadata={"help": "a step running longer is stuck: the worker's heartbeat says it cannot serve"},
     )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM, how long the worker keeps serving its owner while it moves the sequences"
+            " held here elsewhere (0: leave at once)"
+        },
+    )
     host_cache_gb: float = field(
         default=1.0, metadata={"help": "host memory for KV blocks (G2), GiB; 0 turns G2 off"}
     )
@@ -93,6 +100,8 @@ class Config:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("max_model_len and num_threads must be >= 0")
         if self.grammar_compile_timeout_s <= 0 or self.grammar_compile_max_mb <= 0:

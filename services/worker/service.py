@@ -10,6 +10,10 @@ a worker holding nothing of what it had before.
 Its heartbeat (``member_info``) says whom it serves and how long the running step has run: past
 ``max_step_s`` it is stuck, and neither the gateway's /health nor the scheduler counts on it.
 
+SIGTERM drains it (``drain``): its heartbeat and load say ``draining``, so its owner sends it no
+new sequences and moves those held here elsewhere, while it keeps serving the owner's plans until
+it holds nothing, ``drain_timeout_s`` passes or the stop is hurried. Only then does it leave.
+
 With KV tiers it also publishes their events (``KVEvents``, seq +1 per message, the first one
 saying this worker's G2 starts empty), answers ``KVDumpRequest`` with its G2 content without
 waiting for a running step, and publishes ``KVCacheStats`` with each periodic load report.
@@ -22,9 +26,9 @@ import contextlib
 import logging
 import time
 
-from deepinfer.runtime import busy
+from deepinfer.runtime import StopEvent, busy
 from libs.bus.base import Bus, Message
-from libs.bus.membership import MEMBER_TTL_S, announce, live_members
+from libs.bus.membership import MEMBER_TTL_S, REFRESH_S, announce, live_members
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import (
     CacheTier,
@@ -43,6 +47,9 @@ from services.worker.config import Config
 from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+# How often a drain looks at what is held: steps end and orphans are dropped in other tasks.
+DRAIN_POLL_S = 0.05
 
 
 class WorkerService:
@@ -72,6 +79,7 @@ class WorkerService:
         self._step_started = 0.0  # monotonic start of the running forward (0: none), for heartbeats
         self._last_step_id = 0  # of the owner's last plan, in arrival order
         self._owner_absent_since: float | None = None  # the silent owner first missed from membership
+        self.draining = False  # told to stop: taking no new sequences, leaving once it holds none
 
     async def run(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)]
@@ -79,13 +87,53 @@ class WorkerService:
             await self.publish_kv_events()  # seq 1: this worker's G2 starts empty
             subs.append(await self.bus.subscribe(self.subjects.kv_dump(self.config.worker_id), self.on_dump))
         log.info("worker %s ready (max_num_seqs=%d)", self.config.worker_id, self.config.max_num_seqs)
+        # Set once the drain is over: the heartbeat and load reports (with their orphan checks)
+        # go on while draining, then the worker leaves the members bucket.
+        leaving = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(announce(self.bus, self.subjects.members_bucket, self.member_info, stop))
-            tg.create_task(self._report_load(stop))
+            tg.create_task(announce(self.bus, self.subjects.members_bucket, self.member_info, leaving))
+            tg.create_task(self._report_load(leaving))
             await stop.wait()
+            await self.drain(stop)
+            leaving.set()
             for sub in subs:
                 await sub.unsubscribe()
             await asyncio.gather(*self._steps)  # accepted steps still run and reply
+
+    async def drain(self, stop: asyncio.Event) -> None:
+        """Serve the owner's plans until nothing is held here and no step is running or queued,
+        ``drain_timeout_s`` has passed, or ``stop.hurried`` is set.
+
+        ``draining`` goes out in a load report at once, so the owner moves the sequences held here
+        (its plans name them in ``finished_seq_ids``). An owner that is gone meanwhile is let go by
+        the orphan checks of the load reports, which empties the runner and so ends the drain.
+        """
+        self.draining = True
+        started = time.monotonic()
+        log.info(
+            "draining: %d sequences held (owner %r), for up to %.0f s",
+            *(self.runner.num_running_seqs, self.owner, self.config.drain_timeout_s),
+        )
+        try:
+            await self._publish_load()
+        except Exception as exc:  # the periodic report says it again
+            log.warning("load report failed: %r", exc)
+        hurried = stop.hurried if isinstance(stop, StopEvent) else asyncio.Event()
+        deadline = started + self.config.drain_timeout_s
+        while not self._drained() and not hurried.is_set():
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hurried.wait(), min(remaining_s, DRAIN_POLL_S))
+        why = "nothing held" if self._drained() else "hurried" if hurried.is_set() else "timed out"
+        log.info(
+            "drain over after %.1f s (%s): %d sequences and %d steps left",
+            *(time.monotonic() - started, why, self.runner.num_running_seqs, len(self._steps)),
+        )
+
+    def _drained(self) -> bool:
+        return self.runner.num_running_seqs == 0 and not self._steps
 
     async def on_step(self, msg: Message) -> None:
         try:
@@ -156,6 +204,7 @@ class WorkerService:
             step_s=time.monotonic() - started if started else 0.0,
             max_step_s=self.config.max_step_s,
             owner=self.owner,
+            draining=self.draining,
         )
 
     def load(self) -> WorkerLoad:
@@ -171,6 +220,7 @@ class WorkerService:
             owner=self.owner,
             model_fingerprint=self.model_fingerprint,
             has_kv_store=self.runner.kv_tiers is not None and self.runner.kv_tiers.store is not None,
+            draining=self.draining,
         )
 
     async def _publish_load(self) -> None:
@@ -231,6 +281,10 @@ class WorkerService:
         it has been missing from the members bucket for one more TTL: its entry expired and it
         did not come back to refresh it, so it is not merely busy. A live one just claims the
         worker again with its next plan.
+
+        While draining, an owner silent for a refresh period and missing from one read is let go:
+        a live one refreshes its entry every ``REFRESH_S``, and this worker is leaving anyway (its
+        owner, if alive after all, sees it leave and moves its sequences then).
         """
         if not self.owner:
             return 0
@@ -239,7 +293,7 @@ class WorkerService:
         silent_s = now - seen
         if self.runner.seqs and silent_s > self.config.orphan_timeout_s:
             gone = True
-        elif silent_s > MEMBER_TTL_S:
+        elif silent_s > MEMBER_TTL_S or (self.draining and silent_s > REFRESH_S):
             gone = await self._owner_missing(now)
         else:
             self._owner_absent_since = None
@@ -256,7 +310,8 @@ class WorkerService:
             return num_freed
 
     async def _owner_missing(self, now: float) -> bool:
-        """Whether the owner has been out of the members bucket for a whole TTL, as seen so far."""
+        """Whether the owner has been out of the members bucket for a whole TTL, as seen so far
+        (while draining: whether it is out now)."""
         try:
             schedulers = await live_members(self.bus, self.subjects.members_bucket, MemberKind.SCHEDULER)
         except Exception as exc:  # a NATS hiccup is no proof of death
@@ -267,7 +322,7 @@ class WorkerService:
             return False
         if self._owner_absent_since is None:
             self._owner_absent_since = now
-        return now - self._owner_absent_since >= MEMBER_TTL_S
+        return self.draining or now - self._owner_absent_since >= MEMBER_TTL_S
 
     async def _report_load(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

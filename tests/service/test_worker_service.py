@@ -46,7 +46,10 @@ def make_service(bus: InMemoryBus, orphan_timeout_s: float) -> WorkerService:
     torch.manual_seed(0)
     model = LlamaForCausalLM(TINY_LLAMA).eval()
     runner = ModelRunner(model, ModelShape.of(TINY_LLAMA), 16, 4, torch.float32)
-    config = Config(worker_id="w1", orphan_timeout_s=orphan_timeout_s, load_interval_s=3600)
+    # No drain: these tests stop with sequences held (tests/service/test_worker_drain.py drains).
+    config = Config(
+        worker_id="w1", orphan_timeout_s=orphan_timeout_s, load_interval_s=3600, drain_timeout_s=0
+    )
     return WorkerService(config, bus, runner, max_model_len=64, model_name="tiny")
 
 
@@ -106,7 +109,7 @@ def make_tiered_service(bus: InMemoryBus, root: Path) -> WorkerService:
         root, FP, BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, 4), torch.float32
     )
     runner = ModelRunner(model, shape, 16, 4, torch.float32, kv_tiers=KVTiers(host, store))
-    config = Config(worker_id="w1", load_interval_s=3600)
+    config = Config(worker_id="w1", load_interval_s=3600, drain_timeout_s=0)
     return WorkerService(config, bus, runner, max_model_len=64, model_name="tiny", model_fingerprint=FP)
 
 

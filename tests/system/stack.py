@@ -100,6 +100,18 @@ class Stack:
         )
         return self._replace(old, self.worker)
 
+    def add_worker(self, worker_id: str) -> subprocess.Popen[bytes]:
+        """One more worker process, like ``spawn_worker``'s but with id ``worker_id``; it replaces none."""
+        proc = spawn(
+            "worker",
+            *("--nats-url", self.nats.url, "--log-level", "info", "--worker-id", worker_id),
+            *("--dtype", self.dtype, "--cache-dir", str(self.cache_dir), "--kv-cache-gb", "0.5"),
+            *("--max-num-seqs", "16", "--kv-store-path", str(self.kv_store)),
+            log=self.log,
+        )
+        self.procs.append(proc)
+        return proc
+
     def spawn_scheduler(self) -> subprocess.Popen[bytes]:
         """A scheduler process: the stack's first, or a replacement for a dead one."""
         # Overlap on: the harder path (two plans in flight over real NATS); serve's test runs

@@ -1,0 +1,69 @@
+"""``deepinfer serve --num-workers N``: each worker its own id and metrics port, a bad N is a config
+error naming its key, and every worker process runs the worker command."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from deepinfer import cli, serve
+from deepinfer.supervisor import ServiceChild
+from services.kvcache.config import Config as KVCacheConfig
+from services.scheduler.config import Config as SchedulerConfig
+from services.worker.config import Config as WorkerConfig
+
+
+def test_extra_workers_get_ids_of_their_own_after_the_first() -> None:
+    first = WorkerConfig(worker_id="worker-ab12", metrics_port=9000)
+    extra = serve.extra_workers(first, 3)
+    assert list(extra) == ["worker-1", "worker-2"]
+    assert [c.worker_id for c in extra.values()] == ["worker-ab12-1", "worker-ab12-2"]
+    assert all(dataclasses.replace(c, worker_id=first.worker_id) == first for c in extra.values())
+    assert serve.extra_workers(first, 1) == {}
+
+
+def stack_configs(port: int, num_workers: int) -> dict[str, Any]:
+    worker = WorkerConfig(worker_id="w", metrics_port=port)
+    configs: dict[str, Any] = {
+        "worker": worker,
+        "scheduler": SchedulerConfig(metrics_port=port),
+        "kvcache": KVCacheConfig(metrics_port=port),
+        "serve": serve.Config(metrics_port=port, num_workers=num_workers),
+    }
+    return {**configs, **serve.extra_workers(worker, num_workers)}
+
+
+def test_extra_workers_take_the_ports_after_serves_own() -> None:
+    spread = serve._spread_metrics_ports(stack_configs(9000, 3))
+    ports = {name: c.metrics_port for name, c in spread.items()}
+    assert ports == {
+        "worker": 9000,
+        "scheduler": 9001,
+        "kvcache": 9002,
+        "serve": 9003,
+        "worker-1": 9004,
+        "worker-2": 9005,
+    }
+
+
+def test_the_ports_check_counts_the_extra_workers() -> None:
+    serve._spread_metrics_ports(stack_configs(65531, 2))  # P..P+4 fit
+    with pytest.raises(ValueError, match="metrics_port: no room for 5 ports from 65532"):
+        serve._spread_metrics_ports(stack_configs(65532, 2))  # worker-1's P+4 would not
+
+
+def test_num_workers_below_1_is_a_config_error_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
+        serve.Config(num_workers=0)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--num-workers", "0"])  # fails before anything starts
+    assert exited.value.code == 2
+    assert "num_workers must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_named_worker_child_runs_the_worker_command() -> None:
+    child = ServiceChild("worker-1", WorkerConfig(worker_id="w-1"), "worker")
+    assert child.name == "worker-1" and child.command == "worker"
+    assert ServiceChild("scheduler", SchedulerConfig()).command == "scheduler"
