@@ -173,7 +173,7 @@ def engine_ratio(args: argparse.Namespace) -> None:
 
     from deepinfer.local_engine import LocalEngine
     from libs.protocol.messages import SamplingParams, StructuredOutput, StructuredOutputKind
-    from services.scheduler.scheduler import Limits
+    from services.scheduler.worker_scheduler import Limits
     from services.worker.config import Config
     from services.worker.main import build_runner
 

@@ -55,7 +55,7 @@ from libs.models.registry import resolve_model_path
 from libs.protocol.messages import SamplingParams
 from services.gateway.served_model import ServedModel
 from services.scheduler.config import Config as SchedulerConfig
-from services.scheduler.scheduler import Limits
+from services.scheduler.worker_scheduler import Limits
 from services.worker.config import Config as WorkerConfig
 from services.worker.main import build_runner
 

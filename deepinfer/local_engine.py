@@ -3,7 +3,7 @@ what the services cost, and the harness for engine tests.
 
 With ``overlap`` the loop makes plan N+1 before it postprocesses result N, exactly as the
 scheduler service does with two plans in flight (the runner executes plans in order): both take
-their send/wait decisions from ``Scheduler.next_plan``.
+their send/wait decisions from ``WorkerScheduler.next_plan``.
 
 Lower KV tiers: plans carry the core's saves (store points) to the runner, and results report
 loads back. The runner's tier events take the place of the bus: its G2 changes go to the core
@@ -20,8 +20,8 @@ from typing import Protocol
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.kv_messages import CacheTier, KVEvent, split_hashes
 from libs.protocol.messages import FinishReason, ModelRunnerOutput, SamplingParams, SchedulerOutput
-from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 
 
 class Runner(Protocol):
@@ -42,7 +42,7 @@ class LocalEngine:
         check: bool = False,
     ) -> None:
         self.runner = runner
-        self.core = Scheduler(limits)
+        self.core = WorkerScheduler(limits)
         self.eos_token_id = eos_token_id
         self.max_in_flight = 2 if overlap else 1
         self.check = check  # check_integrity after every step (tests)

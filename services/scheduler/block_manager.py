@@ -100,7 +100,7 @@ class BlockManager:
         """Offer the cache the first ``num_blocks`` blocks of ``seq_id``'s table under their hashes.
 
         The caller vouches that plans already made write the KV of every token of those blocks:
-        a later plan may then find them (see Scheduler on why that ordering is safe).
+        a later plan may then find them (see WorkerScheduler on why that ordering is safe).
         """
         start = self._num_cached.get(seq_id, 0)
         if num_blocks <= start:

@@ -51,7 +51,14 @@ class Config:
     )
     step_timeout_s: float = field(default=120.0, metadata={"help": "longest a worker step may take"})
     worker_timeout_s: float = field(
-        default=10.0, metadata={"help": "heartbeat silence after which a worker is dead (its requests fail)"}
+        default=10.0, metadata={"help": "heartbeat silence after which a worker is dead (its requests move)"}
+    )
+    migration_limit: int = field(
+        default=3,
+        metadata={
+            "help": "moves a request may make to another worker after the one holding it was lost; "
+            "at the next loss its stream ends with an error (0: never move, fail at once)"
+        },
     )
     out_max_age_s: float = field(default=600.0, metadata={"help": "how long step outputs stay replayable"})
     pause_timeout_s: float = field(
@@ -71,6 +78,8 @@ class Config:
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         for key in (

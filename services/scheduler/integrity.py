@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from services.scheduler.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import Scheduler
+    from services.scheduler.worker_scheduler import WorkerScheduler
 
 
-def check_integrity(core: Scheduler) -> None:
+def check_integrity(core: WorkerScheduler) -> None:
     core.block_manager.check_integrity()
     core.kv_tiers.check_integrity(core.prefix_cache_stats, core.limits.num_blocks)
     running = {s.seq_id for s in core.seqs.values() if s.status is SequenceStatus.RUNNING}
@@ -35,7 +35,7 @@ def check_integrity(core: Scheduler) -> None:
     assert not set(core._finished_since_plan) & running, "a running sequence is to be dropped"
 
 
-def _check_cached_blocks(core: Scheduler, seq: Sequence) -> None:
+def _check_cached_blocks(core: WorkerScheduler, seq: Sequence) -> None:
     """Its hash chain is that of its tokens, and a cached block of its table holds its prefix."""
     if seq.status is not SequenceStatus.RUNNING:
         return  # holds no blocks, and its tokens (so its chain) do not change while it waits

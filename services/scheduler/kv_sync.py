@@ -31,8 +31,8 @@ from libs.protocol.kv_messages import (
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import Config
 from services.scheduler.kv_tiers import EventVerdict, to_counters
-from services.scheduler.scheduler import Scheduler
 from services.scheduler.step_loop import WorkerHandle
+from services.scheduler.worker_scheduler import WorkerScheduler
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class KVSync:
 
     # --- stats -------------------------------------------------------------------------------
 
-    def retire(self, core: Scheduler) -> None:
+    def retire(self, core: WorkerScheduler) -> None:
         """A worker left: keep its core's counters, so the published ones never go down."""
         self._retired.update(core.kv_tiers.counters())
 
@@ -144,6 +144,6 @@ class KVSync:
                 log.warning("publishing kv stats failed: %r", exc)
 
 
-def _apply_host_events(core: Scheduler, batch: KVEvents) -> None:
+def _apply_host_events(core: WorkerScheduler, batch: KVEvents) -> None:
     for event in batch.events:
         core.kv_tiers.note_host_event(event)

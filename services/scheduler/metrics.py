@@ -54,6 +54,12 @@ WORKER_LOSSES = Counter(
     ["reason"],
     registry=EVENTS,
 )
+MIGRATIONS = Counter(
+    "deepinfer_migrations",
+    "sequences moved to another worker, by why: its worker crashed, left, or drains",
+    ["reason"],
+    registry=EVENTS,
+)
 
 
 def count_failed(errors: Iterable[str]) -> None:

@@ -15,14 +15,14 @@ from libs.protocol.messages import FinishReason
 from services.scheduler.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import Scheduler
+    from services.scheduler.worker_scheduler import WorkerScheduler
 
 
-def num_paused(core: Scheduler) -> int:
+def num_paused(core: WorkerScheduler) -> int:
     return sum(s.status is SequenceStatus.PAUSED for s in core.seqs.values())
 
 
-def pause(core: Scheduler, request_or_seq_id: str, deadline: float) -> list[Sequence]:
+def pause(core: WorkerScheduler, request_or_seq_id: str, deadline: float) -> list[Sequence]:
     """Stop computing a request (or one choice) until ``resume``: a running sequence leaves the
     worker as in a preemption, its computed full blocks cached and queued for saving; a waiting
     one leaves the queue. ``expire_paused(now)`` aborts it once ``now >= deadline`` (the
@@ -40,7 +40,7 @@ def pause(core: Scheduler, request_or_seq_id: str, deadline: float) -> list[Sequ
     return paused
 
 
-def resume(core: Scheduler, request_or_seq_id: str) -> list[Sequence]:
+def resume(core: WorkerScheduler, request_or_seq_id: str) -> list[Sequence]:
     """Queue paused sequences again, in their old place: admission recomputes them over the
     longest cached prefix of prompt and outputs. Returns the sequences resumed."""
     resumed = [s for s in core._unfinished(request_or_seq_id) if s.status is SequenceStatus.PAUSED]
@@ -51,7 +51,7 @@ def resume(core: Scheduler, request_or_seq_id: str) -> list[Sequence]:
     return resumed
 
 
-def expire_paused(core: Scheduler, now: float) -> list[Sequence]:
+def expire_paused(core: WorkerScheduler, now: float) -> list[Sequence]:
     """Abort the paused sequences whose deadline has come; returns them."""
     expired = [s for s in core.seqs.values() if s.status is SequenceStatus.PAUSED and s.pause_deadline <= now]
     for seq in expired:

@@ -47,6 +47,9 @@ class Sequence:
     prompt_done_step: int = 0  # the step whose plan computes the prompt's last chunk (0: none yet)
     num_preemptions: int = 0
     num_pauses: int = 0  # pauses that took it off the worker (it was running)
+    num_moves: int = 0  # moves that took it off a worker it was running on (see moving)
+    # in a crashed worker's batch: admitted alone among suspects until it samples a token again
+    suspect: bool = False
     pause_deadline: float = 0.0  # while PAUSED: when it is cancelled unless resumed (caller's clock)
     # prompt tokens its first admission took from G1, G2 or G3 (less any load the worker recomputed)
     num_cached_tokens: int = 0

@@ -1,4 +1,4 @@
-"""Adapts bus messages to scheduler cores: one Scheduler core and one StepLoop per owned worker.
+"""Adapts bus messages to scheduler cores: one WorkerScheduler core and one StepLoop per owned worker.
 
 submit (request/reply, queue group) -> G3 lookup (kvcache) -> route (the worker with the most of the
 prompt cached in G1 or G2, against its load) -> core.add; each worker's StepLoop runs
@@ -42,14 +42,15 @@ from libs.protocol.messages import (
 from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
 from services.scheduler import metrics
 from services.scheduler.config import Config
+from services.scheduler.fleet import NO_TARGET, Fleet, Moves, WorkerLoss
 from services.scheduler.kv_sync import KVSync
 from services.scheduler.kv_tiers import KVTiers
 from services.scheduler.outputs import OutputPublisher
 from services.scheduler.pausing import ResumedBy
 from services.scheduler.router import WorkerState, pick_worker
-from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
 from services.scheduler.step_loop import StepLoop, WorkerHandle, WorkerLost
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class SchedulerService:
         self.bus = bus
         self.subjects = Subjects(config.subject_prefix)
         self.workers: dict[str, WorkerHandle] = {}
+        self.fleet = Fleet(config.migration_limit)  # the request table and the workers' cores
         self._foreign: set[str] = set()  # workers owned by another scheduler
         self.outputs = OutputPublisher(bus, self.subjects, config.scheduler_id)
         self._tasks: asyncio.TaskGroup | None = None
@@ -100,7 +102,10 @@ class SchedulerService:
                 await sub.unsubscribe()
             for handle in list(self.workers.values()):
                 self._drop_worker(
-                    handle, "scheduler stopping", f"scheduler {self.config.scheduler_id} stopping"
+                    handle,
+                    "scheduler stopping",
+                    f"scheduler {self.config.scheduler_id} stopping",
+                    WorkerLoss.UNREACHABLE,
                 )
 
     def member_info(self) -> MemberInfo:
@@ -148,10 +153,12 @@ class SchedulerService:
                 len(chains[kinds[wid]]),
             )
             for wid, h in self.workers.items()
+            if wid not in self.fleet.draining
         ]
         worker_id = pick_worker(states)
         if worker_id is None:
-            return SubmitReply(SubmitStatus.NO_WORKERS, "no worker is available")
+            draining = f" ({len(self.fleet.draining)} draining)" if self.fleet.draining else ""
+            return SubmitReply(SubmitStatus.NO_WORKERS, f"no worker is available{draining}")
         handle = self.workers[worker_id]
         context_len = handle.core.limits.context_len
         if len(prompt) + 1 > context_len:
@@ -173,7 +180,7 @@ class SchedulerService:
             block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
         )
         try:
-            handle.core.add(seq)
+            self.fleet.submit(seq, worker_id)
         except QueueFull as exc:
             return SubmitReply(SubmitStatus.QUEUE_FULL, str(exc))
         handle.wake.set()
@@ -232,13 +239,12 @@ class SchedulerService:
         if cancel is None:
             return
         for request_id in cancel.request_ids:
-            for handle in self.workers.values():
-                aborted = handle.core.abort(request_id)
-                if aborted:
-                    handle.wake.set()  # the next plan tells the worker to drop it
-                    # The end goes out like any other: a reader replaying the stream sees it end.
-                    self._publish_soon(aborted, "")
-                    log.info("cancelled %s", request_id)
+            worker_id, aborted = self.fleet.cancel(request_id)
+            if aborted:
+                self.workers[worker_id].wake.set()  # the next plan tells the worker to drop it
+                # The end goes out like any other: a reader replaying the stream sees it end.
+                self._publish_soon(aborted, "")
+                log.info("cancelled %s", request_id)
 
     async def on_pause(self, msg: Message) -> None:
         """Pause requests whose stream lost its client (their sequences leave the worker at once),
@@ -252,22 +258,18 @@ class SchedulerService:
             if not self._readers.admit(request_id, pause.gateway_id, pause.resume, now):
                 log.info("ignored a stale pause of %s from %s", request_id, pause.gateway_id)
                 continue
-            for handle in self.workers.values():
-                core = handle.core
-                changed = core.resume(request_id) if pause.resume else core.pause(request_id, deadline)
-                if changed:
-                    handle.wake.set()  # the next plan drops it from the worker, or admits it again
-                    log.info("%s %s", "resumed" if pause.resume else "paused", request_id)
+            worker_id, changed = self.fleet.pause(request_id, deadline, pause.resume)
+            if changed:
+                self.workers[worker_id].wake.set()  # the next plan drops it there, or admits it again
+                log.info("%s %s", "resumed" if pause.resume else "paused", request_id)
 
     async def _expire_paused(self, stop: asyncio.Event) -> None:
         """Cancel paused requests that nobody resumed or cancelled in time (their gateway may be gone)."""
         while not stop.is_set():
-            now = time.monotonic()
-            for handle in list(self.workers.values()):
-                expired = handle.core.expire_paused(now)
-                if expired:
-                    self._publish_soon(expired, "")  # a reader replaying the stream sees it end
-                    log.warning("cancelled %d sequences paused past their deadline", len(expired))
+            expired = self.fleet.expire_paused(time.monotonic())
+            if expired:
+                self._publish_soon(expired, "")  # a reader replaying the stream sees it end
+                log.warning("cancelled %d sequences paused past their deadline", len(expired))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)  # deadlines are met within a second
 
@@ -279,18 +281,21 @@ class SchedulerService:
         if load.owner not in ("", self.config.scheduler_id):
             if handle is not None:
                 metrics.WORKER_LOSSES.labels("taken").inc()
-                self._drop_worker(handle, f"taken by scheduler {load.owner}")
+                self._drop_worker(handle, f"taken by scheduler {load.owner}", loss=WorkerLoss.LEFT)
             if load.worker_id not in self._foreign:
                 log.info("worker %s belongs to scheduler %s", load.worker_id, load.owner)
             self._foreign.add(load.worker_id)
             return
         self._foreign.discard(load.worker_id)
         info = self.members.get(MemberKind.WORKER, load.worker_id)
-        if handle is None and not (info is not None and info.stuck):  # a stuck one waits for its step
+        stuck = info is not None and info.stuck  # a stuck one waits for its step
+        if handle is None and not stuck and not load.draining:  # a draining one is left to leave
             self._add_worker(load)
         elif handle is not None:
             handle.load = load
             handle.last_seen = time.monotonic()
+            if load.draining and self.fleet.table.num_requests_on(load.worker_id):
+                self._drain(handle)
 
     # --- workers ---------------------------------------------------------------------------
 
@@ -307,9 +312,10 @@ class SchedulerService:
             enable_prefix_caching=self.config.enable_prefix_caching,
             enable_kv_tiers=self.config.enable_kv_tiers,
         )
-        core = Scheduler(limits, self.config.scheduler_id, load.model_fingerprint or load.model)
+        core = WorkerScheduler(limits, self.config.scheduler_id, load.model_fingerprint or load.model)
         handle = WorkerHandle(load, core, time.monotonic())
         self.workers[load.worker_id] = handle
+        self.fleet.add_worker(load.worker_id, core)
         handle.task = self._tasks.create_task(self._drive(handle))
         log.info(
             "worker %s joined (max_num_seqs=%d, %d KV blocks of %d)",
@@ -318,6 +324,9 @@ class SchedulerService:
             load.num_kv_blocks,
             load.block_size,
         )
+        for worker_id in list(self.fleet.draining):  # what could not move off a draining worker
+            if worker_id in self.workers and self.fleet.table.num_requests_on(worker_id):
+                self._drain(self.workers[worker_id])
 
     async def _drive(self, handle: WorkerHandle) -> None:
         loop = StepLoop(
@@ -326,7 +335,7 @@ class SchedulerService:
             handle,
             self.config.overlap,
             self.config.step_timeout_s,
-            self.outputs.publish,
+            self._publish,
         )
         # Dropped handles leave the loop by this check too: on Python 3.11 a cancel that races with
         # a reply arriving inside asyncio.wait_for can be swallowed.
@@ -339,20 +348,55 @@ class SchedulerService:
                 metrics.WORKER_LOSSES.labels("step_failed").inc()
                 self._drop_worker(handle, str(exc))
 
-    def _drop_worker(self, handle: WorkerHandle, why: str, error: str = "") -> None:
-        """Fail every request on the worker, with ``error`` (default: the worker is lost, ``why``)."""
+    def _drop_worker(
+        self, handle: WorkerHandle, why: str, error: str = "", loss: WorkerLoss = WorkerLoss.CRASHED
+    ) -> None:
+        """Move the worker's requests to others (see Fleet); those that cannot move fail with
+        ``error`` (default: the worker is lost, ``why``) and, beyond having no target, why not."""
         worker_id = handle.load.worker_id
-        self.workers.pop(worker_id, None)
+        if self.workers.get(worker_id) is not handle:
+            return
+        del self.workers[worker_id]
         handle.wake.set()
         if handle.task is not None:
             handle.task.cancel()
-        failed = handle.core.fail_all()
+        if handle.load.draining and loss is WorkerLoss.CRASHED:
+            loss = WorkerLoss.LEFT  # it left with what could not move in its drain timeout
+        moves = self.fleet.lose_worker(worker_id, loss)
         self.kv.retire(handle.core)
-        if failed:
-            log.warning("worker %s lost (%s): failing %d requests", worker_id, why, len(failed))
-            self._publish_soon(failed, error=error or f"worker {worker_id} lost: {why}")
+        self._wake_targets(moves)
+        if moves.moved:
+            num_moved = sum(len(s) for s in moves.moved.values())
+            metrics.MIGRATIONS.labels(loss.name.lower()).inc(num_moved)
+            log.warning("worker %s lost (%s): moved %d sequences", worker_id, why, num_moved)
+        if moves.failed:
+            base = error or f"worker {worker_id} lost: {why}"
+            for seq, reason in moves.failed:
+                seq.error = base if reason == NO_TARGET else f"{base} (not moved: {reason})"
+            log.warning("worker %s lost (%s): failing %d sequences", worker_id, why, len(moves.failed))
+            self._publish_soon([seq for seq, _ in moves.failed], base)
+
+    def _drain(self, handle: WorkerHandle) -> None:
+        """A worker going away: move what it holds to other workers now."""
+        moves = self.fleet.drain(handle.load.worker_id)
+        handle.wake.set()  # its next plan drops what moved
+        self._wake_targets(moves)
+        num_moved = sum(len(s) for s in moves.moved.values())
+        if num_moved:
+            metrics.MIGRATIONS.labels("drain").inc(num_moved)
+            log.info("worker %s drains: moved %d sequences", handle.load.worker_id, num_moved)
+
+    def _wake_targets(self, moves: Moves) -> None:
+        for target in moves.moved:
+            self.workers[target].wake.set()
+
+    async def _publish(self, seqs: list[Sequence], error: str = "") -> None:
+        """Every output goes out here: finished sequences leave the request table first."""
+        self.fleet.finished(seqs)
+        await self.outputs.publish(seqs, error)
 
     def _publish_soon(self, seqs: list[Sequence], error: str) -> None:
+        self.fleet.finished(seqs)  # now, not when the task runs: the table follows the cores
         if self._tasks is not None:
             self._tasks.create_task(self.outputs.publish(seqs, error))
 
@@ -381,7 +425,10 @@ class SchedulerService:
         for handle in list(self.workers.values()):
             metrics.WORKER_LOSSES.labels("connection_lost").inc()
             self._drop_worker(
-                handle, "NATS connection lost", "NATS connection lost: the step outputs in flight are gone"
+                handle,
+                "NATS connection lost",
+                "NATS connection lost: the step outputs in flight are gone",
+                WorkerLoss.UNREACHABLE,
             )
 
 

@@ -21,8 +21,8 @@ from libs.protocol.codec import DecodeError, decode, encode, unpack_tokens
 from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerLoad
 from services.scheduler import metrics
 from services.scheduler.kv_tiers import EventCursor
-from services.scheduler.scheduler import Scheduler
 from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import WorkerScheduler
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class WorkerLost(Exception):
 @dataclass(eq=False)
 class WorkerHandle:
     load: WorkerLoad
-    core: Scheduler
+    core: WorkerScheduler
     last_seen: float
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     kv_cursor: EventCursor = field(default_factory=EventCursor)  # its KV events applied so far

@@ -55,7 +55,7 @@ from services.scheduler.prefix_cache import BlockHasher, PrefixCacheStats
 from services.scheduler.sequence import Sequence, SequenceStatus
 
 
-class Scheduler:
+class WorkerScheduler:
     def __init__(self, limits: Limits, scheduler_id: str = "", model_fingerprint: str = "") -> None:
         self.limits = limits
         self.scheduler_id = scheduler_id
@@ -70,6 +70,7 @@ class Scheduler:
         self._request_seqs: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self._watermark_blocks = int(limits.watermark * limits.num_blocks)
         self._arrivals = itertools.count()
+        self._front_arrivals = itertools.count(-1, -1)  # moved sequences queue ahead (see moving)
         self._step_ids = itertools.count(1)
         self.num_preemptions = 0  # since start: a count for metrics
 
@@ -199,6 +200,7 @@ class Scheduler:
                 continue
             seq.num_pending_tokens -= 1
             seq.output_token_ids.append(token_id)
+            seq.suspect = False  # it got through a step on this worker
             if logprobs and logprobs[i] is not None:
                 seq.unsent_logprobs.append(logprobs[i])  # type: ignore[arg-type]
             reason = self._check_stop(seq, token_id)
@@ -276,6 +278,11 @@ class Scheduler:
             if seq.num_pending_tokens or self._waits_for_parent(seq, plan.step_id):
                 skipped.append(entry)
                 continue
+            if seq.suspect and any(s.suspect for s in self._running):
+                # One suspect at a time: a poison request's next crash then finds it alone
+                # among the suspects, so only it reaches the crash limit.
+                skipped.append(entry)
+                continue
             if not self._try_admit(plan, seq):
                 skipped.append(entry)
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -307,7 +314,8 @@ class Scheduler:
             load = plan.kv_loads.get(seq.seq_id)
             num_device_tokens = self.kv_tiers.record_hit(seq.num_tokens, num_hit_tokens, load)
             self.prefix_cache_stats.record(seq.num_tokens, num_device_tokens)
-            if seq.num_preemptions == seq.num_pauses == 0:  # usage reports the first admission's hit
+            # usage reports the hit of the first admission
+            if seq.num_preemptions == seq.num_pauses == seq.num_moves == 0:
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                 seq.cached_step = plan.step_id
         seq.status = SequenceStatus.RUNNING

@@ -73,6 +73,7 @@ class StreamState:
     api: ApiName
     parser: SseParser = field(default_factory=SseParser)
     num_tokens: int = 0
+    text: str = ""  # the OpenAI APIs' streamed text so far (first choice)
     request_id: str | None = None
     first_event_id: int | None = None
     last_event_id: int = -1
@@ -123,6 +124,8 @@ class StreamState:
                 else (choice.get("delta") or {}).get("content")
             )
             self.num_tokens += bool(text)
+            if choice.get("index", 0) == 0:
+                self.text += text or ""
         return None
 
 

@@ -19,7 +19,7 @@ from libs.models.llama import LlamaForCausalLM
 from libs.protocol.messages import SamplingParams
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
-from services.scheduler.scheduler import Limits
+from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.reference import reference_greedy
 

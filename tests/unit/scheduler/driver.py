@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from libs.protocol.messages import NewSequence, SchedulerOutput
-from services.scheduler.scheduler import Scheduler
 from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import WorkerScheduler
 from tests.unit.scheduler.fake_worker import FakeWorker, reference_output
 
 
@@ -14,7 +14,11 @@ class Driver:
     every plan and result; ``events`` forwards the worker's G2 events to the core after each step."""
 
     def __init__(
-        self, sched: Scheduler, worker: FakeWorker | None = None, max_in_flight: int = 1, events: bool = True
+        self,
+        sched: WorkerScheduler,
+        worker: FakeWorker | None = None,
+        max_in_flight: int = 1,
+        events: bool = True,
     ) -> None:
         self.sched = sched
         self.worker = worker or FakeWorker(sched.limits.block_size)
@@ -23,6 +27,7 @@ class Driver:
         self.in_flight: list[tuple[tuple[str, ...], list[int]]] = []
         self.plans: list[SchedulerOutput] = []
         self.outputs: dict[str, list[int]] = {}
+        self.finished: list[Sequence] = []  # sequences finished by results, not yet taken
 
     def step(self) -> None:
         plan = self.sched.next_plan(len(self.in_flight), self.max_in_flight)
@@ -36,6 +41,7 @@ class Driver:
             for seq in self.sched.postprocess(*self.in_flight.pop(0)):
                 if seq.is_finished:
                     self.outputs[seq.seq_id] = seq.output_token_ids
+                    self.finished.append(seq)
             self.sched.check_integrity()
         if self.events:
             forward_host_events(self.worker, self.sched)
@@ -57,7 +63,7 @@ class Driver:
         return self.admissions(seq.seq_id)[0]
 
 
-def forward_host_events(worker: FakeWorker, sched: Scheduler) -> None:
+def forward_host_events(worker: FakeWorker, sched: WorkerScheduler) -> None:
     for stored, block_hashes in worker.take_host_events():
         if stored:
             sched.note_host_blocks(stored=block_hashes)

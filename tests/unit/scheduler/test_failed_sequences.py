@@ -4,15 +4,15 @@ its blocks not yet cached enters the prefix cache (the worker may never have wri
 from __future__ import annotations
 
 from libs.protocol.messages import FinishReason, SamplingParams
-from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 from tests.unit.scheduler.fake_worker import EOS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
-def make_scheduler(max_num_batched_tokens: int) -> Scheduler:
-    return Scheduler(Limits(64, 4, 4, 64, max_num_batched_tokens, 8, 0.0))
+def make_scheduler(max_num_batched_tokens: int) -> WorkerScheduler:
+    return WorkerScheduler(Limits(64, 4, 4, 64, max_num_batched_tokens, 8, 0.0))
 
 
 def test_a_failed_prefill_chunk_finishes_alone_and_caches_nothing() -> None:

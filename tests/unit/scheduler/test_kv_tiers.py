@@ -18,8 +18,8 @@ from libs.protocol.kv_messages import CacheTier, split_hashes
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
 from services.scheduler.kv_tiers import EventCursor, EventVerdict
 from services.scheduler.router import WorkerState, pick_worker
-from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 from tests.unit.scheduler.driver import Driver
 from tests.unit.scheduler.fake_worker import EOS, FakeWorker, reference_output
 
@@ -29,9 +29,9 @@ TEXT = list(range(10, 30))  # five full blocks
 FP = "tiny"
 
 
-def make_scheduler(num_blocks: int = 64, tiers: bool = True) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, tiers: bool = True) -> WorkerScheduler:
     limits = Limits(num_blocks, BLOCK_SIZE, 4, MAX_MODEL_LEN, 256, 16, 0.0, True, tiers)
-    return Scheduler(limits, model_fingerprint=FP)
+    return WorkerScheduler(limits, model_fingerprint=FP)
 
 
 def make_seq(
@@ -53,7 +53,7 @@ def saved(plan: SchedulerOutput) -> list[tuple[list[int], list[bytes], str]]:
     ]
 
 
-def dump_host(worker: FakeWorker, sched: Scheduler) -> None:
+def dump_host(worker: FakeWorker, sched: WorkerScheduler) -> None:
     """What a KVDump does: the core's G2 view becomes what the worker's G2 holds."""
     sched.note_host_blocks(stored=list(worker.host), cleared=True)
     worker.take_host_events()

@@ -11,8 +11,8 @@ import pytest
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.messages import FinishReason, SamplingParams, SchedulerOutput
 from services.scheduler.pausing import ResumedBy
-from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 from tests.unit.scheduler.driver import Driver
 from tests.unit.scheduler.fake_worker import EOS, reference_output
 
@@ -22,9 +22,9 @@ MAX_MODEL_LEN = 64
 PROMPT = list(range(10, 20))  # two full blocks and a half
 
 
-def make_scheduler(max_num_seqs: int = 1) -> Scheduler:
+def make_scheduler(max_num_seqs: int = 1) -> WorkerScheduler:
     limits = Limits(NUM_BLOCKS, BLOCK_SIZE, max_num_seqs, MAX_MODEL_LEN, 256, 16, 0.0)
-    return Scheduler(limits, model_fingerprint="tiny")
+    return WorkerScheduler(limits, model_fingerprint="tiny")
 
 
 def make_seq(seq_id: str, prompt: list[int], max_tokens: int = 12, n: int = 1) -> Sequence:
@@ -45,7 +45,7 @@ def run_until_outputs(driver: Driver, seq: Sequence, num_outputs: int) -> None:
         driver.step()
 
 
-def assert_nothing_held(sched: Scheduler) -> None:
+def assert_nothing_held(sched: WorkerScheduler) -> None:
     assert sched.num_running == 0 and not sched.block_manager.block_tables
     assert sched.block_manager.num_free_blocks == NUM_BLOCKS  # free, or cached and evictable
 

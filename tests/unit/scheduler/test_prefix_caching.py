@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.messages import NewSequence, SamplingParams
-from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 from tests.unit.scheduler.driver import Driver
 from tests.unit.scheduler.fake_worker import EOS, reference_output
 
@@ -18,9 +18,9 @@ MAX_MODEL_LEN = 64
 PREFIX = list(range(10, 18))  # two full blocks
 
 
-def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 4, enable: bool = True) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 4, enable: bool = True) -> WorkerScheduler:
     limits = Limits(num_blocks, BLOCK_SIZE, max_num_seqs, MAX_MODEL_LEN, 256, 16, 0.0, enable)
-    return Scheduler(limits, model_fingerprint="tiny")
+    return WorkerScheduler(limits, model_fingerprint="tiny")
 
 
 def make_seq(seq_id: str, prompt: list[int], max_tokens: int = 3, tenant: str = "", n: int = 1) -> Sequence:
@@ -147,7 +147,7 @@ def test_with_a_plan_in_flight_hits_come_only_from_earlier_plans() -> None:
 
 def test_a_prefix_is_found_while_its_prompt_is_still_in_chunked_prefill() -> None:
     limits = Limits(64, BLOCK_SIZE, 4, MAX_MODEL_LEN, 10, 16, 0.0)  # 10 tokens per step
-    sched = Scheduler(limits)
+    sched = WorkerScheduler(limits)
     driver = Driver(sched, events=False)
     long_prompt = list(range(10, 35))
     sched.add(make_seq("long", long_prompt))

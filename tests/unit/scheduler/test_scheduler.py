@@ -6,8 +6,8 @@ from libs.protocol.codec import unpack_tokens
 from libs.protocol.errors import QueueFull
 from libs.protocol.messages import FinishReason, SamplingParams, SchedulerOutput
 from services.scheduler.router import WorkerState, pick_worker
-from services.scheduler.scheduler import Limits, Scheduler
 from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 from tests.unit.scheduler.fake_worker import EOS, FakeWorker, reference_output
 
 
@@ -25,11 +25,11 @@ def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 4,
     max_num_batched_tokens: int = 256,
-) -> Scheduler:
+) -> WorkerScheduler:
     limits = Limits(
         num_blocks, block_size, max_num_seqs, max_model_len, max_num_batched_tokens, max_num_waiting, 0.0
     )
-    return Scheduler(limits)
+    return WorkerScheduler(limits)
 
 
 def scheduled(plan: SchedulerOutput) -> dict[str, int]:

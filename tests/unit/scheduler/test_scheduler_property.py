@@ -1,7 +1,7 @@
 """Random arrivals, finishes and cancellations through the scheduler core and a fake worker.
 
 The core runs inside LocalEngine, so the send/wait loop is the one the engine and the scheduler
-service use (``Scheduler.next_plan``). The KV pool is small so preemption happens often; plans run
+service use (``WorkerScheduler.next_plan``). The KV pool is small so preemption happens often; plans run
 with and without overlap (a second plan made before the first one's result). After every plan, every
 result and every cancellation the core's and the fake worker's integrity hold, and every sequence
 that finished on its own produced exactly what it produces running alone. With ``shared_prefixes``
@@ -26,8 +26,8 @@ from libs.protocol.kv_messages import CacheTier
 from libs.protocol.messages import FinishReason, SamplingParams
 from services.scheduler.kv_tiers import TierStats
 from services.scheduler.prefix_cache import PrefixCacheStats
-from services.scheduler.scheduler import Limits
 from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import Limits
 from tests.unit.scheduler.fake_worker import EOS, FakeRunner, FakeWorker, reference_output
 
 BLOCK_SIZE = 4

@@ -15,7 +15,7 @@ from deepinfer.local_engine import LocalEngine
 from libs.kvstore.block_hash import block_hash_from_hex
 from libs.kvstore.retention import RetentionPolicy
 from libs.models.llama import LlamaForCausalLM
-from services.scheduler.scheduler import Limits
+from services.scheduler.worker_scheduler import Limits
 from services.worker.host_cache import HostCache
 from services.worker.kv_store import KVStore
 from services.worker.kv_tiers import KVTiers

@@ -12,7 +12,7 @@ from deepinfer.local_engine import LocalEngine
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
-from services.scheduler.scheduler import Limits
+from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape, PlanError
 from tests.reference import reference_greedy
 from tests.tiny_models import TINY_LLAMA

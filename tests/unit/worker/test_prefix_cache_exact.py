@@ -20,7 +20,7 @@ from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import unpack_floats, unpack_tokens
 from libs.protocol.messages import SamplingParams
-from services.scheduler.scheduler import Limits
+from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.reference import reference_greedy
 from tests.tiny_models import TINY_LLAMA

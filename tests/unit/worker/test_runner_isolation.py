@@ -20,7 +20,7 @@ from libs.protocol.messages import (
     SamplingParams,
     SchedulerOutput,
 )
-from services.scheduler.scheduler import Limits
+from services.scheduler.worker_scheduler import Limits
 from services.worker.grammar import MaskResult
 from services.worker.host_cache import HostCache
 from services.worker.kv_tiers import KVTiers

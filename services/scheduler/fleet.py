@@ -1,0 +1,195 @@
+"""The workers one scheduler drives and the requests on them: one ``WorkerScheduler`` per worker
+and one ``RequestTable``. Submit, cancel, pause and the moving of requests off a worker that
+drains or is lost. Pure: no nats, asyncio or torch (the service adapts bus messages to it).
+
+What happens to a lost worker's requests (``WorkerLoss``):
+- CRASHED (its step failed, it went silent or got stuck): each request moves to the best other
+  worker, up to ``migration_limit`` times. One that had a sequence in the batch is charged a
+  crash; a suspect is admitted alone among suspects, and at ``max_crashes`` it fails alone
+  instead of taking the next worker down.
+- LEFT (another scheduler took it, or it drained past its timeout): moved, no crash charged.
+- UNREACHABLE (this scheduler lost the bus): every worker goes at once, nothing can move; fail.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from libs.protocol.messages import FinishReason
+from services.scheduler.moving import attach, detach, take_all
+from services.scheduler.request_table import RequestEntry, RequestTable
+from services.scheduler.router import WorkerState, pick_worker
+from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.worker_scheduler import WorkerScheduler
+
+NO_TARGET = "no other worker to move it to"
+MAX_CRASHES = 2  # worker crashes a request may be in the batch of; at this many it fails alone
+
+
+class WorkerLoss(enum.Enum):
+    CRASHED = enum.auto()
+    LEFT = enum.auto()
+    UNREACHABLE = enum.auto()
+
+
+@dataclass(slots=True)
+class Moves:
+    """Where requests went: target worker id -> the sequences queued there; and those failed
+    instead, with why (the caller words the error around it)."""
+
+    moved: dict[str, list[Sequence]] = field(default_factory=lambda: defaultdict(list))
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+
+class Fleet:
+    def __init__(self, migration_limit: int = 3, max_crashes: int = MAX_CRASHES) -> None:
+        self.migration_limit = migration_limit
+        self.max_crashes = max_crashes
+        self.cores: dict[str, WorkerScheduler] = {}
+        self.table = RequestTable()
+        self.draining: set[str] = set()
+        self.num_migrations = 0  # since start, for metrics
+        self.num_drain_moves = 0
+
+    def add_worker(self, worker_id: str, core: WorkerScheduler) -> None:
+        assert worker_id not in self.cores and not self.table.num_requests_on(worker_id)
+        self.cores[worker_id] = core
+        self.draining.discard(worker_id)
+
+    def submit(self, seq: Sequence, worker_id: str) -> list[Sequence]:
+        """Queue a new request on a worker (raises QueueFull); returns its sequences."""
+        choices = self.cores[worker_id].add(seq)
+        self.table.add(seq.request_id, [c.seq_id for c in choices], worker_id)
+        return choices
+
+    def worker_of(self, request_or_seq_id: str) -> str | None:
+        entry = self.table.get(request_or_seq_id)
+        return None if entry is None else entry.worker_id
+
+    def cancel(self, request_or_seq_id: str) -> tuple[str, list[Sequence]]:
+        """Abort a request (or one choice): (its worker, the sequences aborted); ("", []) if unknown."""
+        worker_id = self.worker_of(request_or_seq_id)
+        if worker_id is None:
+            return "", []
+        aborted = self.cores[worker_id].abort(request_or_seq_id)
+        self.finished(aborted)
+        return worker_id, aborted
+
+    def pause(self, request_or_seq_id: str, deadline: float, resume: bool) -> tuple[str, list[Sequence]]:
+        """Pause (or resume) a request: (its worker, the sequences that changed)."""
+        worker_id = self.worker_of(request_or_seq_id)
+        if worker_id is None:
+            return "", []
+        core = self.cores[worker_id]
+        changed = core.resume(request_or_seq_id) if resume else core.pause(request_or_seq_id, deadline)
+        return worker_id, changed
+
+    def expire_paused(self, now: float) -> list[Sequence]:
+        expired = [s for core in self.cores.values() for s in core.expire_paused(now)]
+        self.finished(expired)
+        return expired
+
+    def finished(self, seqs: list[Sequence]) -> None:
+        """Sequences a core finished (published by the caller) leave the table."""
+        for seq in seqs:
+            if seq.is_finished:
+                self.table.finish(seq.seq_id)
+
+    # --- moving ------------------------------------------------------------------------------
+
+    def drain(self, worker_id: str) -> Moves:
+        """The worker takes no new requests; those it holds move to other workers now (any with
+        no target stay and finish there). Called again, it moves what can move then."""
+        self.draining.add(worker_id)
+        core, moves = self.cores[worker_id], Moves()
+        for request_id in self.table.requests_on(worker_id):
+            target = self._pick_target(core._unfinished(request_id), exclude=worker_id)
+            if target is not None:
+                self._attach(detach(core, request_id), core, target, False, moves)
+                self.table.move(request_id, target)
+                self.num_drain_moves += 1
+        return moves
+
+    def lose_worker(self, worker_id: str, loss: WorkerLoss) -> Moves:
+        """The worker is gone: its core is dropped and its requests move or fail (see the module)."""
+        core = self.cores.pop(worker_id)
+        self.draining.discard(worker_id)
+        seqs, in_batch = take_all(core)
+        by_request: dict[str, list[Sequence]] = defaultdict(list)
+        for seq in seqs:
+            by_request[seq.request_id].append(seq)
+        moves = Moves()
+        for request_id, request_seqs in sorted(by_request.items()):
+            request_seqs.sort(key=lambda s: s.index)
+            entry = self.table.get(request_id)
+            assert entry is not None and entry.worker_id == worker_id
+            if loss is WorkerLoss.CRASHED and request_id in in_batch:
+                entry.num_crashes += 1
+            why = self._why_not_move(entry, loss)
+            target = None if why else self._pick_target(request_seqs, exclude=worker_id)
+            if target is None:
+                self._fail(request_seqs, why or NO_TARGET, moves)
+                continue
+            entry.num_migrations += 1
+            self.num_migrations += 1
+            self._attach(request_seqs, core, target, entry.num_crashes > 0, moves)
+            self.table.move(request_id, target)
+        return moves
+
+    def _why_not_move(self, entry: RequestEntry, loss: WorkerLoss) -> str:
+        if loss is WorkerLoss.UNREACHABLE:
+            return NO_TARGET  # every worker goes at once
+        if entry.num_crashes >= self.max_crashes:
+            return f"it was in the batch at {entry.num_crashes} worker crashes (a likely cause)"
+        if entry.num_migrations >= self.migration_limit:
+            return f"the migration limit ({self.migration_limit} moves) is reached"
+        return ""
+
+    def _pick_target(self, seqs: list[Sequence], exclude: str) -> str | None:
+        """The best worker for a request by the submit's rule: cached prefix against load."""
+        head = seqs[0]
+        tokens = head.token_ids(0, head.num_tokens)
+        states = []
+        for worker_id, core in self.cores.items():
+            if worker_id == exclude or worker_id in self.draining:
+                continue
+            chain = core.kv_tiers.prompt_chain(tokens, head.tenant)
+            num_cached = core.kv_tiers.num_reusable_blocks(chain)
+            states.append(
+                WorkerState(worker_id, len(core.seqs), core.limits.max_num_seqs, num_cached, len(chain))
+            )
+        return pick_worker(states)
+
+    def _attach(
+        self, seqs: list[Sequence], source: WorkerScheduler, target_id: str, suspect: bool, moves: Moves
+    ) -> None:
+        target = self.cores[target_id]
+        same_chain = (source.limits.block_size, source.kv_tiers.model_fingerprint) == (
+            target.limits.block_size,
+            target.kv_tiers.model_fingerprint,
+        )
+        attach(target, seqs, same_chain, suspect)
+        moves.moved[target_id].extend(seqs)
+
+    def _fail(self, seqs: list[Sequence], why: str, moves: Moves) -> None:
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.ERROR
+            moves.failed.append((seq, why))
+        self.finished(seqs)
+
+    def check_integrity(self) -> None:
+        """The table and the cores agree: each request's sequences are on the worker it names."""
+        self.table.check_integrity()
+        assert self.draining <= set(self.cores), "a draining worker that is not driven"
+        for worker_id, core in self.cores.items():
+            core.check_integrity()
+            for seq_id, seq in core.seqs.items():
+                entry = self.table.get(seq_id)
+                assert entry is not None and seq_id in entry.seq_ids, f"{seq_id} is not in the table"
+                assert entry.worker_id == worker_id, f"{seq_id} is on {worker_id}, the table says elsewhere"
+                assert not seq.is_finished
+        placed = sum(len(core.seqs) for core in self.cores.values())
+        assert placed == self.table.num_seqs, "the table holds a sequence no worker has"

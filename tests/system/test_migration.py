@@ -1,0 +1,152 @@
+"""Streams survive the worker holding them: kill -9 of that worker moves its streams to the other
+one, SIGTERM drains them to a worker that joined at run time, and the clients see no error and
+the same text as an undisturbed run (fp32 greedy). Real processes, real nats-server, SmolLM2.
+
+The stack is this module's own (two workers, G3 on a fresh store); the tests run in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from libs.bus.base import Message
+from libs.bus.nats_bus import NatsBus
+from libs.protocol.codec import decode
+from libs.protocol.messages import WorkerLoad
+from libs.protocol.subjects import Subjects
+from tests.system.faults import MODEL, InFlight
+from tests.system.stack import Stack
+from tests.system.test_worker_drain import wait_workers
+
+SECOND, THIRD = "worker-test-2", "worker-test-3"
+MAX_TOKENS = 48
+STREAM_DEADLINE_S = 180.0
+TOPICS = ("lighthouses", "tides", "the moon's phases")
+CONTEXT = " ".join(f"Note {i}: the keeper logs the weather, the ships and the lamp." for i in range(24))
+
+
+def body(topic: str) -> dict[str, Any]:
+    messages = [
+        {"role": "system", "content": CONTEXT},
+        {"role": "user", "content": f"Tell me about {topic}."},
+    ]
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return {"model": MODEL, "messages": messages, **sampling}
+
+
+def answer(base_url: str, topic: str) -> str:
+    resp = httpx.post(f"{base_url}/chat/completions", json=body(topic), timeout=300)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def g3_loaded_blocks(root_url: str) -> float:
+    text = httpx.get(f"{root_url}/metrics", timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "deepinfer_kv_loaded_blocks"
+        for s in family.samples
+        if s.labels.get("kind") == "scheduler" and s.labels.get("label") == "G3"
+    )
+
+
+async def _running_by_worker(nats_url: str, listen_s: float) -> dict[str, int]:
+    """Each worker's last reported number of running sequences, over ``listen_s``."""
+    bus = await NatsBus.connect(nats_url, name="system-test")
+    running: dict[str, int] = {}
+
+    async def on_load(msg: Message) -> None:
+        load = decode(WorkerLoad, msg.data)
+        running[load.worker_id] = load.num_running_seqs
+
+    try:
+        await bus.subscribe(Subjects().load_all, on_load)
+        await asyncio.sleep(listen_s)
+        return running
+    finally:
+        await bus.close()
+
+
+def busiest(stack: Stack, workers: dict[str, subprocess.Popen[bytes]]) -> str:
+    running = asyncio.run(_running_by_worker(stack.nats.url, 1.5))
+    worker_id = max(workers, key=lambda w: running.get(w, 0))
+    assert running.get(worker_id, 0) > 0, f"no worker holds a stream: {running}"
+    return worker_id
+
+
+@pytest.fixture(scope="module")
+def fleet(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, dict]]:
+    tmp = tmp_path_factory.mktemp("migration")
+    stack = Stack.start(model_cache_dir, tmp / "stack.log", dtype="float32", kv_store=tmp / "kv-store")
+    try:
+        workers = {stack.worker_id: stack.worker, SECOND: stack.add_worker(SECOND)}
+        asyncio.run(wait_workers(stack.nats.url, set(workers), 180))
+        yield stack, workers
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(fleet: tuple[Stack, dict]) -> dict[str, str]:
+    stack, _ = fleet
+    return {topic: answer(stack.base_url, topic) for topic in TOPICS}
+
+
+def stream_all(stack: Stack) -> dict[str, InFlight]:
+    streams = {t: InFlight(stack.base_url, "chat", body(t), STREAM_DEADLINE_S) for t in TOPICS}
+    for stream in streams.values():
+        stream.wait_tokens(6, 120)
+    return streams
+
+
+def assert_undisturbed(streams: dict[str, InFlight], undisturbed: dict[str, str]) -> None:
+    for topic, stream in streams.items():
+        end = stream.result()
+        assert end.kind == "completed", (topic, end)
+        assert stream.state.text == undisturbed[topic], topic
+
+
+def test_kill_9_of_the_worker_holding_streams_moves_them(
+    fleet: tuple[Stack, dict], undisturbed: dict[str, str]
+) -> None:
+    stack, workers = fleet
+    loaded_before = g3_loaded_blocks(stack.root_url)
+    streams = stream_all(stack)
+    victim = busiest(stack, workers)
+    workers.pop(victim).kill()
+    assert_undisturbed(streams, undisturbed)
+    log = stack.log.read_text()
+    assert f"worker {victim} lost" in log and "moved" in log
+    # The moved streams' prompt blocks came from the shared store, not from a recompute.
+    assert g3_loaded_blocks(stack.root_url) > loaded_before
+
+
+def test_sigterm_drains_streams_to_a_worker_that_joined_at_run_time(
+    fleet: tuple[Stack, dict], undisturbed: dict[str, str]
+) -> None:
+    stack, workers = fleet
+    (remaining,) = workers
+    streams = stream_all(stack)  # all on the one worker left
+    workers[THIRD] = stack.add_worker(THIRD)
+    asyncio.run(wait_workers(stack.nats.url, {remaining, THIRD}, 180))
+    proc = workers.pop(remaining)
+    started = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    assert_undisturbed(streams, undisturbed)
+    assert proc.wait(60) == 0
+    log = stack.log.read_text()
+    assert f"worker {remaining} drains: moved" in log, log[-3000:]
+    assert time.monotonic() - started < 60
+    assert answer(stack.base_url, TOPICS[0]) == undisturbed[TOPICS[0]]  # served by the newcomer

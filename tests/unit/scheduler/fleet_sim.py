@@ -1,0 +1,75 @@
+"""A fleet of fake workers under one ``Fleet``, each driven like StepLoop drives a real one, with
+one shared store (G3). For the fleet's tests: crashes, departures, drains and joins by name."""
+
+from __future__ import annotations
+
+from services.scheduler.fleet import Fleet, Moves, WorkerLoss
+from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
+from tests.unit.scheduler.driver import Driver
+from tests.unit.scheduler.fake_worker import FakeWorker
+
+BLOCK_SIZE = 4
+FINGERPRINT = "tiny"
+
+
+def limits(num_blocks: int = 48, max_num_seqs: int = 4, tiers: bool = True) -> Limits:
+    return Limits(
+        num_blocks,
+        BLOCK_SIZE,
+        max_num_seqs,
+        96,
+        max_num_batched_tokens=16,
+        max_num_waiting=64,
+        watermark=0.0,
+        enable_kv_tiers=tiers,
+    )
+
+
+class FleetSim:
+    def __init__(self, migration_limit: int = 3, max_in_flight: int = 2) -> None:
+        self.fleet = Fleet(migration_limit)
+        self.drivers: dict[str, Driver] = {}
+        self.store: dict[bytes, tuple[int | None, ...]] = {}  # G3, shared by every worker
+        self.max_in_flight = max_in_flight
+        self.outputs: dict[str, list[int]] = {}  # seq id -> tokens, of sequences that finished
+        self.failed: dict[str, str] = {}  # seq id -> why it was not moved
+        self.num_joined = 0
+
+    def join(self, worker_id: str = "", num_blocks: int = 48) -> str:
+        worker_id = worker_id or f"w{self.num_joined}"
+        self.num_joined += 1
+        core = WorkerScheduler(limits(num_blocks), "s1", FINGERPRINT)
+        worker = FakeWorker(BLOCK_SIZE)
+        worker.store = self.store
+        self.drivers[worker_id] = Driver(core, worker, self.max_in_flight)
+        self.fleet.add_worker(worker_id, core)
+        return worker_id
+
+    def submit(self, seq: Sequence, worker_id: str) -> None:
+        self.fleet.submit(seq, worker_id)
+
+    def step(self, worker_id: str) -> None:
+        driver = self.drivers[worker_id]
+        driver.step()
+        for seq in driver.finished:
+            self.outputs[seq.seq_id] = seq.output_token_ids
+        self.fleet.finished(driver.finished)  # as the service's publish tells the table
+        driver.finished.clear()
+
+    def lose(self, worker_id: str, loss: WorkerLoss) -> Moves:
+        """The worker is gone, its plans in flight with it."""
+        del self.drivers[worker_id]
+        moves = self.fleet.lose_worker(worker_id, loss)
+        self.failed.update((seq.seq_id, why) for seq, why in moves.failed)
+        return moves
+
+    def drain(self, worker_id: str) -> Moves:
+        return self.fleet.drain(worker_id)
+
+    def run(self) -> None:
+        """Every worker until nothing is left to do anywhere."""
+        while any(d.sched.has_work() or d.in_flight for d in self.drivers.values()):
+            for worker_id in list(self.drivers):
+                self.step(worker_id)
+                self.fleet.check_integrity()
