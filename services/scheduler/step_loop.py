@@ -27,6 +27,11 @@ from services.scheduler.worker_scheduler import WorkerScheduler
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # an empty plan with nothing in flight re-checks this often (never expected)
+# A step reply slower than this: is the worker still subscribed? An empty request on its step
+# subject answers at once while a step runs; "no responders" means its process is gone (kill -9
+# closes its connection, and NATS drops its subscriptions), seconds before its heartbeat says so.
+PROBE_AFTER_S = 1.0
+PROBE_TIMEOUT_S = 1.0
 
 
 class WorkerLost(Exception):
@@ -95,9 +100,23 @@ class StepLoop:
         metrics.STEP_SECONDS.observe(time.perf_counter() - sent)  # answered steps only
         return reply
 
+    async def _reply(self, task: asyncio.Future[bytes]) -> bytes:
+        """The step's reply; WorkerLost as soon as a probe finds nothing subscribed to its steps."""
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=PROBE_AFTER_S)
+            if done:
+                return task.result()
+            try:
+                await self.bus.request(self.subject, b"", PROBE_TIMEOUT_S)
+            except NoResponders as exc:
+                task.cancel()
+                raise WorkerLost("gone: nothing answers on its step subject") from exc
+            except Exception:  # busy, stopped (SIGSTOP) or a slow bus: its heartbeat decides
+                continue
+
     async def _finish_step(self, task: asyncio.Future[bytes]) -> None:
         try:
-            result = decode(ModelRunnerOutput, await task)
+            result = decode(ModelRunnerOutput, await self._reply(task))
         except (NoResponders, RequestTimeout, DecodeError) as exc:
             raise WorkerLost(f"step failed: {exc!r}") from exc
         if result.error:

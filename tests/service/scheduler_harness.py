@@ -57,7 +57,7 @@ class ScriptedWorker:
         return set(self.fake.seqs)
 
     async def start(self) -> None:
-        await self.bus.subscribe(SUBJECTS.worker_step(self.worker_id), self.on_step)
+        self.subscription = await self.bus.subscribe(SUBJECTS.worker_step(self.worker_id), self.on_step)
         await self.publish_load()
 
     async def publish_load(self) -> None:
@@ -66,6 +66,9 @@ class ScriptedWorker:
         await self.bus.publish(SUBJECTS.load(self.worker_id), encode(load))
 
     async def on_step(self, msg: Message) -> None:
+        if not msg.data:  # a liveness probe, answered at once as the real worker does
+            await self.bus.respond(msg, b"")
+            return
         await self.gate.wait()
         plan = decode(SchedulerOutput, msg.data)
         self.plans.append(plan)

@@ -210,6 +210,28 @@ async def test_the_scheduler_drops_a_silent_or_stuck_worker_and_fails_its_reques
         beats.cancel()
 
 
+async def test_a_worker_with_no_subscriber_left_is_dropped_before_its_heartbeat_stops() -> None:
+    """kill -9 closes the worker's connection and NATS drops its subscriptions: the probe of a slow
+    step finds no responder, long before ``worker_timeout_s`` of heartbeat silence."""
+    async with running_service(SchedulerConfig(scheduler_id="s1", worker_timeout_s=30)) as (
+        service,
+        bus,
+        worker,
+        outputs,
+    ):
+        worker.gate.clear()  # the step in flight never returns
+        assert (await submit(bus, "r1", max_tokens=100)).scheduler_id == "s1"
+        await asyncio.sleep(1.5)  # a probe meanwhile was answered: still there
+        assert "w1" in service.workers
+        await worker.subscription.unsubscribe()
+        out = await asyncio.wait_for(outputs.get(), 4)  # a probe every second
+        [(request_id, reason, error)] = [(o.request_id, o.finish_reason, o.error) for o in out.outputs]
+        assert (request_id, reason) == ("r1", FinishReason.ERROR)
+        assert error == "worker w1 lost: gone: nothing answers on its step subject"
+        assert "w1" not in service.workers
+        worker.gate.set()
+
+
 async def test_the_scheduler_drops_its_workers_when_the_bus_connection_drops_and_claims_them_back() -> None:
     async with running_service(SchedulerConfig(scheduler_id="s1")) as (service, bus, worker, outputs):
         worker.gate.clear()

@@ -125,7 +125,16 @@ def test_kill_9_of_the_worker_holding_streams_moves_them(
     loaded_before = g3_loaded_blocks(stack.root_url)
     streams = stream_all(stack)
     victim = busiest(stack, workers)
+    counts = {t: s.state.num_tokens for t, s in streams.items()}
+    killed = time.monotonic()
     workers.pop(victim).kill()
+    resumed: dict[str, float] = {}  # the moved streams are the last to go on
+    while len(resumed) < len(streams):
+        for t, s in streams.items():
+            if t not in resumed and (s.state.num_tokens > counts[t] or s.done):
+                resumed[t] = time.monotonic() - killed
+        time.sleep(0.01)
+    print(f"kill -9 of {victim} -> every stream's next token within {max(resumed.values()):.2f} s")
     assert_undisturbed(streams, undisturbed)
     log = stack.log.read_text()
     assert f"worker {victim} lost" in log and "moved" in log
