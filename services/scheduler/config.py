@@ -53,6 +53,13 @@ class Config:
     worker_timeout_s: float = field(
         default=10.0, metadata={"help": "heartbeat silence after which a worker is dead (its requests move)"}
     )
+    routing: str = field(
+        default="kv",
+        metadata={
+            "help": "how a new request picks its worker: kv (the most of its prompt cached in G1/G2, "
+            "against load) | round_robin (in turn: the baseline kv is measured against)"
+        },
+    )
     migration_limit: int = field(
         default=3,
         metadata={
@@ -78,6 +85,8 @@ class Config:
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        if self.routing not in ("kv", "round_robin"):
+            raise ValueError(f"routing must be kv or round_robin, got {self.routing!r}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if not 0 <= self.metrics_port < 65536:

@@ -1,5 +1,6 @@
-"""Pick the worker for a new request by cost: the prompt blocks it would not have to compute against
-its load. Pure: takes plain numbers per worker."""
+"""Pick the worker for a new request: by cost (the prompt blocks it would not have to compute,
+against its load), or in turn (round robin, the baseline the cost rule is measured against).
+Pure: takes plain numbers per worker."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ def pick_worker(workers: list[WorkerState]) -> str | None:
         return None
     best = min(workers, key=lambda w: (not w.has_room, -w.score, w.load_fraction, w.worker_id))
     return best.worker_id
+
+
+def pick_in_turn(workers: list[WorkerState], turn: int) -> str | None:
+    """Round robin over the workers with room (all of them when none has room), in id order."""
+    with_room = [w for w in workers if w.has_room] or workers
+    if not with_room:
+        return None
+    ordered = sorted(w.worker_id for w in with_room)
+    return ordered[turn % len(ordered)]

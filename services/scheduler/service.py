@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from typing import NamedTuple
@@ -47,7 +48,7 @@ from services.scheduler.kv_sync import KVSync
 from services.scheduler.kv_tiers import KVTiers
 from services.scheduler.outputs import OutputPublisher
 from services.scheduler.pausing import ResumedBy
-from services.scheduler.router import WorkerState, pick_worker
+from services.scheduler.router import WorkerState, pick_in_turn, pick_worker
 from services.scheduler.sequence import Sequence
 from services.scheduler.step_loop import StepLoop, WorkerHandle, WorkerLost
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
@@ -70,6 +71,7 @@ class SchedulerService:
         self.subjects = Subjects(config.subject_prefix)
         self.workers: dict[str, WorkerHandle] = {}
         self.fleet = Fleet(config.migration_limit)  # the request table and the workers' cores
+        self._turns = itertools.count()  # round-robin routing
         self._foreign: set[str] = set()  # workers owned by another scheduler
         self.outputs = OutputPublisher(bus, self.subjects, config.scheduler_id)
         self._tasks: asyncio.TaskGroup | None = None
@@ -155,7 +157,10 @@ class SchedulerService:
             for wid, h in self.workers.items()
             if wid not in self.fleet.draining
         ]
-        worker_id = pick_worker(states)
+        if self.config.routing == "round_robin":
+            worker_id = pick_in_turn(states, next(self._turns))
+        else:
+            worker_id = pick_worker(states)
         if worker_id is None:
             draining = f" ({len(self.fleet.draining)} draining)" if self.fleet.draining else ""
             return SubmitReply(SubmitStatus.NO_WORKERS, f"no worker is available{draining}")

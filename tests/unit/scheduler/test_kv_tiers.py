@@ -17,7 +17,7 @@ from libs.protocol.codec import unpack_tokens
 from libs.protocol.kv_messages import CacheTier, split_hashes
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
 from services.scheduler.kv_tiers import EventCursor, EventVerdict
-from services.scheduler.router import WorkerState, pick_worker
+from services.scheduler.router import WorkerState, pick_in_turn, pick_worker
 from services.scheduler.sequence import Sequence
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 from tests.unit.scheduler.driver import Driver
@@ -304,3 +304,11 @@ def test_saves_of_a_finished_sequence_are_dropped_with_the_worker() -> None:
     sched.fail_all()
     sched.check_integrity()
     assert not sched.has_work() and sched.schedule().kv_saves == ()
+
+
+def test_round_robin_takes_the_workers_with_room_in_turn() -> None:
+    free = [WorkerState(w, 0, 4) for w in ("w2", "w1", "w3")]
+    assert [pick_in_turn(free, turn) for turn in range(4)] == ["w1", "w2", "w3", "w1"]
+    full = WorkerState("w1", 4, 4, num_cached_blocks=8, num_prompt_blocks=8)
+    assert [pick_in_turn([full, free[0]], turn) for turn in range(2)] == ["w2", "w2"]
+    assert pick_in_turn([full], 0) == "w1" and pick_in_turn([], 0) is None
