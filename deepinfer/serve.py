@@ -73,6 +73,15 @@ class Config:
         default=1,
         metadata={"help": "worker processes, each with its own id (<worker id>, <worker id>-1, ...)"},
     )
+    prefill_workers: int = field(
+        default=0,
+        metadata={
+            "help": "P/D: worker processes with --role prefill (long prompts are prefilled there and "
+            "handed to a decode worker through the shared store); with --decode-workers, instead of "
+            "--num-workers"
+        },
+    )
+    decode_workers: int = field(default=0, metadata={"help": "P/D: worker processes with --role decode"})
     max_restarts: int = field(
         default=5,
         metadata={"help": "restarts of one process within --restart-window-s before serve gives up"},
@@ -106,9 +115,20 @@ class Config:
         self.restart_policy()  # a bad value fails now, naming its key
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("prefill_workers and decode_workers must be >= 0")
+        if self.prefill_workers + self.decode_workers and self.num_workers != 1:
+            raise ValueError("num_workers: give either it or --prefill-workers / --decode-workers")
+        if self.prefill_workers and not self.decode_workers:
+            raise ValueError("decode_workers must be >= 1 with prefill workers (they only prefill)")
         for key in ("ready_timeout_s", "shutdown_grace_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+
+    def worker_roles(self, default: str) -> list[str]:
+        """Each worker's role, the first worker's first: prefill workers, then decode workers."""
+        pd = ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
+        return pd or [default] * self.num_workers
 
     def restart_policy(self) -> RestartPolicy:
         return RestartPolicy(
@@ -228,10 +248,15 @@ def _stop_services(config: Config, services: list[ServiceChild], signals: _Signa
         terminate(services, (signal.SIGTERM,), STOP_TIMEOUT_S)
 
 
-def extra_workers(worker: WorkerConfig, num_workers: int) -> dict[str, WorkerConfig]:
-    """The workers after the first, by process name (``worker-1``, ...), each with its own id."""
+def extra_workers(
+    worker: WorkerConfig, num_workers: int, roles: list[str] | None = None
+) -> dict[str, WorkerConfig]:
+    """The workers after the first, by process name (``worker-1``, ...), each with its own id (and
+    ``roles[i]``, when given, as worker i's role)."""
     return {
-        f"worker-{i}": dataclasses.replace(worker, worker_id=f"{worker.worker_id}-{i}")
+        f"worker-{i}": dataclasses.replace(
+            worker, worker_id=f"{worker.worker_id}-{i}", role=roles[i] if roles else worker.role
+        )
         for i in range(1, num_workers)
     }
 
@@ -258,7 +283,9 @@ def main(args: argparse.Namespace) -> None:
     }
     nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
     setup_logging(config.log_level, "serve")
-    extra = extra_workers(configs["worker"], config.num_workers)
+    roles = config.worker_roles(configs["worker"].role)
+    configs["worker"] = dataclasses.replace(configs["worker"], role=roles[0])
+    extra = extra_workers(configs["worker"], len(roles), roles)
     # Extra workers' ports come after serve's, so that those of a single-worker stack stay put.
     spread = _spread_metrics_ports({**configs, "serve": config, **extra})
     config = spread.pop("serve")

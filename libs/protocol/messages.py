@@ -288,6 +288,9 @@ class WorkerLoad:
     # told to stop (SIGTERM): its owner sends it no new sequences and moves those it holds; it
     # leaves once it holds none (or its drain timeout passes)
     draining: bool = False
+    # prefill: only prompts handed off to another worker after their first token; decode: no
+    # long uncached prompt while a prefill worker is free; both: anything
+    role: str = "both"
 
 
 def seq_id_of(request_id: str, index: int) -> str:

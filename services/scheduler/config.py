@@ -60,6 +60,23 @@ class Config:
             "against load) | round_robin (in turn: the baseline kv is measured against)"
         },
     )
+    pd_min_uncached_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "P/D: a prompt with at least this many tokens its decode worker would have to "
+            "compute goes to a prefill worker (one started with --role prefill), if one is free"
+        },
+    )
+    pd_max_prefill_queue: int = field(
+        default=2, metadata={"help": "P/D: a prefill worker holding this many sequences is busy"}
+    )
+    handoff_timeout_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "P/D: longest a prefilled request waits for the shared store to list its blocks "
+            "before its decode worker is given it anyway (a block not there yet is recomputed)"
+        },
+    )
     migration_limit: int = field(
         default=3,
         metadata={
@@ -101,6 +118,9 @@ class Config:
             "kv_dump_timeout_s",
             "kv_stats_interval_s",
             "pause_timeout_s",
+            "pd_min_uncached_tokens",
+            "pd_max_prefill_queue",
+            "handoff_timeout_s",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")

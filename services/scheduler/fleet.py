@@ -9,6 +9,12 @@ What happens to a lost worker's requests (``WorkerLoss``):
   instead of taking the next worker down.
 - LEFT (another scheduler took it, or it drained past its timeout): moved, no crash charged.
 - UNREACHABLE (this scheduler lost the bus): every worker goes at once, nothing can move; fail.
+
+P/D handoff: a request prefilled on a prefill worker leaves it after its first token
+(``begin_handoff``: detached, its computed full blocks queued for saving to the shared store) and
+waits in transit until the caller has seen the store hold them; ``end_handoff`` attaches it to the
+best decode worker, which loads them and computes only the rest (the partial last block and the
+first output token). Moves never target a prefill worker.
 """
 
 from __future__ import annotations
@@ -50,13 +56,21 @@ class Fleet:
         self.cores: dict[str, WorkerScheduler] = {}
         self.table = RequestTable()
         self.draining: set[str] = set()
+        self.roles: dict[str, str] = {}  # worker id -> prefill | decode | both
+        # request id -> (its sequences, the core they left): handed off, not yet attached
+        self.in_transit: dict[str, tuple[list[Sequence], WorkerScheduler]] = {}
         self.num_migrations = 0  # since start, for metrics
         self.num_drain_moves = 0
 
-    def add_worker(self, worker_id: str, core: WorkerScheduler) -> None:
-        assert worker_id not in self.cores and not self.table.num_requests_on(worker_id)
+    def add_worker(self, worker_id: str, core: WorkerScheduler, role: str = "both") -> None:
+        assert worker_id not in self.cores
         self.cores[worker_id] = core
+        self.roles[worker_id] = role
         self.draining.discard(worker_id)
+
+    def decodes(self, worker_id: str) -> bool:
+        """Whether the worker takes whole requests (a prefill worker takes only handoffs)."""
+        return self.roles.get(worker_id, "both") != "prefill"
 
     def submit(self, seq: Sequence, worker_id: str) -> list[Sequence]:
         """Queue a new request on a worker (raises QueueFull); returns its sequences."""
@@ -73,6 +87,11 @@ class Fleet:
         worker_id = self.worker_of(request_or_seq_id)
         if worker_id is None:
             return "", []
+        entry = self.table.get(request_or_seq_id)
+        if entry is not None and entry.request_id in self.in_transit:
+            seqs, _ = self.in_transit.pop(entry.request_id)
+            self._end(seqs, FinishReason.ABORT)
+            return worker_id, seqs
         aborted = self.cores[worker_id].abort(request_or_seq_id)
         self.finished(aborted)
         return worker_id, aborted
@@ -82,7 +101,9 @@ class Fleet:
         worker_id = self.worker_of(request_or_seq_id)
         if worker_id is None:
             return "", []
-        core = self.cores[worker_id]
+        core = self.cores.get(worker_id)
+        if core is None:  # in transit from a worker gone since: not paused (its gateway cancels)
+            return "", []
         changed = core.resume(request_or_seq_id) if resume else core.pause(request_or_seq_id, deadline)
         return worker_id, changed
 
@@ -105,6 +126,8 @@ class Fleet:
         self.draining.add(worker_id)
         core, moves = self.cores[worker_id], Moves()
         for request_id in self.table.requests_on(worker_id):
+            if request_id in self.in_transit:
+                continue  # already leaving
             target = self._pick_target(core._unfinished(request_id), exclude=worker_id)
             if target is not None:
                 self._attach(detach(core, request_id), core, target, False, moves)
@@ -115,6 +138,7 @@ class Fleet:
     def lose_worker(self, worker_id: str, loss: WorkerLoss) -> Moves:
         """The worker is gone: its core is dropped and its requests move or fail (see the module)."""
         core = self.cores.pop(worker_id)
+        self.roles.pop(worker_id, None)
         self.draining.discard(worker_id)
         seqs, in_batch = take_all(core)
         by_request: dict[str, list[Sequence]] = defaultdict(list)
@@ -138,6 +162,34 @@ class Fleet:
             self.table.move(request_id, target)
         return moves
 
+    def begin_handoff(self, request_id: str) -> list[Sequence]:
+        """A prefilled request leaves its prefill worker as in a preemption and waits in transit;
+        returns its sequences ([] if it is gone or already in transit)."""
+        entry = self.table.get(request_id)
+        if entry is None or request_id in self.in_transit or entry.worker_id not in self.cores:
+            return []
+        core = self.cores[entry.worker_id]
+        seqs = detach(core, request_id)
+        if seqs:
+            self.in_transit[request_id] = (seqs, core)
+        return seqs
+
+    def end_handoff(self, request_id: str) -> Moves:
+        """Attach a request in transit to the best decode worker (nothing if it was cancelled)."""
+        moves = Moves()
+        if request_id not in self.in_transit:
+            return moves
+        seqs, source = self.in_transit.pop(request_id)
+        entry = self.table.get(request_id)
+        assert entry is not None
+        target = self._pick_target(seqs, exclude=entry.worker_id)
+        if target is None:
+            self._fail(seqs, "no decode worker to hand it to", moves)
+            return moves
+        self._attach(seqs, source, target, False, moves)
+        self.table.move(request_id, target)
+        return moves
+
     def _why_not_move(self, entry: RequestEntry, loss: WorkerLoss) -> str:
         if loss is WorkerLoss.UNREACHABLE:
             return NO_TARGET  # every worker goes at once
@@ -153,7 +205,7 @@ class Fleet:
         tokens = head.token_ids(0, head.num_tokens)
         states = []
         for worker_id, core in self.cores.items():
-            if worker_id == exclude or worker_id in self.draining:
+            if worker_id == exclude or worker_id in self.draining or not self.decodes(worker_id):
                 continue
             chain = core.kv_tiers.prompt_chain(tokens, head.tenant)
             num_cached = core.kv_tiers.num_reusable_blocks(chain)
@@ -170,14 +222,20 @@ class Fleet:
             target.limits.block_size,
             target.kv_tiers.model_fingerprint,
         )
+        for seq in seqs:
+            seq.handoff = False  # a decode worker computes whatever it lacks itself
         attach(target, seqs, same_chain, suspect)
         moves.moved[target_id].extend(seqs)
 
     def _fail(self, seqs: list[Sequence], why: str, moves: Moves) -> None:
+        self._end(seqs, FinishReason.ERROR)
+        moves.failed.extend((seq, why) for seq in seqs)
+
+    def _end(self, seqs: list[Sequence], reason: FinishReason) -> None:
+        """Finish sequences no core holds (lost or in transit)."""
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = FinishReason.ERROR
-            moves.failed.append((seq, why))
+            seq.finish_reason = reason
         self.finished(seqs)
 
     def check_integrity(self) -> None:
@@ -191,5 +249,13 @@ class Fleet:
                 assert entry is not None and seq_id in entry.seq_ids, f"{seq_id} is not in the table"
                 assert entry.worker_id == worker_id, f"{seq_id} is on {worker_id}, the table says elsewhere"
                 assert not seq.is_finished
+        assert set(self.roles) == set(self.cores)
         placed = sum(len(core.seqs) for core in self.cores.values())
+        for request_id, (seqs, _) in self.in_transit.items():
+            entry = self.table.get(request_id)
+            assert entry is not None and entry.seq_ids == {s.seq_id for s in seqs}
+            held = self.cores[entry.worker_id].seqs if entry.worker_id in self.cores else {}
+            assert not any(s.is_finished for s in seqs)
+            assert not any(s.seq_id in held for s in seqs), "in transit and held by a core"
+            placed += len(seqs)
         assert placed == self.table.num_seqs, "the table holds a sequence no worker has"

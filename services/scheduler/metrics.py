@@ -60,6 +60,17 @@ MIGRATIONS = Counter(
     ["reason"],
     registry=EVENTS,
 )
+HANDOFFS = Counter(
+    "deepinfer_handoffs",
+    "requests prefilled on a prefill worker and handed to a decode worker",
+    registry=EVENTS,
+)
+HANDOFF_SECONDS = Histogram(
+    "deepinfer_handoff_seconds",
+    "from a prefilled request leaving its prefill worker to its decode worker getting it",
+    buckets=STEP_BUCKETS,
+    registry=EVENTS,
+)
 
 
 def count_failed(errors: Iterable[str]) -> None:

@@ -50,3 +50,22 @@ def pick_in_turn(workers: list[WorkerState], turn: int) -> str | None:
         return None
     ordered = sorted(w.worker_id for w in with_room)
     return ordered[turn % len(ordered)]
+
+
+def pick_prefill_worker(
+    num_uncached_tokens: int,
+    queues: dict[str, int],
+    min_uncached_tokens: int,
+    max_queue: int,
+) -> str | None:
+    """Where to prefill a prompt that will decode elsewhere, or None: prefill where it decodes.
+
+    Dynamo's rule: only when what the decode worker would have to compute of the prompt is long
+    (``min_uncached_tokens``) and a prefill worker's queue (``queues``: worker id -> sequences
+    waiting or running there) is short (below ``max_queue``); the shortest queue wins, then the
+    lowest id.
+    """
+    if num_uncached_tokens < min_uncached_tokens:
+        return None
+    free = [(n, worker_id) for worker_id, n in queues.items() if n < max_queue]
+    return min(free)[1] if free else None

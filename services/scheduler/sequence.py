@@ -50,6 +50,8 @@ class Sequence:
     num_moves: int = 0  # moves that took it off a worker it was running on (see moving)
     # in a crashed worker's batch: admitted alone among suspects until it samples a token again
     suspect: bool = False
+    # prefilled here, decoded on another worker: not scheduled past its first token (see handoff)
+    handoff: bool = False
     pause_deadline: float = 0.0  # while PAUSED: when it is cancelled unless resumed (caller's clock)
     # prompt tokens its first admission took from G1, G2 or G3 (less any load the worker recomputed)
     num_cached_tokens: int = 0

@@ -44,11 +44,12 @@ from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
 from services.scheduler import metrics
 from services.scheduler.config import Config
 from services.scheduler.fleet import NO_TARGET, Fleet, Moves, WorkerLoss
+from services.scheduler.handoff import Handoffs
 from services.scheduler.kv_sync import KVSync
 from services.scheduler.kv_tiers import KVTiers
 from services.scheduler.outputs import OutputPublisher
 from services.scheduler.pausing import ResumedBy
-from services.scheduler.router import WorkerState, pick_in_turn, pick_worker
+from services.scheduler.router import WorkerState, pick_in_turn, pick_prefill_worker, pick_worker
 from services.scheduler.sequence import Sequence
 from services.scheduler.step_loop import StepLoop, WorkerHandle, WorkerLost
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
@@ -76,6 +77,7 @@ class SchedulerService:
         self.outputs = OutputPublisher(bus, self.subjects, config.scheduler_id)
         self._tasks: asyncio.TaskGroup | None = None
         self.kv = KVSync(config, bus, self.workers)
+        self.handoffs = Handoffs(self.fleet, self.kv, self.workers, config.handoff_timeout_s, self._moved)
         self._readers = ResumedBy(config.pause_timeout_s)  # stale pauses (a reader moved gateway)
         # Workers are dropped when their heartbeat stops or says they are stuck in a step.
         self.members = MembershipView(bus, self.subjects.members_bucket, silence_s=config.worker_timeout_s)
@@ -155,15 +157,17 @@ class SchedulerService:
                 len(chains[kinds[wid]]),
             )
             for wid, h in self.workers.items()
-            if wid not in self.fleet.draining
+            if wid not in self.fleet.draining and self.fleet.decodes(wid)
         ]
         if self.config.routing == "round_robin":
             worker_id = pick_in_turn(states, next(self._turns))
         else:
             worker_id = pick_worker(states)
         if worker_id is None:
-            draining = f" ({len(self.fleet.draining)} draining)" if self.fleet.draining else ""
-            return SubmitReply(SubmitStatus.NO_WORKERS, f"no worker is available{draining}")
+            return SubmitReply(SubmitStatus.NO_WORKERS, self._why_no_worker())
+        state = next(s for s in states if s.worker_id == worker_id)
+        prefill_id = self._remote_prefill(req, prompt, worker_id, kinds, stored, state)
+        decode_id, worker_id = worker_id, prefill_id or worker_id
         handle = self.workers[worker_id]
         context_len = handle.core.limits.context_len
         if len(prompt) + 1 > context_len:
@@ -183,6 +187,7 @@ class SchedulerService:
             # absent: G3 off, or a kind new since the lookup; a worker without the store loads none
             num_stored_blocks=stored.get(kind, 0) if handle.load.has_kv_store else 0,
             block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
+            handoff=worker_id != decode_id,
         )
         try:
             self.fleet.submit(seq, worker_id)
@@ -193,6 +198,47 @@ class SchedulerService:
             SubmitStatus.ACCEPTED,
             scheduler_id=self.config.scheduler_id,
             out_seq=self.outputs.sent_to(req.gateway_id),
+        )
+
+    def _why_no_worker(self) -> str:
+        why = "no worker is available"
+        if any(not self.fleet.decodes(w) for w in self.workers):
+            why = "no worker of the decode role is available (a prefill worker takes only handoffs)"
+        if self.fleet.draining:
+            why += f"; {len(self.fleet.draining)} draining"
+        return why
+
+    def _remote_prefill(
+        self,
+        req: SubmitRequest,
+        prompt: list[int],
+        decode_id: str,
+        kinds: dict[str, ChainKind],
+        stored: dict[ChainKind, int],
+        state: WorkerState,
+    ) -> str | None:
+        """The prefill worker to compute this prompt before ``decode_id`` decodes it, if any.
+
+        Only for one choice, and where both read the shared store and hash alike (the decode
+        worker loads the prefill worker's blocks from it)."""
+        decode = self.workers[decode_id]
+        if req.sampling_params.n != 1 or not _reads_store(decode):
+            return None
+        kind = kinds[decode_id]
+        queues = {
+            wid: len(h.core.seqs)
+            for wid, h in self.workers.items()
+            if not self.fleet.decodes(wid)
+            and wid not in self.fleet.draining
+            and kinds[wid] == kind
+            and _reads_store(h)
+        }
+        if not queues:
+            return None
+        num_cached_blocks = max(state.num_cached_blocks, stored.get(kind, 0))
+        num_uncached = len(prompt) - num_cached_blocks * decode.core.limits.block_size
+        return pick_prefill_worker(
+            num_uncached, queues, self.config.pd_min_uncached_tokens, self.config.pd_max_prefill_queue
         )
 
     def _worker_tiers(self) -> dict[ChainKind, KVTiers]:
@@ -246,7 +292,8 @@ class SchedulerService:
         for request_id in cancel.request_ids:
             worker_id, aborted = self.fleet.cancel(request_id)
             if aborted:
-                self.workers[worker_id].wake.set()  # the next plan tells the worker to drop it
+                if worker_id in self.workers:  # (a request in transit is on no worker)
+                    self.workers[worker_id].wake.set()  # the next plan tells the worker to drop it
                 # The end goes out like any other: a reader replaying the stream sees it end.
                 self._publish_soon(aborted, "")
                 log.info("cancelled %s", request_id)
@@ -264,7 +311,7 @@ class SchedulerService:
                 log.info("ignored a stale pause of %s from %s", request_id, pause.gateway_id)
                 continue
             worker_id, changed = self.fleet.pause(request_id, deadline, pause.resume)
-            if changed:
+            if changed and worker_id in self.workers:
                 self.workers[worker_id].wake.set()  # the next plan drops it there, or admits it again
                 log.info("%s %s", "resumed" if pause.resume else "paused", request_id)
 
@@ -320,7 +367,7 @@ class SchedulerService:
         core = WorkerScheduler(limits, self.config.scheduler_id, load.model_fingerprint or load.model)
         handle = WorkerHandle(load, core, time.monotonic())
         self.workers[load.worker_id] = handle
-        self.fleet.add_worker(load.worker_id, core)
+        self.fleet.add_worker(load.worker_id, core, load.role)
         handle.task = self._tasks.create_task(self._drive(handle))
         log.info(
             "worker %s joined (max_num_seqs=%d, %d KV blocks of %d)",
@@ -396,9 +443,21 @@ class SchedulerService:
             self.workers[target].wake.set()
 
     async def _publish(self, seqs: list[Sequence], error: str = "") -> None:
-        """Every output goes out here: finished sequences leave the request table first."""
+        """Every step's output goes out here: finished sequences leave the request table first,
+        and prefilled ones start their handoff (after their first token is taken for publishing)."""
         self.fleet.finished(seqs)
+        if self._tasks is not None:
+            for request_id in self.handoffs.ready(seqs):
+                self._tasks.create_task(self.handoffs.hand_off(request_id))
         await self.outputs.publish(seqs, error)
+
+    def _moved(self, moves: Moves, error: str) -> None:
+        """After a handoff: wake the target; a request with no target fails with ``error``."""
+        self._wake_targets(moves)
+        for seq, reason in moves.failed:
+            seq.error = f"{error}: {reason}"
+        if moves.failed:
+            self._publish_soon([seq for seq, _ in moves.failed], error)
 
     def _publish_soon(self, seqs: list[Sequence], error: str) -> None:
         self.fleet.finished(seqs)  # now, not when the task runs: the table follows the cores

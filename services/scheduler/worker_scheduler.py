@@ -224,6 +224,8 @@ class WorkerScheduler:
         """Whether another token may be computed: no limit is reached counting tokens in flight."""
         if seq.num_uncomputed_tokens == 0:
             return False
+        if seq.handoff and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            return False  # prefilled: its decode runs on the worker it is handed to
         if seq.num_computed_tokens < seq.num_tokens:
             return True  # prefill (or recompute) still has known tokens to compute
         params, num_pending = seq.sampling_params, seq.num_pending_tokens

@@ -41,6 +41,13 @@ class Config:
         default=60.0,
         metadata={"help": "a step running longer is stuck: the worker's heartbeat says it cannot serve"},
     )
+    role: str = field(
+        default="both",
+        metadata={
+            "help": "prefill | decode | both: a prefill worker computes long prompts and hands them "
+            "to a decode worker after the first token (through the shared store, --kv-store-path)"
+        },
+    )
     drain_timeout_s: float = field(
         default=30.0,
         metadata={
@@ -100,6 +107,8 @@ class Config:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_model_len < 0 or self.num_threads < 0:

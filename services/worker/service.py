@@ -224,6 +224,7 @@ class WorkerService:
             model_fingerprint=self.model_fingerprint,
             has_kv_store=self.runner.kv_tiers is not None and self.runner.kv_tiers.store is not None,
             draining=self.draining,
+            role=self.config.role,
         )
 
     async def _publish_load(self) -> None:

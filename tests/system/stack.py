@@ -55,6 +55,8 @@ class Stack:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     worker: subprocess.Popen[bytes] | None = None  # the latest worker and scheduler spawned
     scheduler: subprocess.Popen[bytes] | None = None
+    worker_args: tuple[str, ...] = ()  # more flags for the stack's worker and its replacements
+    scheduler_args: tuple[str, ...] = ()
 
     @property
     def base_url(self) -> str:
@@ -65,11 +67,20 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, cache_dir: Path, log: Path, dtype: str = "float32", kv_store: Path | None = None) -> Stack:
+    def start(
+        cls,
+        cache_dir: Path,
+        log: Path,
+        dtype: str = "float32",
+        kv_store: Path | None = None,
+        worker_args: tuple[str, ...] = (),
+        scheduler_args: tuple[str, ...] = (),
+    ) -> Stack:
         nats = EmbeddedNatsServer()
         nats.start()
         kv_store = kv_store or cache_dir / "kv-store"
         stack = cls(nats, free_port(), "worker-test", log, cache_dir, kv_store, dtype)
+        stack.worker_args, stack.scheduler_args = worker_args, scheduler_args
         common = ("--nats-url", nats.url, "--log-level", "info")
         store = ("--kv-store-path", str(kv_store))
         try:
@@ -95,18 +106,21 @@ class Stack:
                 *("--nats-url", self.nats.url, "--log-level", "info", "--worker-id", self.worker_id),
                 *("--dtype", self.dtype, "--cache-dir", str(self.cache_dir), "--kv-cache-gb", "0.5"),
                 *("--max-num-seqs", "16", "--kv-store-path", str(self.kv_store)),
+                *self.worker_args,
                 log=self.log,
             ),
         )
         return self._replace(old, self.worker)
 
-    def add_worker(self, worker_id: str) -> subprocess.Popen[bytes]:
-        """One more worker process, like ``spawn_worker``'s but with id ``worker_id``; it replaces none."""
+    def add_worker(self, worker_id: str, *args: str) -> subprocess.Popen[bytes]:
+        """One more worker process, like ``spawn_worker``'s but with id ``worker_id`` and flags
+        ``args``; it replaces none."""
         proc = spawn(
             "worker",
             *("--nats-url", self.nats.url, "--log-level", "info", "--worker-id", worker_id),
             *("--dtype", self.dtype, "--cache-dir", str(self.cache_dir), "--kv-cache-gb", "0.5"),
             *("--max-num-seqs", "16", "--kv-store-path", str(self.kv_store)),
+            *args,
             log=self.log,
         )
         self.procs.append(proc)
@@ -122,6 +136,7 @@ class Stack:
                 "scheduler",
                 *("--nats-url", self.nats.url, "--log-level", "info"),
                 *("--overlap", "true", "--kv-stats-interval-s", "0.2"),
+                *self.scheduler_args,
                 log=self.log,
             ),
         )

@@ -67,3 +67,30 @@ def test_a_named_worker_child_runs_the_worker_command() -> None:
     child = ServiceChild("worker-1", WorkerConfig(worker_id="w-1"), "worker")
     assert child.name == "worker-1" and child.command == "worker"
     assert ServiceChild("scheduler", SchedulerConfig()).command == "scheduler"
+
+
+def test_a_pd_topology_gives_prefill_workers_then_decode_workers_their_roles() -> None:
+    config = serve.Config(prefill_workers=1, decode_workers=2)
+    roles = config.worker_roles("both")
+    assert roles == ["prefill", "decode", "decode"]
+    extra = serve.extra_workers(WorkerConfig(worker_id="w", role=roles[0]), len(roles), roles)
+    assert [(c.worker_id, c.role) for c in extra.values()] == [("w-1", "decode"), ("w-2", "decode")]
+    assert serve.Config(num_workers=2).worker_roles("both") == ["both", "both"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"prefill_workers": 1}, "decode_workers"),
+        ({"prefill_workers": 1, "decode_workers": 1, "num_workers": 2}, "num_workers"),
+        ({"decode_workers": -1}, "decode_workers"),
+    ],
+)
+def test_a_bad_pd_topology_is_a_config_error_naming_its_key(fields: dict[str, int], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        serve.Config(**fields)
+
+
+def test_a_worker_role_outside_prefill_decode_both_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="role"):
+        WorkerConfig(role="verify")

@@ -36,14 +36,14 @@ class FleetSim:
         self.failed: dict[str, str] = {}  # seq id -> why it was not moved
         self.num_joined = 0
 
-    def join(self, worker_id: str = "", num_blocks: int = 48) -> str:
+    def join(self, worker_id: str = "", num_blocks: int = 48, role: str = "both") -> str:
         worker_id = worker_id or f"w{self.num_joined}"
         self.num_joined += 1
         core = WorkerScheduler(limits(num_blocks), "s1", FINGERPRINT)
         worker = FakeWorker(BLOCK_SIZE)
         worker.store = self.store
         self.drivers[worker_id] = Driver(core, worker, self.max_in_flight)
-        self.fleet.add_worker(worker_id, core)
+        self.fleet.add_worker(worker_id, core, role)
         return worker_id
 
     def submit(self, seq: Sequence, worker_id: str) -> None:
@@ -61,6 +61,30 @@ class FleetSim:
         """The worker is gone, its plans in flight with it."""
         del self.drivers[worker_id]
         moves = self.fleet.lose_worker(worker_id, loss)
+        self.failed.update((seq.seq_id, why) for seq, why in moves.failed)
+        return moves
+
+    def prefilled(self) -> list[str]:
+        """Requests whose prefill for a handoff is done: the service starts their handoff now."""
+        return sorted(
+            seq.request_id
+            for core in self.fleet.cores.values()
+            for seq in core.seqs.values()
+            if seq.handoff and seq.num_output_tokens and seq.request_id not in self.fleet.in_transit
+        )
+
+    def hand_off(self, request_id: str) -> Moves:
+        """The whole handoff at once: the prefill worker's next plans save and drop it, then
+        the request lands on a decode worker."""
+        worker_id = self.fleet.worker_of(request_id)
+        assert worker_id is not None and self.fleet.begin_handoff(request_id)
+        while self.drivers[worker_id].sched.has_work() or self.drivers[worker_id].in_flight:
+            self.step(worker_id)  # the saves reach the store before the decode worker loads
+        return self.land(request_id)
+
+    def land(self, request_id: str) -> Moves:
+        """A request in transit goes to a decode worker (or fails with no decode worker)."""
+        moves = self.fleet.end_handoff(request_id)
         self.failed.update((seq.seq_id, why) for seq, why in moves.failed)
         return moves
 

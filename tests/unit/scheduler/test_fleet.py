@@ -8,10 +8,12 @@ token or repeated one shows up as an output that differs from its reference.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 
+from libs.protocol.errors import QueueFull
 from libs.protocol.messages import SamplingParams
 from services.scheduler.fleet import NO_TARGET, WorkerLoss
 from services.scheduler.request_table import RequestTable
@@ -140,18 +142,28 @@ def test_random_submits_cancels_drains_crashes_and_joins_keep_the_table_whole(se
     sim = FleetSim(migration_limit=rng.choice([1, 3]), max_in_flight=rng.choice([1, 2]))
     for _ in range(3):
         sim.join(num_blocks=rng.choice([24, 48]))
+    sim.join(num_blocks=48, role="prefill")
     prompts: dict[str, tuple[list[int], int]] = {}
     cancelled: set[str] = set()
     for event in range(300):
         live = [w for w in sim.drivers if w not in sim.fleet.draining]
+        decoders = [w for w in live if sim.fleet.decodes(w)]
+        prefillers = [w for w in live if not sim.fleet.decodes(w)]
         kind = rng.random()
-        if kind < 0.25 and live:
+        if kind < 0.25 and decoders:
             request_id = f"r{event}"
             prompt = [rng.randrange(3, 50) for _ in range(rng.randint(1, 30))]
             max_tokens = rng.randint(1, 25)
             seq = make_seq(request_id, prompt, max_tokens, n=rng.choice([1, 1, 2]))
-            sim.submit(seq, rng.choice(live))
-            prompts[request_id] = (prompt, max_tokens)
+            handoff = bool(prefillers) and seq.sampling_params.n == 1 and rng.random() < 0.4
+            seq.handoff = handoff  # prefilled there, decoded where it is handed
+            with contextlib.suppress(QueueFull):  # moved requests filled that queue: a 429
+                sim.submit(seq, rng.choice(prefillers if handoff else decoders))
+                prompts[request_id] = (prompt, max_tokens)
+        elif kind < 0.27 and sim.prefilled():
+            sim.fleet.begin_handoff(rng.choice(sim.prefilled()))
+        elif kind < 0.29 and sim.fleet.in_transit:
+            sim.land(rng.choice(sorted(sim.fleet.in_transit)))
         elif kind < 0.3 and prompts:
             request_id = rng.choice(sorted(prompts))
             cancelled.update(s.request_id for s in sim.fleet.cancel(request_id)[1])
@@ -164,6 +176,12 @@ def test_random_submits_cancels_drains_crashes_and_joins_keep_the_table_whole(se
         elif sim.drivers:
             sim.step(rng.choice(sorted(sim.drivers)))
         sim.fleet.check_integrity()
+    while sim.fleet.in_transit or sim.prefilled():  # every handoff lands
+        for request_id in sim.prefilled():
+            sim.fleet.begin_handoff(request_id)
+        for request_id in sorted(sim.fleet.in_transit):
+            sim.land(request_id)
+        sim.run()
     for worker_id in list(sim.fleet.draining):  # drained empty: they leave
         if not sim.fleet.table.requests_on(worker_id) and len(sim.drivers) > 1:
             sim.run()
@@ -179,6 +197,52 @@ def test_random_submits_cancels_drains_crashes_and_joins_keep_the_table_whole(se
             assert tokens == reference_output(prompt, max_tokens, CONTEXT_LEN, ignore_eos=True), seq_id
     ended = set(sim.outputs) | set(sim.failed)
     assert {s.split("#")[0] for s in ended} | cancelled == set(prompts)
+
+
+def test_a_prefilled_request_is_handed_to_a_decode_worker_which_loads_its_prompt() -> None:
+    sim = FleetSim()
+    prefill, decode = sim.join(role="prefill"), sim.join(role="decode")
+    prompt = [(5 * i) % 40 + 3 for i in range(30)]  # 7 full blocks of 4, and 2 tokens
+    seq = make_seq("r", prompt)
+    seq.handoff = True
+    sim.submit(seq, prefill)
+    while not sim.prefilled():
+        steps(sim, prefill, 1)
+    assert seq.num_output_tokens == 1  # nothing decoded on the prefill worker
+    moves = sim.hand_off("r")
+    assert [s.seq_id for s in moves.moved[decode]] == ["r"] and not seq.handoff
+    assert not sim.drivers[prefill].worker.seqs  # dropped there, its blocks saved to the store
+    num_store_loads = num_computed = 0
+    while sim.drivers[decode].sched.has_work() or sim.drivers[decode].in_flight:
+        plan_count = len(sim.drivers[decode].plans)
+        steps(sim, decode, 1)
+        for plan in sim.drivers[decode].plans[plan_count:]:
+            num_store_loads += sim.drivers[decode].worker.last_loads[1]
+            if plan.new_seqs:
+                num_computed = plan.new_seqs[0].num_scheduled_tokens
+    assert sim.outputs == {"r": want(prompt)}
+    # It loaded every full prompt block and computed the partial last one and the first token.
+    assert num_store_loads == len(prompt) // 4 and num_computed == len(prompt) % 4 + 1
+
+
+def test_a_cancel_in_transit_ends_the_request_and_a_lost_prefill_worker_hands_nothing() -> None:
+    sim = FleetSim()
+    prefill, decode = sim.join(role="prefill"), sim.join(role="decode")
+    for request_id in ("a", "b"):
+        seq = make_seq(request_id, [3, 4, 5, 6, 7, 8, 9])
+        seq.handoff = True
+        sim.submit(seq, prefill)
+    while len(sim.prefilled()) < 2:
+        steps(sim, prefill, 1)
+    assert sim.fleet.begin_handoff("a")
+    sim.fleet.check_integrity()
+    worker_id, aborted = sim.fleet.cancel("a")
+    assert worker_id == prefill and [s.seq_id for s in aborted] == ["a"]
+    assert not sim.fleet.end_handoff("a").moved  # cancelled meanwhile: nothing lands
+    moves = sim.lose(prefill, WorkerLoss.CRASHED)  # "b" is prefilled again where it decodes
+    assert [s.seq_id for s in moves.moved[decode]] == ["b"]
+    sim.run()
+    assert set(sim.outputs) == {"b"} and len(sim.fleet.table) == 0
 
 
 def test_the_request_table_maps_both_ways() -> None:

@@ -1,0 +1,106 @@
+"""Prefill/decode disaggregation over real processes (nats-server, SmolLM2 in fp32): a long
+uncached prompt is prefilled on a `--role prefill` worker, which samples and streams the first
+token, and decoded on a `--role decode` worker that loads the prompt's full blocks from the shared
+store. The text equals colocated serving, and the decode worker computed only the partial last
+block and the first token itself: its G3 loads cover every full prompt block, none failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.system.faults import MODEL, InFlight
+from tests.system.stack import Stack
+from tests.system.test_worker_drain import wait_workers
+
+PREFILL = "worker-prefill"
+BLOCK_SIZE = 16  # the workers' default
+STORY = " ".join(f"Day {i}: the keeper lit the lamp and counted {i + 3} ships." for i in range(20))
+QUESTIONS = ("How many ships on day 7?", "What did the keeper light?")
+
+
+def body(question: str) -> dict[str, Any]:
+    messages = [{"role": "system", "content": STORY}, {"role": "user", "content": question}]
+    sampling = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    return {"model": MODEL, "messages": messages, **sampling}
+
+
+def chat(stack: Stack, question: str, api_key: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"}  # the key is the tenant: the KV is not shared
+    url = f"{stack.base_url}/chat/completions"
+    resp = httpx.post(url, json=body(question), headers=headers, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()  # type: ignore[no-any-return]
+
+
+def kv_counter(stack: Stack, name: str, label: str) -> float:
+    text = httpx.get(f"{stack.root_url}/metrics", timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == f"deepinfer_kv_{name}"
+        for s in family.samples
+        if s.labels.get("kind") == "scheduler" and s.labels.get("label") == label
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("pd")
+    running = Stack.start(
+        model_cache_dir,
+        tmp / "stack.log",
+        kv_store=tmp / "kv-store",
+        worker_args=("--role", "decode"),
+        scheduler_args=("--pd-min-uncached-tokens", "64"),
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_a_long_prompt_is_prefilled_on_one_worker_and_decoded_on_another_with_the_same_text(
+    stack: Stack,
+) -> None:
+    # Colocated first: with no prefill worker up, the decode worker serves the whole request.
+    colocated = {q: chat(stack, q, "colocated") for q in QUESTIONS}
+    stack.add_worker(PREFILL, "--role", "prefill")
+    asyncio.run(wait_workers(stack.nats.url, {stack.worker_id, PREFILL}, 180))
+    for i, question in enumerate(QUESTIONS):
+        loaded = kv_counter(stack, "loaded_blocks", "G3")
+        failed = kv_counter(stack, "failed_load_blocks", "all")
+        # A tenant of its own each: nothing of the prompt is cached anywhere, so it goes P/D.
+        auth = {"Authorization": f"Bearer pd-{i}"}
+        stream = InFlight(stack.base_url, "chat", body(question), 120, headers=auth)
+        end = stream.result()
+        assert end.kind == "completed", end
+        assert stream.state.text == colocated[question]["choices"][0]["message"]["content"]
+        num_prompt = colocated[question]["usage"]["prompt_tokens"]
+        deadline = time.monotonic() + 10  # the scheduler publishes its counters every 0.2 s
+        while kv_counter(stack, "loaded_blocks", "G3") - loaded < num_prompt // BLOCK_SIZE:
+            assert time.monotonic() < deadline, "the decode worker did not load the prompt's blocks"
+            time.sleep(0.1)
+        assert kv_counter(stack, "failed_load_blocks", "all") == failed
+    log = stack.log.read_text()
+    assert log.count(f"from {PREFILL} to {stack.worker_id}") >= len(QUESTIONS), log[-3000:]
+
+
+def test_with_only_a_prefill_worker_a_request_is_a_503_naming_the_role(stack: Stack) -> None:
+    stack.worker.kill()  # the decode worker
+    deadline = time.monotonic() + 30
+    while True:
+        resp = httpx.post(f"{stack.base_url}/chat/completions", json=body(QUESTIONS[0]), timeout=60)
+        if resp.status_code == 503 and "decode role" in resp.text:
+            break
+        assert time.monotonic() < deadline, resp.text
+        time.sleep(0.5)
+    assert resp.json()["error"]["message"]
