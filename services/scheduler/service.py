@@ -1,35 +1,36 @@
-"""Adapts bus messages to scheduler cores: one WorkerScheduler core and one StepLoop per owned worker.
+"""Adapts bus messages to the scheduler's fleet: one WorkerScheduler core and one StepLoop per
+owned worker, under one request table (``Fleet``).
 
-submit (request/reply, queue group) -> G3 lookup (kvcache) -> route (the worker with the most of the
-prompt cached in G1 or G2, against its load) -> core.add; each worker's StepLoop runs
-plan = core.schedule(); result = worker.step(plan); core.postprocess(result), and this service
-publishes one StepOutputs per destination gateway per step into the durable OUT stream
-(``OutputPublisher``). KVSync keeps each core's view of its worker's host memory (G2) current
-from the workers' KV events.
+submit (request/reply, queue group) -> ``Placement`` (G3 lookup, then a worker by cached prefix
+against load, or a prefill worker for a long uncached prompt) -> the worker's core; each worker's
+StepLoop runs plan = core.schedule(); result = worker.step(plan); core.postprocess(result), and
+this service publishes one StepOutputs per destination gateway per step into the durable OUT
+stream (``OutputPublisher``). KVSync keeps each core's view of its worker's host memory (G2)
+current from the workers' KV events. A prefilled request is handed to a decode worker
+(``Handoffs``).
 
 A worker serves one scheduler at a time (block tables are the scheduler's, so two schedulers
 would hand out the same KV pages): a scheduler claims a worker with an empty plan when it joins,
 and leaves alone workers whose load report names another owner.
 
-A worker is dropped, its requests failed with an error naming it, when its heartbeat in the
-members bucket stops for ``worker_timeout_s`` or says it is stuck in a step, and every worker is
-dropped when the bus connection is lost (steps in flight may be gone); a load report afterwards
-claims it again with a fresh core.
+A worker is lost when a probe of a slow step finds nothing subscribed to its steps, when its
+heartbeat in the members bucket stops for ``worker_timeout_s`` or says it is stuck in a step, or
+when another scheduler takes it: its requests move to other workers (``Fleet.lose_worker``), and
+fail only where none can take them. Every worker is dropped, its requests failed, when the bus
+connection is lost (steps in flight may be gone); a load report afterwards claims it again with a
+fresh core. A worker whose load says ``draining`` gets no new requests and its requests move now.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
-from typing import NamedTuple
 
 from libs.bus.base import Bus, Message
 from libs.bus.membership import MembershipView, announce
-from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode, unpack_tokens
-from libs.protocol.errors import QueueFull
+from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.messages import (
     CancelRequest,
     MemberInfo,
@@ -46,23 +47,14 @@ from services.scheduler.config import Config
 from services.scheduler.fleet import NO_TARGET, Fleet, Moves, WorkerLoss
 from services.scheduler.handoff import Handoffs
 from services.scheduler.kv_sync import KVSync
-from services.scheduler.kv_tiers import KVTiers
 from services.scheduler.outputs import OutputPublisher
 from services.scheduler.pausing import ResumedBy
-from services.scheduler.router import WorkerState, pick_in_turn, pick_prefill_worker, pick_worker
+from services.scheduler.placement import Placement
 from services.scheduler.sequence import Sequence
 from services.scheduler.step_loop import StepLoop, WorkerHandle, WorkerLost
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 
 log = logging.getLogger(__name__)
-
-
-class ChainKind(NamedTuple):
-    """What a worker's hashes of a prompt depend on: workers alike share one chain."""
-
-    block_size: int
-    fingerprint: str  # the model's
-    prefix_caching: bool  # off: no chain
 
 
 class SchedulerService:
@@ -72,11 +64,11 @@ class SchedulerService:
         self.subjects = Subjects(config.subject_prefix)
         self.workers: dict[str, WorkerHandle] = {}
         self.fleet = Fleet(config.migration_limit)  # the request table and the workers' cores
-        self._turns = itertools.count()  # round-robin routing
         self._foreign: set[str] = set()  # workers owned by another scheduler
         self.outputs = OutputPublisher(bus, self.subjects, config.scheduler_id)
         self._tasks: asyncio.TaskGroup | None = None
         self.kv = KVSync(config, bus, self.workers)
+        self.placement = Placement(config, self.workers, self.fleet, self.kv, self.outputs)
         self.handoffs = Handoffs(self.fleet, self.kv, self.workers, config.handoff_timeout_s, self._moved)
         self._readers = ResumedBy(config.pause_timeout_s)  # stale pauses (a reader moved gateway)
         # Workers are dropped when their heartbeat stops or says they are stuck in a step.
@@ -140,149 +132,7 @@ class SchedulerService:
             log.exception("submit %s failed", req.request_id)
 
     async def admit(self, req: SubmitRequest) -> SubmitReply:
-        prompt = unpack_tokens(req.prompt_token_ids)
-        # Hashing a long prompt takes a while: in a thread, so heartbeats and steps keep going.
-        chains = await asyncio.to_thread(self._hash_chains, prompt, req.tenant, self._worker_tiers())
-        kinds = self._chain_kinds(prompt, req.tenant, chains)
-        stored = await self._lookup_stored(kinds, chains, req.retention_class)
-        # NOTE: no await from here to core.add. Submits run as concurrent tasks: a worker picked
-        # before the lookup would be picked by every submit arriving during it, on the same load.
-        kinds = self._chain_kinds(prompt, req.tenant, chains)  # workers may have come or gone since
-        states = [
-            WorkerState(
-                wid,
-                len(h.core.seqs),
-                h.load.max_num_seqs,
-                h.core.kv_tiers.num_reusable_blocks(chains[kinds[wid]]),
-                len(chains[kinds[wid]]),
-            )
-            for wid, h in self.workers.items()
-            if wid not in self.fleet.draining and self.fleet.decodes(wid)
-        ]
-        if self.config.routing == "round_robin":
-            worker_id = pick_in_turn(states, next(self._turns))
-        else:
-            worker_id = pick_worker(states)
-        if worker_id is None:
-            return SubmitReply(SubmitStatus.NO_WORKERS, self._why_no_worker())
-        state = next(s for s in states if s.worker_id == worker_id)
-        prefill_id = self._remote_prefill(req, prompt, worker_id, kinds, stored, state)
-        decode_id, worker_id = worker_id, prefill_id or worker_id
-        handle = self.workers[worker_id]
-        context_len = handle.core.limits.context_len
-        if len(prompt) + 1 > context_len:
-            return SubmitReply(
-                SubmitStatus.INVALID, f"prompt of {len(prompt)} tokens exceeds the context of {context_len}"
-            )
-        kind = kinds[worker_id]
-        seq = Sequence(
-            req.request_id,
-            req.gateway_id,
-            prompt,
-            req.sampling_params,
-            req.eos_token_id,
-            priority=req.priority,
-            tenant=req.tenant,
-            retention_class=req.retention_class,
-            # absent: G3 off, or a kind new since the lookup; a worker without the store loads none
-            num_stored_blocks=stored.get(kind, 0) if handle.load.has_kv_store else 0,
-            block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
-            handoff=worker_id != decode_id,
-        )
-        try:
-            self.fleet.submit(seq, worker_id)
-        except QueueFull as exc:
-            return SubmitReply(SubmitStatus.QUEUE_FULL, str(exc))
-        handle.wake.set()
-        return SubmitReply(
-            SubmitStatus.ACCEPTED,
-            scheduler_id=self.config.scheduler_id,
-            out_seq=self.outputs.sent_to(req.gateway_id),
-        )
-
-    def _why_no_worker(self) -> str:
-        why = "no worker is available"
-        if any(not self.fleet.decodes(w) for w in self.workers):
-            why = "no worker of the decode role is available (a prefill worker takes only handoffs)"
-        if self.fleet.draining:
-            why += f"; {len(self.fleet.draining)} draining"
-        return why
-
-    def _remote_prefill(
-        self,
-        req: SubmitRequest,
-        prompt: list[int],
-        decode_id: str,
-        kinds: dict[str, ChainKind],
-        stored: dict[ChainKind, int],
-        state: WorkerState,
-    ) -> str | None:
-        """The prefill worker to compute this prompt before ``decode_id`` decodes it, if any.
-
-        Only for one choice, and where both read the shared store and hash alike (the decode
-        worker loads the prefill worker's blocks from it)."""
-        decode = self.workers[decode_id]
-        if req.sampling_params.n != 1 or not _reads_store(decode):
-            return None
-        kind = kinds[decode_id]
-        queues = {
-            wid: len(h.core.seqs)
-            for wid, h in self.workers.items()
-            if not self.fleet.decodes(wid)
-            and wid not in self.fleet.draining
-            and kinds[wid] == kind
-            and _reads_store(h)
-        }
-        if not queues:
-            return None
-        num_cached_blocks = max(state.num_cached_blocks, stored.get(kind, 0))
-        num_uncached = len(prompt) - num_cached_blocks * decode.core.limits.block_size
-        return pick_prefill_worker(
-            num_uncached, queues, self.config.pd_min_uncached_tokens, self.config.pd_max_prefill_queue
-        )
-
-    def _worker_tiers(self) -> dict[ChainKind, KVTiers]:
-        """One worker's tiers per kind of chain (they hash alike), read on the loop."""
-        tiers: dict[ChainKind, KVTiers] = {}
-        for handle in self.workers.values():
-            limits = handle.core.limits
-            kind = ChainKind(
-                limits.block_size, handle.core.kv_tiers.model_fingerprint, limits.enable_prefix_caching
-            )
-            tiers.setdefault(kind, handle.core.kv_tiers)
-        return tiers
-
-    @staticmethod
-    def _hash_chains(
-        prompt: list[int], tenant: str, tiers: dict[ChainKind, KVTiers]
-    ) -> dict[ChainKind, list[bytes]]:
-        """Each kind's chain of the prompt; pure, so it may run off the loop."""
-        return {kind: t.prompt_chain(prompt, tenant) for kind, t in tiers.items()}
-
-    def _chain_kinds(
-        self, prompt: list[int], tenant: str, chains: dict[ChainKind, list[bytes]]
-    ) -> dict[str, ChainKind]:
-        """Worker id -> how it hashes the prompt; ``chains`` gets, for each kind it lacks, the
-        hashes of the prompt blocks a hit could skip (workers that hash alike share one list)."""
-        kinds: dict[str, ChainKind] = {}
-        for worker_id, handle in self.workers.items():
-            tiers, limits = handle.core.kv_tiers, handle.core.limits
-            kind = ChainKind(limits.block_size, tiers.model_fingerprint, limits.enable_prefix_caching)
-            if kind not in chains:
-                chains[kind] = tiers.prompt_chain(prompt, tenant)
-            kinds[worker_id] = kind
-        return kinds
-
-    async def _lookup_stored(
-        self, kinds: dict[str, ChainKind], chains: dict[ChainKind, list[bytes]], retention_class: str
-    ) -> dict[ChainKind, int]:
-        """The leading blocks of each chain that G3 holds, for the kinds of workers with the lower
-        tiers on: usually one chain (workers of one model hash alike); several are looked up at
-        once, so a submit waits at most one kv_lookup_timeout_s."""
-        wanted = list(dict.fromkeys(k for wid, k in kinds.items() if _reads_store(self.workers[wid])))
-        lookups = (self.kv.lookup(chains[k], k.fingerprint, retention_class) for k in wanted)
-        counts = await asyncio.gather(*lookups)
-        return dict(zip(wanted, counts, strict=True))
+        return await self.placement.admit(req)
 
     async def on_cancel(self, msg: Message) -> None:
         """Ids are request ids (every choice) or sequence ids (one choice)."""
@@ -494,8 +344,3 @@ class SchedulerService:
                 "NATS connection lost: the step outputs in flight are gone",
                 WorkerLoss.UNREACHABLE,
             )
-
-
-def _reads_store(handle: WorkerHandle) -> bool:
-    """G3 lookups are for workers that plan lower tiers and can read the shared store."""
-    return handle.core.kv_tiers.enabled and handle.load.has_kv_store
