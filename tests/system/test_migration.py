@@ -1,6 +1,7 @@
 """Streams survive the worker holding them: kill -9 of that worker moves its streams to the other
 one, SIGTERM drains them to a worker that joined at run time, and the clients see no error and
-the same text as an undisturbed run (fp32 greedy). Real processes, real nats-server, SmolLM2.
+the same text as an undisturbed run (fp32 greedy); a request in the batch at two worker crashes
+fails alone. Real processes, real nats-server, SmolLM2.
 
 The stack is this module's own (two workers, G3 on a fresh store); the tests run in order.
 """
@@ -29,7 +30,7 @@ from tests.system.faults import MODEL, InFlight
 from tests.system.stack import Stack
 from tests.system.test_worker_drain import wait_workers
 
-SECOND, THIRD = "worker-test-2", "worker-test-3"
+SECOND, THIRD, FOURTH, FIFTH = "worker-test-2", "worker-test-3", "worker-test-4", "worker-test-5"
 MAX_TOKENS = 48
 STREAM_DEADLINE_S = 180.0
 TOPICS = ("lighthouses", "tides", "the moon's phases")
@@ -159,3 +160,35 @@ def test_sigterm_drains_streams_to_a_worker_that_joined_at_run_time(
     assert f"worker {remaining} drains: moved" in log, log[-3000:]
     assert time.monotonic() - started < 60
     assert answer(stack.base_url, TOPICS[0]) == undisturbed[TOPICS[0]]  # served by the newcomer
+
+
+def test_a_request_in_the_batch_at_two_worker_crashes_fails_alone(fleet: tuple[Stack, dict]) -> None:
+    """The poison (P) is in the batch each time a worker dies; the canary (C) only the second
+    time. P fails at its second crash with an error saying so; C moves on and finishes with the
+    text it has undisturbed."""
+    stack, workers = fleet
+    (first,) = workers
+    workers[FOURTH] = stack.add_worker(FOURTH)
+    asyncio.run(wait_workers(stack.nats.url, set(workers), 180))
+    long_run = {"max_tokens": 160, "temperature": 0, "ignore_eos": True, "model": MODEL}
+    poison_body = {"messages": [{"role": "user", "content": "Count from one."}], **long_run}
+    canary_body = {"messages": [{"role": "user", "content": "Name some rivers."}], **long_run}
+    poison = InFlight(stack.base_url, "chat", poison_body, STREAM_DEADLINE_S)
+    poison.wait_tokens(4, 120)
+    assert asyncio.run(_running_by_worker(stack.nats.url, 1.5)).get(first) == 1  # P: the lowest id
+    # A tenant of its own: P's worker holds nothing C could reuse, so C goes to the idle one.
+    auth = {"Authorization": "Bearer canary"}
+    canary = InFlight(stack.base_url, "chat", canary_body, STREAM_DEADLINE_S, headers=auth)
+    canary.wait_tokens(4, 120)
+    assert asyncio.run(_running_by_worker(stack.nats.url, 1.5)).get(FOURTH) == 1
+    workers.pop(first).kill()  # crash 1: P in the batch
+    poison.wait_tokens(poison.state.num_tokens + 4, 60)  # P runs beside C now
+    workers[FIFTH] = stack.add_worker(FIFTH)
+    asyncio.run(wait_workers(stack.nats.url, {FOURTH, FIFTH}, 180))
+    assert asyncio.run(_running_by_worker(stack.nats.url, 1.5)).get(FOURTH) == 2
+    workers.pop(FOURTH).kill()  # crash 2: P and C in the batch
+    end = poison.result()
+    assert end.kind == "error_event" and "in the batch at 2 worker crashes" in end.detail, end
+    assert canary.result().kind == "completed"
+    undisturbed = httpx.post(f"{stack.base_url}/chat/completions", json=canary_body, timeout=300)
+    assert canary.state.text == undisturbed.json()["choices"][0]["message"]["content"]
