@@ -304,7 +304,8 @@ def test_clients_that_leave_after_the_first_token_cost_no_more_work(stack: Stack
         await nc.close()
         for request_id in ids:
             reason, ended_at = watch.ended[request_id]
-            assert reason is FinishReason.ABORT and ended_at - left_at[request_id] >= RESUME_GRACE_S
+            # (left_at is read after the client's close returns: the gateway may see it sooner)
+            assert reason is FinishReason.ABORT and ended_at - left_at[request_id] >= RESUME_GRACE_S - 0.1
             # Its first tokens, and what plans already sent computed before the pause came.
             assert watch.num_tokens[request_id] <= 8, watch.num_tokens
 

@@ -85,7 +85,7 @@ def test_sigterm_to_an_idle_worker_drains_it_out_while_the_other_serves(stack: S
         assert http.post("/chat/completions", json=PING).status_code == 200
         second = stack.procs[-1]
         loads = asyncio.run(sigterm_and_watch(stack, second.pid))
-        assert second.wait(10) == 0
+        assert second.wait(30) == 0  # its stop (G3 writer, NATS drain) on a loaded machine
         # The drain was said at once, before the worker left (it held nothing, so it did not wait).
         assert any(load.draining for load in loads), loads
         log = stack.log.read_text(errors="replace")

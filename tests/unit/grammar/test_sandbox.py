@@ -54,13 +54,19 @@ def test_a_compile_past_the_time_bound_is_killed_and_replaced(sandbox: Sandboxed
     assert sandbox.compile(fake("again")) == FakeCompiled("again", 7)
 
 
-def test_a_compile_past_the_memory_bound_fails_naming_it(sandbox: SandboxedBackend) -> None:
-    sandbox.start()
-    [pid] = sandbox.pids()
-    with pytest.raises(GrammarLimitError, match=r"grammar compilation exceeded 256 MB"):
-        sandbox.compile(fake("alloc"))
-    assert gone(pid)  # a child whose allocation failed is not reused
-    assert sandbox.compile(fake("ok")) == FakeCompiled("ok", 7)
+def test_a_compile_past_the_memory_bound_fails_naming_it() -> None:
+    # A time bound well past what the allocation takes on a loaded machine (a niced child): the
+    # memory bound, not the clock, must end it.
+    sandbox = make_fake(CompileLimits(timeout_s=20, max_mb=256, num_procs=1))
+    try:
+        sandbox.start()
+        [pid] = sandbox.pids()
+        with pytest.raises(GrammarLimitError, match=r"grammar compilation exceeded 256 MB"):
+            sandbox.compile(fake("alloc"))
+        assert gone(pid)  # a child whose allocation failed is not reused
+        assert sandbox.compile(fake("ok")) == FakeCompiled("ok", 7)
+    finally:
+        sandbox.close()
 
 
 def test_a_grammar_error_comes_back_and_keeps_the_child(sandbox: SandboxedBackend) -> None:
