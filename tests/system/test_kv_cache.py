@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.system.kv_metrics import scheduler_kv_stat
 from tests.system.stack import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -34,14 +34,7 @@ def cached(resp: dict[str, Any]) -> int:
 
 def hit_tokens(root_url: str, tier: str) -> float:
     """The schedulers' published hit_tokens counter for ``tier`` (0 before any is published)."""
-    text = httpx.get(f"{root_url}/metrics", timeout=10).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "deepinfer_kv_hit_tokens"
-        for sample in family.samples
-        if sample.labels["kind"] == "scheduler" and sample.labels["label"] == tier
-    )
+    return scheduler_kv_stat(root_url, "hit_tokens", tier)
 
 
 def wait_for(predicate: Any, timeout_s: float = 30.0) -> bool:

@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from libs.bus.base import Message
 from libs.bus.nats_bus import NatsBus
@@ -27,6 +26,7 @@ from libs.protocol.codec import decode
 from libs.protocol.messages import WorkerLoad
 from libs.protocol.subjects import Subjects
 from tests.system.faults import MODEL, InFlight
+from tests.system.kv_metrics import scheduler_kv_stat
 from tests.system.stack import Stack
 from tests.system.test_worker_drain import wait_workers
 
@@ -53,14 +53,7 @@ def answer(base_url: str, topic: str) -> str:
 
 
 def g3_loaded_blocks(root_url: str) -> float:
-    text = httpx.get(f"{root_url}/metrics", timeout=10).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "deepinfer_kv_loaded_blocks"
-        for s in family.samples
-        if s.labels.get("kind") == "scheduler" and s.labels.get("label") == "G3"
-    )
+    return scheduler_kv_stat(root_url, "loaded_blocks", "G3")
 
 
 async def _running_by_worker(nats_url: str, listen_s: float) -> dict[str, int]:

@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.system.faults import MODEL, InFlight
+from tests.system.kv_metrics import scheduler_kv_stat
 from tests.system.stack import Stack
 from tests.system.test_worker_drain import wait_workers
 
@@ -42,14 +42,7 @@ def chat(stack: Stack, question: str, api_key: str) -> dict[str, Any]:
 
 
 def kv_counter(stack: Stack, name: str, label: str) -> float:
-    text = httpx.get(f"{stack.root_url}/metrics", timeout=10).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == f"deepinfer_kv_{name}"
-        for s in family.samples
-        if s.labels.get("kind") == "scheduler" and s.labels.get("label") == label
-    )
+    return scheduler_kv_stat(stack.root_url, name, label)
 
 
 @pytest.fixture(scope="module")

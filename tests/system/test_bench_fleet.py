@@ -1,0 +1,32 @@
+"""bench/fleet.py --quick end to end (real processes, real nats-server, SmolLM2): it exits 0 and
+prints each ratio with a measured value. No figure is asserted: this machine is shared."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MEASURED = r"(\d+\.\d+x|infx)"
+RATIO_LINES = (
+    rf"^ratio kv/round_robin hit rate: {MEASURED} \(target >= 3\.0x\)$",
+    rf"^ratio kv/round_robin TTFT p50: {MEASURED} \(target <= 0\.4x\)$",
+    r"^ratio kv/round_robin computed max/min spread: (\d+\.\d+x|n/a) \(reported\)$",
+    rf"^ratio migration kill->next token p50 / ITL before: {MEASURED} \(reported\)$",
+)
+
+
+def test_quick_fleet_bench_exits_0_and_prints_its_ratios(model_cache_dir: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "bench/fleet.py", "--quick", "--cache-dir", str(model_cache_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for pattern in RATIO_LINES:
+        assert re.search(pattern, proc.stdout, re.MULTILINE), (pattern, proc.stdout[-4000:])
+    assert "problems: none" in proc.stdout
