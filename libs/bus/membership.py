@@ -196,13 +196,14 @@ class MembershipView:
 
     def can_serve(self) -> bool:
         """A confirmed scheduler that drives a worker (or does not say) and a confirmed worker,
-        not stuck in a step nor draining, free or that scheduler's."""
+        not stuck in a step nor draining nor only a prefill worker, free or that scheduler's."""
         schedulers = {
             m.member_id for m in self.live(MemberKind.SCHEDULER, confirmed=True) if m.num_workers != 0
         }
         workers = self.live(MemberKind.WORKER, confirmed=True)
         return bool(schedulers) and any(
-            not w.stuck and not w.draining and w.owner in ("", *schedulers) for w in workers
+            not w.stuck and not w.draining and w.role != "prefill" and w.owner in ("", *schedulers)
+            for w in workers
         )
 
     def _alive(self, seen: _Seen, silence_s: float | None = None) -> bool:

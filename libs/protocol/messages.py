@@ -261,6 +261,7 @@ class MemberInfo:
     # NATS outage it claims its workers again from their next load reports)
     num_workers: int = -1
     draining: bool = False  # a worker: told to stop (SIGTERM), it takes no new sequences
+    role: str = "both"  # a worker: prefill | decode | both (a prefill worker alone cannot serve)
 
     @property
     def stuck(self) -> bool:

@@ -208,6 +208,7 @@ class WorkerService:
             max_step_s=self.config.max_step_s,
             owner=self.owner,
             draining=self.draining,
+            role=self.config.role,
         )
 
     def load(self) -> WorkerLoad:

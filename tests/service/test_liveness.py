@@ -140,6 +140,10 @@ async def test_the_stack_can_serve_only_with_a_heartbeating_pair_and_no_stuck_wo
     assert await can_serve(
         sched, dataclasses.replace(worker, ready=False), dataclasses.replace(worker, member_id="w2")
     )
+    # A draining worker, or a prefill worker alone (it takes only handoffs), cannot serve.
+    assert not await can_serve(sched, dataclasses.replace(worker, draining=True))
+    assert not await can_serve(sched, dataclasses.replace(worker, role="prefill"))
+    assert await can_serve(sched, dataclasses.replace(worker, role="decode"))
 
 
 async def test_announce_moves_the_heartbeat_and_leaves_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
