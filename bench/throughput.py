@@ -153,11 +153,18 @@ class StreamOutcome:
     num_tokens: int
     ttft_s: float | None
     error: str | None
+    usage: dict[str, Any] | None = None  # the usage chunk, when the stream ended with one
 
 
-async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], start: float) -> StreamOutcome:
+async def stream_chat(
+    http: httpx.AsyncClient,
+    body: dict[str, Any],
+    start: float,
+    on_event: Callable[[dict[str, Any], float], None] | None = None,
+) -> StreamOutcome:
     """One streaming chat request (``body`` without stream flags): completion tokens from the usage
-    chunk, and the time from ``start`` to the first content delta."""
+    chunk, and the time from ``start`` to the first content delta. ``on_event`` gets each event and
+    the ``time.perf_counter()`` it arrived at."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     first: float | None = None
     usage: dict[str, Any] | None = None
@@ -170,6 +177,8 @@ async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], start: floa
                 if not line.startswith("data: {"):
                     continue
                 event = json.loads(line[6:])
+                if on_event is not None:
+                    on_event(event, time.perf_counter())
                 if "error" in event:
                     return StreamOutcome(
                         0, first, f"error event in stream: {json.dumps(event['error'])[:300]}"
@@ -182,7 +191,7 @@ async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], start: floa
         return StreamOutcome(0, first, f"{type(exc).__name__}: {exc}")
     if usage is None:
         return StreamOutcome(0, first, "stream ended without a usage chunk")
-    return StreamOutcome(int(usage["completion_tokens"]), first, None)
+    return StreamOutcome(int(usage["completion_tokens"]), first, None, usage)
 
 
 async def stream_one(
