@@ -6,6 +6,7 @@ have none; deliberately broken copies must each be caught, so the checks cannot 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import dataclasses
@@ -24,6 +25,7 @@ import yaml
 from deepinfer.cli import SERVICES, build_parser
 from deepinfer.settings import ENV_PREFIX, build_config
 from libs.bus.nats_server import MAX_PAYLOAD
+from services.worker.config import Config as WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "compose"
@@ -788,3 +790,14 @@ def test_dockerignore_checker_catches() -> None:
     problems = dockerignore_problems("*.toml\nservices/\n", REPO)
     assert any("pyproject.toml" in p for p in problems) and any("services/" in p for p in problems)
     assert any(".git" in p for p in problems)
+
+
+def test_the_pd_profile_adds_prefill_workers_on_the_decode_workers_store() -> None:
+    no_flags = argparse.Namespace()
+    services = _load_compose()["services"]
+    prefill, decode = services["worker-prefill"], services["worker"]
+    assert prefill["profiles"] == ["pd"] and "profiles" not in decode  # the plain stack is unchanged
+    env = _environment(prefill)
+    assert env["DEEPINFER_KV_STORE_PATH"] == _environment(decode)["DEEPINFER_KV_STORE_PATH"]
+    assert build_config(WorkerConfig, no_flags, env).role == "prefill"
+    assert build_config(WorkerConfig, no_flags, _environment(decode)).role == "both"
