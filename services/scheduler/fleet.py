@@ -203,11 +203,15 @@ class Fleet:
         """The best worker for a request by the submit's rule: cached prefix against load."""
         head = seqs[0]
         tokens = head.token_ids(0, head.num_tokens)
+        chains: dict[tuple[int, str], list[bytes]] = {}  # workers that hash alike share one chain
         states = []
         for worker_id, core in self.cores.items():
             if worker_id == exclude or worker_id in self.draining or not self.decodes(worker_id):
                 continue
-            chain = core.kv_tiers.prompt_chain(tokens, head.tenant)
+            kind = (core.limits.block_size, core.kv_tiers.model_fingerprint)
+            if kind not in chains:
+                chains[kind] = core.kv_tiers.prompt_chain(tokens, head.tenant)
+            chain = chains[kind]
             num_cached = core.kv_tiers.num_reusable_blocks(chain)
             states.append(
                 WorkerState(worker_id, len(core.seqs), core.limits.max_num_seqs, num_cached, len(chain))
