@@ -201,7 +201,7 @@ class NatsBus:
         prefix = f"$KV.{bucket}."
         info = await self._js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
         items: dict[str, bytes] = {}
-        for subject in (info.state.subjects or {}):
+        for subject in info.state.subjects or {}:
             key = subject[len(prefix) :]
             try:
                 entry = await kv.get(key)

@@ -107,6 +107,12 @@ class SubmitRequest:
     priority: int = 0  # lower runs first
     tenant: str = ""  # salts the request's block hashes: tenants never share (or probe) cached KV
     retention_class: str = ""  # how long its KV is kept in G3 ("agent", "chat", ...); "": the default
+    # A resubmit, after the scheduler that had the request was lost (the gateway moves it): per
+    # choice, the packed output tokens its client has received, from which it goes on; the
+    # choices in ``finished_choices`` ended already and are not run again.
+    output_token_ids: tuple[bytes, ...] = ()
+    finished_choices: tuple[int, ...] = ()
+    num_moves: int = 0  # moves to another scheduler so far (bounded by the migration limit)
 
 
 class SubmitStatus(enum.IntEnum):

@@ -48,6 +48,21 @@ class Config:
     submit_timeout_s: float = field(
         default=5.0, metadata={"help": "how long a submit may wait for a scheduler"}
     )
+    migration_limit: int = field(
+        default=3,
+        metadata={
+            "help": "moves a request may make after the worker or scheduler holding it was lost "
+            "(the scheduler moves it to another worker; the gateway resubmits it to another scheduler); "
+            "at the next loss its stream ends with an error (0: never move, fail at once)"
+        },
+    )
+    resubmit_window_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "how long the gateway looks for a scheduler to take a request whose scheduler "
+            "was lost (after that, its stream ends with an error)"
+        },
+    )
     retry_after_s: int = field(
         default=1, metadata={"help": "Retry-After seconds sent with a 429 when the scheduler's queue is full"}
     )
@@ -101,6 +116,8 @@ class Config:
             raise ValueError("grammar_compile_timeout_s and grammar_compile_max_mb must be > 0")
         if self.submit_timeout_s <= 0:
             raise ValueError(f"submit_timeout_s must be > 0, got {self.submit_timeout_s}")
+        if self.migration_limit < 0 or self.resubmit_window_s < 0:
+            raise ValueError("migration_limit and resubmit_window_s must be >= 0")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
         if self.stream_retention_s <= 0 or self.responses_ttl_s <= 0 or self.keepalive_s <= 0:

@@ -70,6 +70,8 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
         config.submit_timeout_s,
         resume_grace_s=config.resume_grace_s,
         out_max_age_s=config.stream_retention_s,
+        migration_limit=config.migration_limit,
+        resubmit_window_s=config.resubmit_window_s,
     )
     try:
         await service.start()

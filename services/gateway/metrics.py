@@ -39,7 +39,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -167,6 +167,11 @@ class GatewayCollector(Collector):
         pending = GaugeMetricFamily("deepinfer_gateway_requests_in_flight", doc, labels=["gateway"])
         pending.add_metric([self.service.gateway_id], self.service.num_in_flight)
         yield pending
+        doc = "requests whose scheduler was lost, by outcome: moved (resubmitted elsewhere) or failed"
+        moves = CounterMetricFamily("deepinfer_gateway_scheduler_moves", doc, labels=["outcome"])
+        for name, count in self.service.num_moves.items():
+            moves.add_metric([name], count)
+        yield moves
 
 
 class GatewayMetrics:

@@ -8,11 +8,12 @@ same classes serve a live request and a resumed one replayed from the out stream
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from libs.protocol.codec import unpack_tokens
-from libs.protocol.messages import FinishReason, RequestOutput, seq_id_of
+from libs.protocol.codec import pack_tokens, unpack_tokens
+from libs.protocol.messages import FinishReason, RequestOutput, SubmitRequest, seq_id_of
 from services.gateway.logprobs import TokenLogprob, unpack_logprobs
 
 
@@ -39,10 +40,34 @@ class Pending:
     num_received: list[int] = field(default_factory=list)  # per choice
     # Per choice: the consumer has seen its end (or stopped it); later deltas for it are dropped.
     done: list[bool] = field(default_factory=list)
+    # What it takes to resubmit a live request whose scheduler is lost: what was submitted, and
+    # per choice the output tokens received and whether the scheduler said it ended.
+    submit: SubmitRequest | None = None
+    received: list[list[int]] = field(default_factory=list)
+    ended: list[bool] = field(default_factory=list)
+    num_moves: int = 0  # resubmits so far
+    lost_schedulers: set[str] = field(default_factory=set)  # outputs still coming from them are dropped
 
     def __post_init__(self) -> None:
         self.num_received = [0] * self.n
         self.done = [False] * self.n
+        self.received = [[] for _ in range(self.n)]
+        self.ended = [False] * self.n
+
+    def resubmission(self) -> SubmitRequest | None:
+        """The submit that lets another scheduler go on from what has been received; None if
+        nothing is left to run (every choice ended, or this reader does not resubmit)."""
+        if self.submit is None:
+            return None
+        finished = tuple(i for i in range(self.n) if self.ended[i] or self.done[i])
+        if len(finished) == self.n:
+            return None
+        return dataclasses.replace(
+            self.submit,
+            output_token_ids=tuple(pack_tokens(tokens) for tokens in self.received),
+            finished_choices=finished,
+            num_moves=self.num_moves,
+        )
 
     def accept(self, out: RequestOutput) -> None:
         """Queue one output as a delta; a lost message or bad payload ends its choice with an error."""
@@ -64,6 +89,9 @@ class Pending:
                 logprobs = unpack_logprobs(token_ids, out.logprobs)
             except ValueError as exc:
                 error, finish = f"bad logprobs from the scheduler: {exc}", FinishReason.ERROR
+        if self.submit is not None:  # (a choice that failed here has ended: never resubmitted)
+            self.received[out.index].extend(token_ids)
+        self.ended[out.index] = self.ended[out.index] or finish is not None
         self.queue.put_nowait(
             Delta(
                 token_ids,

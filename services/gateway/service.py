@@ -9,9 +9,11 @@ A request with n > 1 is one submit; the scheduler runs choice i as sequence
 ``seq_id_of(request_id, i)`` and tags its outputs with ``index`` i. The request is over when every
 choice is: finished by the scheduler, or stopped here (a stop string cancels just that sequence).
 
-Liveness: a watcher keeps a view of the members bucket. A scheduler gone from it (heartbeat
-stopped, or a clean leave) fails the requests it took, naming it; a lost bus connection fails
-every request in flight, naming NATS (outputs published meanwhile never arrive). ``ready()``
+Liveness: a watcher keeps a view of the members bucket. The requests of a scheduler gone from it
+(heartbeat stopped, or a clean leave) move: each is resubmitted to another scheduler with the
+tokens received so far (``migration``), and fails, naming the scheduler, only when none takes it
+or after ``migration_limit`` moves. A lost bus connection fails every request in flight, naming
+NATS (outputs published meanwhile never arrive). ``ready()``
 (/health) reads only that view and the connection state, never the bus.
 
 Resume: at admission a ``StreamRecord`` goes into the streams bucket (where the outputs will be in
@@ -49,6 +51,7 @@ from libs.protocol.messages import (
 from libs.protocol.subjects import Subjects
 from services.gateway.grace import GracePeriods, OnLeave
 from services.gateway.metrics import StatsBoard
+from services.gateway.migration import resubmit
 from services.gateway.request_stream import Pending, RequestStream
 
 log = logging.getLogger(__name__)
@@ -64,7 +67,9 @@ class SubmitRejected(Exception):
 
 
 class GatewayService:
-    """``resume_grace_s``: how long a request outlives its client's disconnect (0: cancel at once)."""
+    """``resume_grace_s``: how long a request outlives its client's disconnect (0: cancel at once).
+    ``migration_limit``: how often a request may move to another scheduler after its own was lost;
+    ``resubmit_window_s``: how long a move may look for a scheduler that takes it."""
 
     def __init__(
         self,
@@ -74,12 +79,17 @@ class GatewayService:
         submit_timeout_s: float,
         resume_grace_s: float = 0.0,
         out_max_age_s: float = 600.0,
+        migration_limit: int = 3,
+        resubmit_window_s: float = 10.0,
     ) -> None:
         self.bus = bus
         self.subjects = subjects
         self.gateway_id = gateway_id
         self.submit_timeout_s = submit_timeout_s
         self.out_max_age_s = out_max_age_s
+        self.migration_limit = migration_limit
+        self.resubmit_window_s = resubmit_window_s
+        self.num_moves = {"moved": 0, "failed": 0}  # requests off a lost scheduler, by outcome
         self._pending: dict[str, Pending] = {}
         self._last_seq: dict[str, int] = {}  # scheduler id -> last StepOutputs.seq seen
         self._background: set[asyncio.Task[None]] = set()
@@ -163,7 +173,7 @@ class GatewayService:
         )
         submit = self.bus.request(self.subjects.submit, encode(req), self.submit_timeout_s)
         # Registered before the submit goes out, so no output can arrive before its queue exists.
-        pending = self._pending[request_id] = Pending(params.n, params.logprobs)
+        pending = self._pending[request_id] = Pending(params.n, params.logprobs, submit=req)
         try:
             if record is None:
                 raw = await submit
@@ -294,7 +304,9 @@ class GatewayService:
             self._fail_scheduler(step.scheduler_id, f"lost step outputs {last + 1}..{step.seq - 1}")
         for out in step.outputs:
             pending = self._pending.get(out.request_id)
-            if pending is not None:  # else cancelled here already, or another gateway's with our id
+            # (None: cancelled here already, or another gateway's with our id; from a scheduler
+            # taken for lost: the request went on elsewhere)
+            if pending is not None and step.scheduler_id not in pending.lost_schedulers:
                 pending.accept(out)
 
     def _fail_scheduler(self, scheduler_id: str, why: str) -> None:
@@ -310,10 +322,7 @@ class GatewayService:
         the request (a scheduler answers submits a moment before its first heartbeat)."""
         if not self.members.current:
             return  # cut off from the bus: the connection listener acts
-        live = {
-            m.member_id
-            for m in self.members.live(MemberKind.SCHEDULER, silence_s=self.scheduler_loss_s)
-        }
+        live = {m.member_id for m in self.members.live(MemberKind.SCHEDULER, silence_s=self.scheduler_loss_s)}
         self._schedulers_seen |= live
         now = time.monotonic()
         gone: dict[str, list[str]] = {}
@@ -330,10 +339,42 @@ class GatewayService:
         for scheduler_id, request_ids in gone.items():
             silent_s = self.members.silent_for(MemberKind.SCHEDULER, scheduler_id)
             heard = "gone from the members" if silent_s is None else f"heartbeat silent {silent_s:.1f} s"
-            log.error("scheduler %s lost (%s): failing %d requests", scheduler_id, heard, len(request_ids))
+            log.error("scheduler %s lost (%s): moving %d requests", scheduler_id, heard, len(request_ids))
             for request_id in request_ids:
                 self._accepted_at.pop(request_id)
-                self._pending[request_id].fail(f"scheduler {scheduler_id} lost: no heartbeat")
+                self._move(request_id, scheduler_id)
+
+    def _move(self, request_id: str, scheduler_id: str) -> None:
+        """The request's scheduler is lost: resubmit it to another, unless past the limit."""
+        pending = self._pending[request_id]
+        why = f"scheduler {scheduler_id} lost: no heartbeat"
+        if pending.num_moves >= self.migration_limit:
+            self.num_moves["failed"] += 1
+            pending.fail(f"{why}; the migration limit ({self.migration_limit} moves) is reached")
+            return
+        pending.num_moves += 1
+        pending.lost_schedulers.add(scheduler_id)
+        self._spawn(self._resubmit(request_id, pending, why))
+
+    async def _resubmit(self, request_id: str, pending: Pending, why: str) -> None:
+        subject, timeout_s = self.subjects.submit, self.submit_timeout_s
+        result = await resubmit(self.bus, subject, pending, timeout_s, self.resubmit_window_s)
+        if self._pending.get(request_id) is not pending:  # its reader left meanwhile
+            if isinstance(result, SubmitReply):
+                self.cancel_soon(request_id)  # (the close's cancel may have come before it)
+            return
+        if isinstance(result, SubmitReply):
+            self.num_moves["moved"] += 1
+            pending.scheduler_id = result.scheduler_id
+            if result.out_seq >= 0:
+                self._last_seq.setdefault(result.scheduler_id, result.out_seq)
+            self._accepted_at[request_id] = time.monotonic()
+            new_id, num_moves = result.scheduler_id, pending.num_moves
+            log.warning("request %s moved to scheduler %s (move %d)", request_id, new_id, num_moves)
+        elif result is not None:
+            self.num_moves["failed"] += 1
+            log.error("request %s not moved: %s", request_id, result)
+            pending.fail(f"{why}; not moved to another scheduler: {result}")
 
     def _check_arrivals(self, now: float) -> None:
         """Fail the requests of a scheduler whose last outputs never came: its heartbeat has said

@@ -80,7 +80,8 @@ class Config:
     migration_limit: int = field(
         default=3,
         metadata={
-            "help": "moves a request may make to another worker after the one holding it was lost; "
+            "help": "moves a request may make after the worker or scheduler holding it was lost "
+            "(the scheduler moves it to another worker; the gateway resubmits it to another scheduler); "
             "at the next loss its stream ends with an error (0: never move, fail at once)"
         },
     )

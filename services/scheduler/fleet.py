@@ -72,10 +72,18 @@ class Fleet:
         """Whether the worker takes whole requests (a prefill worker takes only handoffs)."""
         return self.roles.get(worker_id, "both") != "prefill"
 
-    def submit(self, seq: Sequence, worker_id: str) -> list[Sequence]:
-        """Queue a new request on a worker (raises QueueFull); returns its sequences."""
-        choices = self.cores[worker_id].add(seq)
-        self.table.add(seq.request_id, [c.seq_id for c in choices], worker_id)
+    def submit(
+        self,
+        seq: Sequence,
+        worker_id: str,
+        outputs: list[list[int] | None] | None = None,
+        num_migrations: int = 0,
+    ) -> list[Sequence]:
+        """Queue a new request on a worker (raises QueueFull); returns its sequences. A request
+        resubmitted after its scheduler was lost goes on from ``outputs`` (see
+        ``WorkerScheduler.add``), its moves so far counted against the limit."""
+        choices = self.cores[worker_id].add(seq, outputs)
+        self.table.add(seq.request_id, [c.seq_id for c in choices], worker_id, num_migrations)
         return choices
 
     def worker_of(self, request_or_seq_id: str) -> str | None:

@@ -52,6 +52,10 @@ class Placement:
 
     async def admit(self, req: SubmitRequest) -> SubmitReply:
         prompt = unpack_tokens(req.prompt_token_ids)
+        try:
+            outputs = resumed_outputs(req)
+        except ValueError as exc:
+            return SubmitReply(SubmitStatus.INVALID, f"bad resubmit: {exc}")
         # Hashing a long prompt takes a while: in a thread, so heartbeats and steps keep going.
         chains = await asyncio.to_thread(self._hash_chains, prompt, req.tenant, self._worker_tiers())
         kinds = self._chain_kinds(prompt, req.tenant, chains)
@@ -77,13 +81,15 @@ class Placement:
         if worker_id is None:
             return SubmitReply(SubmitStatus.NO_WORKERS, self._why_no_worker())
         state = next(s for s in states if s.worker_id == worker_id)
-        prefill_id = self._remote_prefill(req, prompt, worker_id, kinds, stored, state)
+        # A resubmitted request goes on decoding: no remote prefill for it.
+        prefill_id = None if outputs else self._remote_prefill(req, prompt, worker_id, kinds, stored, state)
         decode_id, worker_id = worker_id, prefill_id or worker_id
         handle = self.workers[worker_id]
         context_len = handle.core.limits.context_len
-        if len(prompt) + 1 > context_len:
+        num_tokens = len(prompt) + max((len(o) for o in outputs or () if o is not None), default=0)
+        if num_tokens + 1 > context_len:
             return SubmitReply(
-                SubmitStatus.INVALID, f"prompt of {len(prompt)} tokens exceeds the context of {context_len}"
+                SubmitStatus.INVALID, f"prompt of {num_tokens} tokens exceeds the context of {context_len}"
             )
         kind = kinds[worker_id]
         seq = Sequence(
@@ -100,11 +106,18 @@ class Placement:
             block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
             handoff=worker_id != decode_id,
         )
+        if req.request_id in self.fleet.table:  # a retried resubmit it took already: idempotent
+            if outputs is not None:
+                return self._accepted(req)
+            return SubmitReply(SubmitStatus.INVALID, f"request id {req.request_id} is in use")
         try:
-            self.fleet.submit(seq, worker_id)
+            self.fleet.submit(seq, worker_id, outputs, req.num_moves)
         except QueueFull as exc:
             return SubmitReply(SubmitStatus.QUEUE_FULL, str(exc))
         handle.wake.set()
+        return self._accepted(req)
+
+    def _accepted(self, req: SubmitRequest) -> SubmitReply:
         return SubmitReply(
             SubmitStatus.ACCEPTED,
             scheduler_id=self.config.scheduler_id,
@@ -194,6 +207,28 @@ class Placement:
         lookups = (self.kv.lookup(chains[k], k.fingerprint, retention_class) for k in wanted)
         counts = await asyncio.gather(*lookups)
         return dict(zip(wanted, counts, strict=True))
+
+
+def resumed_outputs(req: SubmitRequest) -> list[list[int] | None] | None:
+    """Per choice of a resubmitted request, the output tokens it goes on from (None: that choice
+    ended); None for a new request. Raises ValueError for a resubmit that does not add up."""
+    if not req.output_token_ids and not req.finished_choices and not req.num_moves:
+        return None
+    params = req.sampling_params
+    if len(req.output_token_ids) != params.n:
+        raise ValueError(f"{len(req.output_token_ids)} choices' outputs for a request with n={params.n}")
+    if any(not 0 <= i < params.n for i in req.finished_choices):
+        raise ValueError(f"finished choices {req.finished_choices} out of range for n={params.n}")
+    if req.num_moves < 1:
+        raise ValueError("a resubmit counts at least one move")
+    outputs: list[list[int] | None] = [unpack_tokens(packed) for packed in req.output_token_ids]
+    for index in req.finished_choices:
+        outputs[index] = None
+    if all(o is None for o in outputs):
+        raise ValueError("every choice has ended")
+    if any(o is not None and len(o) >= params.max_tokens for o in outputs):
+        raise ValueError(f"a choice has its max_tokens ({params.max_tokens}) already")
+    return outputs
 
 
 def _reads_store(handle: WorkerHandle) -> bool:

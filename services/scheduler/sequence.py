@@ -88,6 +88,13 @@ class Sequence:
             num_stored_blocks=self.num_stored_blocks,
         )
 
+    def going_on_from(self, output_token_ids: list[int]) -> Sequence:
+        """This choice, resubmitted with the output tokens its client has (they are not sent
+        again; sampling depends on (seed, position) only, so the next ones come out the same)."""
+        self.output_token_ids = list(output_token_ids)
+        self.num_sent_tokens = len(output_token_ids)
+        return self
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

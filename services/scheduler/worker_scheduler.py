@@ -100,12 +100,17 @@ class WorkerScheduler:
         """The worker's G2 (host memory) content changed; see ``KVTiers.note_host_blocks``."""
         self.kv_tiers.note_host_blocks(stored, removed, cleared)
 
-    def add(self, seq: Sequence) -> list[Sequence]:
-        """Queue a request's choices (``sampling_params.n`` of them); returns them."""
+    def add(self, seq: Sequence, outputs: list[list[int] | None] | None = None) -> list[Sequence]:
+        """Queue a request's choices (``sampling_params.n`` of them); returns them.
+
+        ``outputs``: a resubmitted request's output tokens per choice, already with its client;
+        each choice goes on from its own (None: it ended, and is not queued)."""
         n = seq.sampling_params.n
         if len(self._waiting) + n > self.limits.max_num_waiting:
             raise QueueFull(len(self._waiting), self.limits.max_num_waiting)
         choices = [seq] + [seq.choice(i) for i in range(1, n)]
+        if outputs is not None:
+            choices = [c.going_on_from(o) for c, o in zip(choices, outputs, strict=True) if o is not None]
         arrival = next(self._arrivals)
         for choice in choices:
             choice.arrival = arrival

@@ -36,20 +36,30 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 class ScriptedScheduler:
-    def __init__(self, bus: InMemoryBus, status: SubmitStatus = SubmitStatus.ACCEPTED) -> None:
+    def __init__(
+        self, bus: InMemoryBus, status: SubmitStatus = SubmitStatus.ACCEPTED, scheduler_id: str = "s1"
+    ) -> None:
         self.bus = bus
         self.status = status
+        self.scheduler_id = scheduler_id
         self.submitted: list[SubmitRequest] = []
         self.cancelled: list[str] = []
         self.seq = 0
 
     async def start(self) -> None:
-        await self.bus.subscribe(SUBJECTS.submit, self.on_submit, queue="schedulers")
-        await self.bus.subscribe(SUBJECTS.cancel, self.on_cancel)
+        self.subscriptions = [
+            await self.bus.subscribe(SUBJECTS.submit, self.on_submit, queue="schedulers"),
+            await self.bus.subscribe(SUBJECTS.cancel, self.on_cancel),
+        ]
+
+    async def stop(self) -> None:
+        """Gone from the bus (its process killed): it answers nothing more."""
+        for sub in self.subscriptions:
+            await sub.unsubscribe()
 
     async def on_submit(self, msg: Message) -> None:
         self.submitted.append(decode(SubmitRequest, msg.data))
-        reply = SubmitReply(self.status, "busy", scheduler_id="s1", out_seq=self.seq)
+        reply = SubmitReply(self.status, "busy", scheduler_id=self.scheduler_id, out_seq=self.seq)
         await self.bus.respond(msg, encode(reply))
 
     async def on_cancel(self, msg: Message) -> None:
@@ -57,7 +67,7 @@ class ScriptedScheduler:
 
     async def emit(self, *outputs: RequestOutput, seq: int | None = None) -> None:
         self.seq = self.seq + 1 if seq is None else seq
-        step = StepOutputs("s1", self.seq, outputs)
+        step = StepOutputs(self.scheduler_id, self.seq, outputs)
         await self.bus.publish_durable(SUBJECTS.out("gw1"), encode(step))
 
 

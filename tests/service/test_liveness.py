@@ -274,6 +274,7 @@ async def test_the_gateway_fails_the_requests_of_a_scheduler_that_is_gone(
     service, bus, _scheduler = gateway
     service.members.silence_s = 3.0
     service.scheduler_loss_s = 4.0
+    service.migration_limit = 0  # not moved (see test_gateway_migration)
     sched = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
     work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
     await until(service.ready)
@@ -283,7 +284,7 @@ async def test_the_gateway_fails_the_requests_of_a_scheduler_that_is_gone(
     sched.cancel()  # killed: its entry stays, its heartbeat stops
     deltas = await rest(stream)
     assert [(d.finish_reason, d.error) for d in deltas] == [
-        (FinishReason.ERROR, "scheduler s1 lost: no heartbeat")
+        (FinishReason.ERROR, "scheduler s1 lost: no heartbeat; the migration limit (0 moves) is reached")
     ]
     assert not service.ready()
     work.cancel()

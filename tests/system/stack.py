@@ -142,6 +142,19 @@ class Stack:
         )
         return self._replace(old, self.scheduler)
 
+    def add_scheduler(self, scheduler_id: str) -> subprocess.Popen[bytes]:
+        """One more scheduler replica, like ``spawn_scheduler``'s, with id ``scheduler_id``; it
+        replaces none."""
+        proc = spawn(
+            "scheduler",
+            *("--nats-url", self.nats.url, "--log-level", "info", "--scheduler-id", scheduler_id),
+            *("--overlap", "true", "--kv-stats-interval-s", "0.2"),
+            *self.scheduler_args,
+            log=self.log,
+        )
+        self.procs.append(proc)
+        return proc
+
     def _replace(
         self, old: subprocess.Popen[bytes] | None, new: subprocess.Popen[bytes]
     ) -> subprocess.Popen[bytes]:
@@ -187,6 +200,19 @@ async def wait_member(nats_url: str, kind: MemberKind, timeout_s: float) -> None
         while not await live_members(bus, Subjects().members_bucket, kind):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {kind.name} member within {timeout_s} s")
+            await asyncio.sleep(0.1)
+    finally:
+        await bus.close()
+
+
+async def wait_member_id(nats_url: str, kind: MemberKind, member_id: str, timeout_s: float) -> None:
+    """Until ``member_id`` heartbeats in the members bucket."""
+    bus = await NatsBus.connect(nats_url, name="system-test")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while all(m.member_id != member_id for m in await live_members(bus, Subjects().members_bucket, kind)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{kind.name} {member_id} not a member within {timeout_s} s")
             await asyncio.sleep(0.1)
     finally:
         await bus.close()

@@ -1,7 +1,8 @@
 """Streams survive the worker holding them: kill -9 of that worker moves its streams to the other
-one, SIGTERM drains them to a worker that joined at run time, and the clients see no error and
-the same text as an undisturbed run (fp32 greedy); a request in the batch at two worker crashes
-fails alone. Real processes, real nats-server, SmolLM2.
+one, SIGTERM drains them to a worker that joined at run time, kill -9 of their scheduler moves
+them to another scheduler replica, and the clients see no error and the same text as an
+undisturbed run (fp32 greedy); a request in the batch at two worker crashes fails alone. Real
+processes, real nats-server, SmolLM2.
 
 The stack is this module's own (two workers, G3 on a fresh store); the tests run in order.
 """
@@ -13,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,16 @@ import pytest
 from libs.bus.base import Message
 from libs.bus.nats_bus import NatsBus
 from libs.protocol.codec import decode
-from libs.protocol.messages import WorkerLoad
+from libs.protocol.messages import MemberKind, WorkerLoad
 from libs.protocol.subjects import Subjects
 from tests.system.faults import MODEL, InFlight
 from tests.system.kv_metrics import scheduler_kv_stat
-from tests.system.stack import Stack
+from tests.system.stack import Stack, wait_member_id
 from tests.system.test_worker_drain import wait_workers
 
 SECOND, THIRD, FOURTH, FIFTH = "worker-test-2", "worker-test-3", "worker-test-4", "worker-test-5"
+REPLICA = "scheduler-test-2"
+Workers = tuple[Stack, dict[str, subprocess.Popen[bytes]]]  # the stack and its live workers
 MAX_TOKENS = 48
 STREAM_DEADLINE_S = 180.0
 TOPICS = ("lighthouses", "tides", "the moon's phases")
@@ -81,7 +84,7 @@ def busiest(stack: Stack, workers: dict[str, subprocess.Popen[bytes]]) -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, dict]]:
+def fleet(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
     tmp = tmp_path_factory.mktemp("migration")
     stack = Stack.start(model_cache_dir, tmp / "stack.log", dtype="float32", kv_store=tmp / "kv-store")
     try:
@@ -93,7 +96,7 @@ def fleet(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="module")
-def undisturbed(fleet: tuple[Stack, dict]) -> dict[str, str]:
+def undisturbed(fleet: Workers) -> dict[str, str]:
     stack, _ = fleet
     return {topic: answer(stack.base_url, topic) for topic in TOPICS}
 
@@ -105,6 +108,20 @@ def stream_all(stack: Stack) -> dict[str, InFlight]:
     return streams
 
 
+def next_tokens_s(streams: dict[str, InFlight], kill: Callable[[], None]) -> float:
+    """Seconds from ``kill`` until every stream has a token more than it had, or has ended."""
+    counts = {t: s.state.num_tokens for t, s in streams.items()}
+    killed = time.monotonic()
+    kill()
+    resumed: dict[str, float] = {}  # the moved streams are the last to go on
+    while len(resumed) < len(streams):
+        for t, s in streams.items():
+            if t not in resumed and (s.state.num_tokens > counts[t] or s.done):
+                resumed[t] = time.monotonic() - killed
+        time.sleep(0.01)
+    return max(resumed.values())
+
+
 def assert_undisturbed(streams: dict[str, InFlight], undisturbed: dict[str, str]) -> None:
     for topic, stream in streams.items():
         end = stream.result()
@@ -112,23 +129,13 @@ def assert_undisturbed(streams: dict[str, InFlight], undisturbed: dict[str, str]
         assert stream.state.text == undisturbed[topic], topic
 
 
-def test_kill_9_of_the_worker_holding_streams_moves_them(
-    fleet: tuple[Stack, dict], undisturbed: dict[str, str]
-) -> None:
+def test_kill_9_of_the_worker_holding_streams_moves_them(fleet: Workers, undisturbed: dict[str, str]) -> None:
     stack, workers = fleet
     loaded_before = g3_loaded_blocks(stack.root_url)
     streams = stream_all(stack)
     victim = busiest(stack, workers)
-    counts = {t: s.state.num_tokens for t, s in streams.items()}
-    killed = time.monotonic()
-    workers.pop(victim).kill()
-    resumed: dict[str, float] = {}  # the moved streams are the last to go on
-    while len(resumed) < len(streams):
-        for t, s in streams.items():
-            if t not in resumed and (s.state.num_tokens > counts[t] or s.done):
-                resumed[t] = time.monotonic() - killed
-        time.sleep(0.01)
-    print(f"kill -9 of {victim} -> every stream's next token within {max(resumed.values()):.2f} s")
+    seconds = next_tokens_s(streams, workers.pop(victim).kill)
+    print(f"kill -9 of {victim} -> every stream's next token within {seconds:.2f} s")
     assert_undisturbed(streams, undisturbed)
     log = stack.log.read_text()
     assert f"worker {victim} lost" in log and "moved" in log
@@ -137,7 +144,7 @@ def test_kill_9_of_the_worker_holding_streams_moves_them(
 
 
 def test_sigterm_drains_streams_to_a_worker_that_joined_at_run_time(
-    fleet: tuple[Stack, dict], undisturbed: dict[str, str]
+    fleet: Workers, undisturbed: dict[str, str]
 ) -> None:
     stack, workers = fleet
     (remaining,) = workers
@@ -155,7 +162,7 @@ def test_sigterm_drains_streams_to_a_worker_that_joined_at_run_time(
     assert answer(stack.base_url, TOPICS[0]) == undisturbed[TOPICS[0]]  # served by the newcomer
 
 
-def test_a_request_in_the_batch_at_two_worker_crashes_fails_alone(fleet: tuple[Stack, dict]) -> None:
+def test_a_request_in_the_batch_at_two_worker_crashes_fails_alone(fleet: Workers) -> None:
     """The poison (P) is in the batch each time a worker dies; the canary (C) only the second
     time. P fails at its second crash with an error saying so; C moves on and finishes with the
     text it has undisturbed."""
@@ -185,3 +192,25 @@ def test_a_request_in_the_batch_at_two_worker_crashes_fails_alone(fleet: tuple[S
     assert canary.result().kind == "completed"
     undisturbed = httpx.post(f"{stack.base_url}/chat/completions", json=canary_body, timeout=300)
     assert canary.state.text == undisturbed.json()["choices"][0]["message"]["content"]
+
+
+def test_kill_9_of_the_scheduler_moves_its_streams_to_another_replica(
+    fleet: Workers, undisturbed: dict[str, str]
+) -> None:
+    """The streams run on the stack's scheduler, which owns the one worker left; a second replica
+    joins, then the first is killed. The gateway resubmits each stream with the tokens it has to
+    the second, which claims the worker once it let the dead owner go: no error, the same text,
+    and the prompts' blocks loaded from the tiers, not recomputed."""
+    stack, _workers = fleet
+    assert stack.scheduler is not None
+    streams = stream_all(stack)
+    stack.add_scheduler(REPLICA)
+    asyncio.run(wait_member_id(stack.nats.url, MemberKind.SCHEDULER, REPLICA, 120))
+    seconds = next_tokens_s(streams, stack.scheduler.kill)
+    print(f"kill -9 of the scheduler -> every stream's next token within {seconds:.2f} s")
+    assert_undisturbed(streams, undisturbed)
+    log = stack.log.read_text()
+    assert log.count(f"moved to scheduler {REPLICA}") == len(TOPICS), log[-3000:]
+    loaded = sum(scheduler_kv_stat(stack.root_url, "loaded_blocks", tier, REPLICA) for tier in ("G2", "G3"))
+    assert loaded > 0
+    assert answer(stack.base_url, TOPICS[0]) == undisturbed[TOPICS[0]]  # the replica serves new ones

@@ -1,0 +1,94 @@
+"""The gateway moves the requests of a lost scheduler (on the in-memory bus, scripted schedulers):
+each is resubmitted to another scheduler with the tokens its client has, per choice, and its
+stream goes on without an error; outputs still coming from the lost one are dropped; a move that
+finds no taker within the window, or past the migration limit, ends the stream with an error."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from libs.bus.memory import InMemoryBus
+from libs.protocol.codec import pack_tokens, unpack_tokens
+from libs.protocol.messages import FinishReason, MemberInfo, MemberKind, RequestOutput, SamplingParams
+from services.gateway.service import GatewayService
+from tests.service.test_gateway_service import SUBJECTS, ScriptedScheduler
+from tests.service.test_liveness import heartbeat, rest, until
+
+PARAMS = SamplingParams(max_tokens=8, n=2)
+
+
+def out(tokens: list[int], total: int, index: int, finish: FinishReason | None = None) -> RequestOutput:
+    return RequestOutput("r1", pack_tokens(tokens), total, 3, finish, index=index)
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[tuple[GatewayService, InMemoryBus, ScriptedScheduler]]:
+    bus = InMemoryBus()
+    service = GatewayService(bus, SUBJECTS, "gw1", submit_timeout_s=1, resubmit_window_s=2.0)
+    service.members.silence_s = 1.5
+    service.scheduler_loss_s = 2.0
+    await service.start()
+    first = ScriptedScheduler(bus)
+    await first.start()
+    yield service, bus, first
+    await service.close()
+    await bus.close()
+
+
+async def test_a_lost_schedulers_request_goes_on_at_another_with_the_tokens_received(
+    gateway: tuple[GatewayService, InMemoryBus, ScriptedScheduler],
+) -> None:
+    service, bus, first = gateway
+    s1 = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
+    work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
+    await until(service.ready)
+    stream = await service.submit("r1", [1, 2, 3], PARAMS, eos_token_id=0)
+    await first.emit(out([5], 1, 0), out([7], 1, 1))
+    await first.emit(out([6], 2, 0), out([8], 2, 1, FinishReason.STOP))
+    await first.stop()
+    s1.cancel()  # killed: its heartbeat stops
+    second = ScriptedScheduler(bus, scheduler_id="s2")
+    await second.start()
+    s2 = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s2"))
+    await until(lambda: bool(second.submitted))
+    (req,) = second.submitted
+    assert [unpack_tokens(t) for t in req.output_token_ids] == [[5, 6], [7, 8]]
+    assert (req.finished_choices, req.num_moves, req.request_id) == ((1,), 1, "r1")
+    await first.emit(out([66], 3, 0))  # late, from the lost one: dropped
+    await second.emit(out([9], 3, 0, FinishReason.LENGTH))
+    deltas = await rest(stream)
+    assert [(d.index, d.token_ids, d.error) for d in deltas] == [
+        (0, [5], ""),
+        (1, [7], ""),
+        (0, [6], ""),
+        (1, [8], ""),
+        (0, [9], ""),
+    ]
+    assert service.num_moves == {"moved": 1, "failed": 0}
+    s2.cancel()
+    work.cancel()
+
+
+async def test_a_move_that_finds_no_scheduler_ends_the_stream_with_an_error(
+    gateway: tuple[GatewayService, InMemoryBus, ScriptedScheduler],
+) -> None:
+    service, bus, first = gateway
+    s1 = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
+    work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
+    await until(service.ready)
+    stream = await service.submit("r1", [1, 2, 3], PARAMS, eos_token_id=0)
+    await first.emit(out([5], 1, 0))
+    await first.stop()
+    s1.cancel()
+    deltas = await rest(stream)
+    assert deltas[0].token_ids == [5]
+    errors = {d.index: d.error for d in deltas[1:]}
+    assert set(errors) == {0, 1}
+    for error in errors.values():
+        assert error == (
+            "scheduler s1 lost: no heartbeat; not moved to another scheduler: no scheduler is available"
+        )
+    assert service.num_moves == {"moved": 0, "failed": 1}
+    work.cancel()
