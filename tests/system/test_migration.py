@@ -88,6 +88,7 @@ def fleet(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     tmp = tmp_path_factory.mktemp("migration")
     stack = Stack.start(model_cache_dir, tmp / "stack.log", dtype="float32", kv_store=tmp / "kv-store")
     try:
+        assert stack.worker is not None
         workers = {stack.worker_id: stack.worker, SECOND: stack.add_worker(SECOND)}
         asyncio.run(wait_workers(stack.nats.url, set(workers), 180))
         yield stack, workers
