@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
+from libs.kvstore.event_cursor import EventVerdict
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import (
     KVCacheStats,
@@ -30,7 +31,7 @@ from libs.protocol.kv_messages import (
 )
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import Config
-from services.scheduler.kv_tiers import EventVerdict, to_counters
+from services.scheduler.kv_tiers import to_counters
 from services.scheduler.step_loop import WorkerHandle
 from services.scheduler.worker_scheduler import WorkerScheduler
 

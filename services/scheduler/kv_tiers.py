@@ -32,7 +32,6 @@ only the KV of tokens the save counts as computed). A plan that carries only sav
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -265,34 +264,3 @@ class KVTiers:
                 # Until the plan that carries it is made, a saved block is handed out to nobody
                 # else: if it is cached, then under the hash it is saved under.
                 assert self._prefix_cache.hash_of(block_id) in (None, block_hash), "a saved block was reused"
-
-
-class EventVerdict(enum.Enum):
-    APPLY = enum.auto()  # the next message in order
-    RESTART = enum.auto()  # seq 1: the worker (re)started with an empty G2; clear, then apply
-    IGNORE = enum.auto()  # already applied, or older than the dump in use
-    RESYNC = enum.auto()  # a gap, or nothing to continue from: replace G2 from a KVDump
-
-
-@dataclass(slots=True)
-class EventCursor:
-    """How far one worker's KV events are applied to this scheduler's view of its G2."""
-
-    last_seq: int = 0
-    synced: bool = False  # a dump or seq 1 was seen, and no gap since
-
-    def accept(self, seq: int) -> EventVerdict:
-        if seq == 1:
-            self.last_seq, self.synced = 1, True
-            return EventVerdict.RESTART
-        if self.synced and seq == self.last_seq + 1:
-            self.last_seq = seq
-            return EventVerdict.APPLY
-        if self.synced and seq <= self.last_seq:
-            return EventVerdict.IGNORE
-        self.synced = False
-        return EventVerdict.RESYNC
-
-    def resynced(self, dump_seq: int) -> None:
-        """A dump as of ``dump_seq`` replaced G2: events up to it are ignored from now on."""
-        self.last_seq, self.synced = dump_seq, True

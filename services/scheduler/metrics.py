@@ -80,8 +80,9 @@ def count_failed(errors: Iterable[str]) -> None:
 
 
 class QueueCollector(Collector):
-    """Running and waiting sequences per owned worker, read from the cores when scraped (from the
-    server's thread: a copy of the dict and two lengths, each atomic under the GIL)."""
+    """Running and waiting sequences and free KV blocks per owned worker, read from the cores when
+    scraped (from the server's thread: a copy of the dict and lengths, each atomic under the GIL;
+    the free count's two terms may be a step apart)."""
 
     def __init__(self, workers: Mapping[str, WorkerHandle]) -> None:
         self.workers = workers
@@ -90,11 +91,15 @@ class QueueCollector(Collector):
         labels = ["worker_id"]
         running = GaugeMetricFamily("deepinfer_num_requests_running", "sequences running", labels=labels)
         waiting = GaugeMetricFamily("deepinfer_num_requests_waiting", "sequences waiting", labels=labels)
+        doc = "KV blocks allocation can take (free, or cached and unreferenced)"
+        free = GaugeMetricFamily("deepinfer_num_free_kv_blocks", doc, labels=labels)
         for worker_id, handle in list(self.workers.items()):
             running.add_metric([worker_id], handle.core.num_running)
             waiting.add_metric([worker_id], handle.core.num_waiting)
+            free.add_metric([worker_id], handle.core.block_manager.num_free_blocks)
         yield running
         yield waiting
+        yield free
 
 
 def registry(workers: Mapping[str, WorkerHandle]) -> CollectorRegistry:

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from libs.bus.base import Bus, NoResponders, RequestTimeout
+from libs.kvstore.event_cursor import EventCursor
 from libs.protocol.codec import DecodeError, decode, encode, unpack_tokens
 from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerLoad
 from services.scheduler import metrics
-from services.scheduler.kv_tiers import EventCursor
 from services.scheduler.sequence import Sequence
 from services.scheduler.worker_scheduler import WorkerScheduler
 

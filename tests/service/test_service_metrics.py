@@ -72,12 +72,15 @@ async def test_running_and_waiting_are_read_from_the_cores_when_scraped() -> Non
         held = scrape(registry)
         assert value(held, "deepinfer_num_requests_running", worker_id="w1") == 1
         assert value(held, "deepinfer_num_requests_waiting", worker_id="w1") == 5
+        num_blocks = service.workers["w1"].core.limits.num_blocks
+        assert value(held, "deepinfer_num_free_kv_blocks", worker_id="w1") < num_blocks  # r1's
         worker.gate.set()
         assert set((await finished(out, 6)).values()) == {FinishReason.LENGTH}
         await until(lambda: not service.workers["w1"].core.has_work())
         done = scrape(registry)
         assert value(done, "deepinfer_num_requests_running", worker_id="w1") == 0
         assert value(done, "deepinfer_num_requests_waiting", worker_id="w1") == 0
+        assert value(done, "deepinfer_num_free_kv_blocks", worker_id="w1") == num_blocks
         assert value(done, "deepinfer_steps_total") > value(held, "deepinfer_steps_total")
 
 

@@ -2,12 +2,14 @@
 uncached prompt is prefilled on a `--role prefill` worker, which samples and streams the first
 token, and decoded on a `--role decode` worker that loads the prompt's full blocks from the shared
 store. The text equals colocated serving, and the decode worker computed only the partial last
-block and the first token itself: its G3 loads cover every full prompt block, none failed.
+block and the first token itself: its G3 loads cover every full prompt block, none failed. A
+client that leaves during the remote prefill leaves no block held on either worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,13 +17,17 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from libs.bus.nats_server import free_port
+from libs.kvstore.block_file import TEMP_FILE_SUFFIX
 from tests.system.faults import MODEL, InFlight
 from tests.system.kv_metrics import scheduler_kv_stat
 from tests.system.stack import Stack
 from tests.system.test_worker_drain import wait_workers
 
 PREFILL = "worker-prefill"
+SCHEDULER_METRICS_PORT = free_port()
 BLOCK_SIZE = 16  # the workers' default
 STORY = " ".join(f"Day {i}: the keeper lit the lamp and counted {i + 3} ships." for i in range(20))
 QUESTIONS = ("How many ships on day 7?", "What did the keeper light?")
@@ -53,7 +59,7 @@ def stack(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         tmp / "stack.log",
         kv_store=tmp / "kv-store",
         worker_args=("--role", "decode"),
-        scheduler_args=("--pd-min-uncached-tokens", "64"),
+        scheduler_args=("--pd-min-uncached-tokens", "64", "--metrics-port", str(SCHEDULER_METRICS_PORT)),
     )
     try:
         yield running
@@ -87,7 +93,57 @@ def test_a_long_prompt_is_prefilled_on_one_worker_and_decoded_on_another_with_th
     assert log.count(f"from {PREFILL} to {stack.worker_id}") >= len(QUESTIONS), log[-3000:]
 
 
+def scheduler_gauges(name: str) -> dict[str, float]:
+    """The scheduler's gauge ``name`` per worker id, from its own /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{SCHEDULER_METRICS_PORT}/metrics", timeout=10).text
+    return {
+        sample.labels["worker_id"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == name
+        for sample in family.samples
+    }
+
+
+def test_a_cancel_during_the_remote_prefill_frees_the_blocks_on_both_workers(stack: Stack) -> None:
+    """A long prompt goes to the prefill worker; its client leaves while it is computed there.
+    Both workers' free KV blocks come back to what they were, and the store holds no partial
+    file (the handoff carries full blocks only, through the store)."""
+    workers = {stack.worker_id, PREFILL}
+    baseline = scheduler_gauges("deepinfer_num_free_kv_blocks")
+    assert set(baseline) == workers, baseline
+    story = " ".join(f"Night {i}: the keeper wrote down {i * 7} waves and a gull." for i in range(150))
+    messages = [{"role": "system", "content": story}, {"role": "user", "content": "Sum it up."}]
+    request = {"model": MODEL, "messages": messages, "max_tokens": 64, "temperature": 0}
+
+    async def leave_during_prefill() -> float:
+        async with httpx.AsyncClient(timeout=120) as http:
+            headers = {"Authorization": "Bearer cancel-in-prefill"}  # nothing of it cached
+            call = asyncio.create_task(
+                http.post(f"{stack.base_url}/chat/completions", json=request, headers=headers)
+            )
+            deadline = time.monotonic() + 60
+            while scheduler_gauges("deepinfer_num_requests_running").get(PREFILL, 0) < 1:
+                assert not call.done(), call.result().text
+                assert time.monotonic() < deadline, "the request never ran on the prefill worker"
+                await asyncio.sleep(0.05)
+            held = scheduler_gauges("deepinfer_num_free_kv_blocks")[PREFILL]
+            call.cancel()  # the client leaves: its connection closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            return held
+
+    held = asyncio.run(leave_during_prefill())
+    assert held < baseline[PREFILL]  # the prompt's blocks were held there when the client left
+    deadline = time.monotonic() + 15
+    while (free := scheduler_gauges("deepinfer_num_free_kv_blocks")) != baseline:
+        assert time.monotonic() < deadline, (free, baseline)
+        time.sleep(0.1)
+    assert not [p for p in stack.kv_store.rglob("*") if p.name.endswith(TEMP_FILE_SUFFIX)]
+    assert "cancelled" in stack.log.read_text()
+
+
 def test_with_only_a_prefill_worker_a_request_is_a_503_naming_the_role(stack: Stack) -> None:
+    assert stack.worker is not None
     stack.worker.kill()  # the decode worker
     deadline = time.monotonic() + 30
     while True:

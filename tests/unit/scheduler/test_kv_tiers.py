@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 
 from libs.kvstore.block_hash import hash_blocks
+from libs.kvstore.event_cursor import EventCursor, EventVerdict
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.kv_messages import CacheTier, split_hashes
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
-from services.scheduler.kv_tiers import EventCursor, EventVerdict
 from services.scheduler.router import WorkerState, pick_in_turn, pick_worker
 from services.scheduler.sequence import Sequence
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
