@@ -84,28 +84,36 @@ class KVEvent:
 
 @dataclass(frozen=True, slots=True)
 class KVEvents:
-    """One publisher's tier changes since its last message. ``seq`` is +1 per message of this
-    publisher (from 1 at its start); a consumer that sees a gap resyncs: G2 by asking the worker
-    for a ``KVDump``, G3 by scanning the store."""
+    """One stream's tier changes since its last message. A stream is (``publisher_id``,
+    ``worker_id``): a worker publishes its own G2 (and G3 writes), ``worker_id`` empty; a scheduler
+    publishes the G1 of each worker it drives, one stream per worker. ``seq`` is +1 per message of
+    a stream (from 1 at its start, when its cache is empty); a consumer that sees a gap resyncs:
+    G1 / G2 by asking the publisher for a ``KVDump`` (``kv.dump.<publisher_id>``), G3 by scanning
+    the store."""
 
     publisher_id: str
     seq: int
     events: tuple[KVEvent, ...]
     fingerprint: str = ""  # the model whose KV these blocks hold
+    worker_id: str = ""  # the worker whose cache changed ("": the publisher itself)
 
 
 @dataclass(frozen=True, slots=True)
 class KVDumpRequest:
     publisher_id: str
+    worker_id: str = ""  # to a scheduler: the worker whose G1 stream is wanted
 
 
 @dataclass(frozen=True, slots=True)
 class KVDump:
-    """Everything a worker's G2 holds, as of its event ``seq`` (a consumer continues from there)."""
+    """Everything one stream's cache holds, as of its event ``seq`` (a consumer continues from
+    there): a worker's G2, or (from a scheduler, ``worker_id`` set) a worker's G1."""
 
     publisher_id: str
     seq: int
     host_block_hashes: bytes  # concatenated, 32 bytes each
+    worker_id: str = ""
+    device_block_hashes: bytes = b""
 
 
 # --- scheduler <-> kvcache --------------------------------------------------------------------

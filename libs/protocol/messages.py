@@ -113,6 +113,7 @@ class SubmitRequest:
     output_token_ids: tuple[bytes, ...] = ()
     finished_choices: tuple[int, ...] = ()
     num_moves: int = 0  # moves to another scheduler so far (bounded by the migration limit)
+    worker_id: str = ""  # the gateway's KV router picked this worker of the receiving scheduler
 
 
 class SubmitStatus(enum.IntEnum):

@@ -15,6 +15,10 @@ class Subjects:
     def submit(self) -> str:
         return f"{self.prefix}.submit"
 
+    def submit_to(self, scheduler_id: str) -> str:
+        """Submit to one scheduler replica: the gateway's KV router picked it (and a worker)."""
+        return f"{self.prefix}.submit.{scheduler_id}"
+
     @property
     def cancel(self) -> str:
         return f"{self.prefix}.cancel"

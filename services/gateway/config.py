@@ -48,6 +48,24 @@ class Config:
     submit_timeout_s: float = field(
         default=5.0, metadata={"help": "how long a submit may wait for a scheduler"}
     )
+    routing: str = field(
+        default="kv",
+        metadata={
+            "help": "how a new request picks its replica and worker: kv (the gateway's router: the "
+            "most of its prompt cached in some worker's G1/G2, against load, over every replica) | "
+            "round_robin (any replica, then its workers in turn: the baseline kv is measured against)"
+        },
+    )
+    router_cache_weight: float = field(
+        default=1.0, metadata={"help": "router cost weight of the prompt share a worker would compute"}
+    )
+    router_load_weight: float = field(
+        default=1.0, metadata={"help": "router cost weight of the share of a worker's slots taken"}
+    )
+    router_temperature: float = field(
+        default=0.0,
+        metadata={"help": "router softmax temperature over -cost (0: always the cheapest worker)"},
+    )
     migration_limit: int = field(
         default=3,
         metadata={
@@ -116,6 +134,10 @@ class Config:
             raise ValueError("grammar_compile_timeout_s and grammar_compile_max_mb must be > 0")
         if self.submit_timeout_s <= 0:
             raise ValueError(f"submit_timeout_s must be > 0, got {self.submit_timeout_s}")
+        if self.routing not in ("kv", "round_robin"):
+            raise ValueError(f"routing must be kv or round_robin, got {self.routing!r}")
+        if min(self.router_cache_weight, self.router_load_weight, self.router_temperature) < 0:
+            raise ValueError("router_cache_weight, router_load_weight and router_temperature must be >= 0")
         if self.migration_limit < 0 or self.resubmit_window_s < 0:
             raise ValueError("migration_limit and resubmit_window_s must be >= 0")
         if self.resume_grace_s < 0:

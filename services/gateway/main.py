@@ -23,6 +23,7 @@ from libs.protocol.subjects import Subjects
 from services.gateway.app import build_app
 from services.gateway.cache_scope import CacheScoping
 from services.gateway.config import Config
+from services.gateway.kv_router import KVRouter
 from services.gateway.response_store import ResponseStore
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
@@ -46,6 +47,13 @@ async def _serve_http(server: _Server) -> bool:
     except SystemExit:
         return False
     return True
+
+
+def router_of(config: Config) -> KVRouter | None:
+    """The KV router (``--routing kv``), or None: submits go to any scheduler (round_robin)."""
+    if config.routing != "kv":
+        return None
+    return KVRouter(config.router_cache_weight, config.router_load_weight, config.router_temperature)
 
 
 async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
@@ -72,6 +80,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
         out_max_age_s=config.stream_retention_s,
         migration_limit=config.migration_limit,
         resubmit_window_s=config.resubmit_window_s,
+        router=router_of(config),
     )
     try:
         await service.start()

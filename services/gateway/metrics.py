@@ -48,6 +48,7 @@ from libs.protocol.kv_messages import KVCacheStats
 from libs.recipe.segments import Usage
 
 if TYPE_CHECKING:
+    from services.gateway.routing import RouterFeed
     from services.gateway.service import GatewayService
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series beside each counter
@@ -169,9 +170,34 @@ class GatewayCollector(Collector):
         yield pending
         doc = "requests whose scheduler was lost, by outcome: moved (resubmitted elsewhere) or failed"
         moves = CounterMetricFamily("deepinfer_gateway_scheduler_moves", doc, labels=["outcome"])
-        for name, count in self.service.num_moves.items():
+        for name, count in self.service.migrations.num_moves.items():
             moves.add_metric([name], count)
         yield moves
+        if self.service.router is not None:
+            yield from router_families(self.service.router)
+
+
+def router_families(feed: RouterFeed) -> Iterator[Metric]:
+    """The KV router's decisions: where it sent requests, how much of their prompts it found
+    cached there (their ratio is the hit rate it routed for), and its resyncs."""
+    stats = feed.router.stats
+    routes = CounterMetricFamily(
+        "deepinfer_router_routes", "requests the KV router sent to each worker", labels=["worker_id"]
+    )
+    for worker_id, count in sorted(stats.num_routes.items()):
+        routes.add_metric([worker_id], count)
+    yield routes
+    doc = "over routed requests: prompt blocks their worker held in G1 or G2 when routed"
+    yield CounterMetricFamily("deepinfer_router_cached_blocks", doc, value=stats.num_cached_blocks)
+    doc = "over routed requests: prompt blocks a cache hit could skip"
+    yield CounterMetricFamily("deepinfer_router_prompt_blocks", doc, value=stats.num_prompt_blocks)
+    doc = "requests with no worker to name (none known, live, owned and decoding): any scheduler placed them"
+    yield CounterMetricFamily("deepinfer_router_unrouted", doc, value=stats.num_unrouted)
+    doc = "KV dumps asked of a publisher after a gap in its event stream, by outcome"
+    dumps = CounterMetricFamily("deepinfer_router_dumps", doc, labels=["outcome"])
+    for outcome, count in feed.num_dumps.items():
+        dumps.add_metric([outcome], count)
+    yield dumps
 
 
 class GatewayMetrics:

@@ -14,6 +14,7 @@ submits are idempotent by request id. ``migration_limit`` bounds the moves of on
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from libs.bus.base import Bus, NoResponders
@@ -21,7 +22,42 @@ from libs.protocol.codec import DecodeError, decode, encode
 from libs.protocol.messages import SubmitReply, SubmitStatus
 from services.gateway.request_stream import Pending
 
+log = logging.getLogger(__name__)
+
 RETRY_S = 0.5  # between tries of a resubmit that found no taker
+
+
+class Migrations:
+    """The moves of one gateway's requests off lost schedulers, and their count by outcome."""
+
+    def __init__(
+        self, bus: Bus, subject: str, submit_timeout_s: float, migration_limit: int, window_s: float
+    ) -> None:
+        self.bus = bus
+        self.subject = subject  # submit, to any scheduler
+        self.submit_timeout_s = submit_timeout_s
+        self.migration_limit = migration_limit
+        self.window_s = window_s
+        self.num_moves = {"moved": 0, "failed": 0}
+
+    async def move(self, pending: Pending, why: str) -> SubmitReply | None:
+        """Resubmit ``pending``'s request (its scheduler is lost, ``why``): the reply of the
+        scheduler that took it, or None when none did (``pending`` is failed, saying why) or
+        nothing was left to run."""
+        if pending.num_moves >= self.migration_limit:
+            self.num_moves["failed"] += 1
+            pending.fail(f"{why}; the migration limit ({self.migration_limit} moves) is reached")
+            return None
+        pending.num_moves += 1
+        result = await resubmit(self.bus, self.subject, pending, self.submit_timeout_s, self.window_s)
+        if isinstance(result, SubmitReply):
+            self.num_moves["moved"] += 1
+            return result
+        if result is not None:
+            self.num_moves["failed"] += 1
+            log.error("request %s not moved: %s", pending.submit and pending.submit.request_id, result)
+            pending.fail(f"{why}; not moved to another scheduler: {result}")
+        return None
 
 
 async def resubmit(

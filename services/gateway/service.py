@@ -26,6 +26,8 @@ comes, and resumes it (a ``PauseRequest`` with ``resume``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Coroutine
@@ -50,9 +52,11 @@ from libs.protocol.messages import (
 )
 from libs.protocol.subjects import Subjects
 from services.gateway.grace import GracePeriods, OnLeave
+from services.gateway.kv_router import KVRouter
 from services.gateway.metrics import StatsBoard
-from services.gateway.migration import resubmit
+from services.gateway.migration import Migrations
 from services.gateway.request_stream import Pending, RequestStream
+from services.gateway.routing import RouterFeed
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +85,18 @@ class GatewayService:
         out_max_age_s: float = 600.0,
         migration_limit: int = 3,
         resubmit_window_s: float = 10.0,
+        router: KVRouter | None = None,
     ) -> None:
         self.bus = bus
         self.subjects = subjects
         self.gateway_id = gateway_id
         self.submit_timeout_s = submit_timeout_s
         self.out_max_age_s = out_max_age_s
-        self.migration_limit = migration_limit
-        self.resubmit_window_s = resubmit_window_s
-        self.num_moves = {"moved": 0, "failed": 0}  # requests off a lost scheduler, by outcome
+        self.migrations = Migrations(
+            bus, subjects.submit, submit_timeout_s, migration_limit, resubmit_window_s
+        )
+        # None: a submit goes to any scheduler (the queue group), which places it itself
+        self.router = None if router is None else RouterFeed(bus, subjects, router)
         self._pending: dict[str, Pending] = {}
         self._last_seq: dict[str, int] = {}  # scheduler id -> last StepOutputs.seq seen
         self._background: set[asyncio.Task[None]] = set()
@@ -117,6 +124,8 @@ class GatewayService:
         await self.bus.ensure_kv(subjects.members_bucket, MEMBER_TTL_S)
         await self.bus.subscribe(subjects.resume_claim, self._on_claim)
         await self.bus.subscribe(subjects.stats_all, self._on_stats)
+        if self.router is not None:
+            await self.router.start()
         self._out_seq_seen = await self.bus.stream_last_seq(subjects.out_stream)
         await self.bus.subscribe_durable(subjects.out(self.gateway_id), self._on_step_outputs)
         self.bus.add_connection_listener(self._on_connection)
@@ -171,7 +180,7 @@ class GatewayService:
             tenant=tenant,
             retention_class=retention_class,
         )
-        submit = self.bus.request(self.subjects.submit, encode(req), self.submit_timeout_s)
+        submit = self._send_submit(req, prompt_token_ids)
         # Registered before the submit goes out, so no output can arrive before its queue exists.
         pending = self._pending[request_id] = Pending(params.n, params.logprobs, submit=req)
         try:
@@ -191,13 +200,28 @@ class GatewayService:
         if reply.status is not SubmitStatus.ACCEPTED:
             self._pending.pop(request_id, None)
             raise SubmitRejected(reply.status, reply.message)
+        self._taken(request_id, pending, reply)
+        # Only a resumable stream is worth keeping for a while once its client is gone.
+        on_leave: OnLeave = "now" if record is None else "never" if record.background else "grace"
+        return self._stream(request_id, pending, on_leave)
+
+    def _taken(self, request_id: str, pending: Pending, reply: SubmitReply) -> None:
+        """A scheduler accepted the request (a submit, or a resubmit after its scheduler's loss)."""
         pending.scheduler_id = reply.scheduler_id
         if reply.out_seq >= 0:  # outputs seen since are newer; if none, the next is out_seq + 1
             self._last_seq.setdefault(reply.scheduler_id, reply.out_seq)
         self._accepted_at[request_id] = time.monotonic()
-        # Only a resumable stream is worth keeping for a while once its client is gone.
-        on_leave: OnLeave = "now" if record is None else "never" if record.background else "grace"
-        return self._stream(request_id, pending, on_leave)
+
+    async def _send_submit(self, req: SubmitRequest, prompt: list[int]) -> bytes:
+        """Submit to the replica the router picked, naming its worker; to any scheduler when it
+        picks none, or when that replica no longer answers (gone since its worker's report)."""
+        route = None if self.router is None else self.router.route(prompt, req.tenant)
+        if route is not None:
+            routed = encode(dataclasses.replace(req, worker_id=route.worker_id))
+            with contextlib.suppress(NoResponders):
+                subject = self.subjects.submit_to(route.scheduler_id)
+                return await self.bus.request(subject, routed, self.submit_timeout_s)
+        return await self.bus.request(self.subjects.submit, encode(req), self.submit_timeout_s)
 
     def next_out_seq(self) -> int:
         """A start for a request submitted now: nothing of it can be in the out stream before it.
@@ -345,36 +369,21 @@ class GatewayService:
                 self._move(request_id, scheduler_id)
 
     def _move(self, request_id: str, scheduler_id: str) -> None:
-        """The request's scheduler is lost: resubmit it to another, unless past the limit."""
+        """The request's scheduler is lost: resubmit it to another (see ``Migrations``)."""
         pending = self._pending[request_id]
-        why = f"scheduler {scheduler_id} lost: no heartbeat"
-        if pending.num_moves >= self.migration_limit:
-            self.num_moves["failed"] += 1
-            pending.fail(f"{why}; the migration limit ({self.migration_limit} moves) is reached")
-            return
-        pending.num_moves += 1
         pending.lost_schedulers.add(scheduler_id)
-        self._spawn(self._resubmit(request_id, pending, why))
+        self._spawn(self._moved(request_id, pending, f"scheduler {scheduler_id} lost: no heartbeat"))
 
-    async def _resubmit(self, request_id: str, pending: Pending, why: str) -> None:
-        subject, timeout_s = self.subjects.submit, self.submit_timeout_s
-        result = await resubmit(self.bus, subject, pending, timeout_s, self.resubmit_window_s)
-        if self._pending.get(request_id) is not pending:  # its reader left meanwhile
-            if isinstance(result, SubmitReply):
-                self.cancel_soon(request_id)  # (the close's cancel may have come before it)
+    async def _moved(self, request_id: str, pending: Pending, why: str) -> None:
+        reply = await self.migrations.move(pending, why)
+        if reply is None:
             return
-        if isinstance(result, SubmitReply):
-            self.num_moves["moved"] += 1
-            pending.scheduler_id = result.scheduler_id
-            if result.out_seq >= 0:
-                self._last_seq.setdefault(result.scheduler_id, result.out_seq)
-            self._accepted_at[request_id] = time.monotonic()
-            new_id, num_moves = result.scheduler_id, pending.num_moves
-            log.warning("request %s moved to scheduler %s (move %d)", request_id, new_id, num_moves)
-        elif result is not None:
-            self.num_moves["failed"] += 1
-            log.error("request %s not moved: %s", request_id, result)
-            pending.fail(f"{why}; not moved to another scheduler: {result}")
+        if self._pending.get(request_id) is not pending:  # its reader left meanwhile
+            self.cancel_soon(request_id)  # (the close's cancel may have come before it)
+            return
+        self._taken(request_id, pending, reply)
+        new_id, num_moves = reply.scheduler_id, pending.num_moves
+        log.warning("request %s moved to scheduler %s (move %d)", request_id, new_id, num_moves)
 
     def _check_arrivals(self, now: float) -> None:
         """Fail the requests of a scheduler whose last outputs never came: its heartbeat has said

@@ -46,6 +46,10 @@ class Config:
     kv_dump_timeout_s: float = field(
         default=1.0, metadata={"help": "longest a resync waits for a worker's dump of its host blocks"}
     )
+    kv_events_interval_s: float = field(
+        default=0.1,
+        metadata={"help": "period of the G1 (device) KV events this scheduler publishes for the routers"},
+    )
     kv_stats_interval_s: float = field(
         default=5.0, metadata={"help": "period of the KV cache stats this scheduler publishes"}
     )
@@ -56,8 +60,9 @@ class Config:
     routing: str = field(
         default="kv",
         metadata={
-            "help": "how a new request picks its worker: kv (the most of its prompt cached in G1/G2, "
-            "against load) | round_robin (in turn: the baseline kv is measured against)"
+            "help": "how a new request picks its replica and worker: kv (the gateway's router: the "
+            "most of its prompt cached in some worker's G1/G2, against load, over every replica) | "
+            "round_robin (any replica, then its workers in turn: the baseline kv is measured against)"
         },
     )
     pd_min_uncached_tokens: int = field(
@@ -118,6 +123,7 @@ class Config:
             "kv_lookup_timeout_s",
             "kv_dump_timeout_s",
             "kv_stats_interval_s",
+            "kv_events_interval_s",
             "pause_timeout_s",
             "pd_min_uncached_tokens",
             "pd_max_prefill_queue",

@@ -2,8 +2,9 @@
 the router; this part reads the workers' cores and the shared store's index.
 
 submit -> the prompt's block chain per kind of worker (in a thread: hashing is slow) -> a G3 lookup
-(kvcache) -> a decode-capable worker by the router's rule (the most of the prompt cached in its G1
-/ G2 against its load, or round robin) -> a prefill worker instead when the prompt is long and
+(kvcache) -> a decode-capable worker: the one the gateway's KV router named, if it has room, else
+by the router's rule (the most of the prompt cached in its G1 / G2 against its load, or round
+robin) -> a prefill worker instead when the prompt is long and
 uncached there (P/D) -> ``Fleet.submit``.
 """
 
@@ -74,7 +75,11 @@ class Placement:
             for wid, h in self.workers.items()
             if wid not in self.fleet.draining and self.fleet.decodes(wid)
         ]
-        if self.config.routing == "round_robin":
+        # The gateway's router saw every replica's caches: its pick stands while it has room.
+        routed = next((s for s in states if s.worker_id == req.worker_id and s.has_room), None)
+        if routed is not None:
+            worker_id: str | None = routed.worker_id
+        elif self.config.routing == "round_robin":
             worker_id = pick_in_turn(states, next(self._turns))
         else:
             worker_id = pick_worker(states)

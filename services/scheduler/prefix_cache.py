@@ -38,12 +38,37 @@ class PrefixCacheStats:
         self.num_hit_tokens += num_hit_tokens
 
 
+MAX_JOURNAL_LEN = 1 << 16  # events kept for the publisher; past it, it publishes a gap instead
+
+
 class PrefixCache:
+    """``take_events`` hands out the hashes cached and dropped since its last call, in order
+    (the G1 events the scheduler publishes for routers: BlockStored / BlockRemoved)."""
+
     def __init__(self) -> None:
         self._block_of: dict[bytes, int] = {}  # block hash -> the block holding its KV
         self._hash_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unowned; LRU first
         self.stats = PrefixCacheStats()
+        self._journal: list[tuple[bool, bytes]] = []  # (stored, hash), oldest first
+        self._journal_overflowed = False  # events were dropped: consumers must resync
+
+    def take_events(self) -> tuple[list[tuple[bool, bytes]], bool]:
+        """(stored?, hash) per change since the last call, oldest first, and whether some were
+        dropped (the journal was full: nobody took them)."""
+        events, overflowed = self._journal, self._journal_overflowed
+        self._journal, self._journal_overflowed = [], False
+        return events, overflowed
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash cached now (a dump of G1)."""
+        return list(self._block_of)
+
+    def _note(self, stored: bool, block_hash: bytes) -> None:
+        if len(self._journal) < MAX_JOURNAL_LEN:
+            self._journal.append((stored, block_hash))
+        else:
+            self._journal_overflowed = True
 
     @property
     def num_cached_blocks(self) -> int:
@@ -79,6 +104,7 @@ class PrefixCache:
         if block_hash not in self._block_of:
             self._block_of[block_hash] = block_id
             self._hash_of[block_id] = block_hash
+            self._note(True, block_hash)
 
     def park(self, block_id: int) -> bool:
         """The block's last owner let go: a cached block becomes evictable (most recently used),
@@ -97,12 +123,15 @@ class PrefixCache:
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:
             del self._block_of[block_hash]
+            self._note(False, block_hash)
         self._evictable.pop(block_id, None)
 
     def evict(self) -> int:
         """The least recently used evictable block, its hash dropped: the caller overwrites it."""
         block_id, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block_id)]
+        block_hash = self._hash_of.pop(block_id)
+        del self._block_of[block_hash]
+        self._note(False, block_hash)
         self.stats.num_evicted_blocks += 1
         return block_id
 

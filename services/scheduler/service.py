@@ -44,6 +44,7 @@ from libs.protocol.messages import (
 from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
 from services.scheduler import metrics
 from services.scheduler.config import Config
+from services.scheduler.device_events import DeviceEvents
 from services.scheduler.fleet import NO_TARGET, Fleet, Moves, WorkerLoss
 from services.scheduler.handoff import Handoffs
 from services.scheduler.kv_sync import KVSync
@@ -68,6 +69,7 @@ class SchedulerService:
         self.outputs = OutputPublisher(bus, self.subjects, config.scheduler_id)
         self._tasks: asyncio.TaskGroup | None = None
         self.kv = KVSync(config, bus, self.workers)
+        self.device_events = DeviceEvents(bus, self.subjects, config.scheduler_id, self.workers)
         self.placement = Placement(config, self.workers, self.fleet, self.kv, self.outputs)
         self.handoffs = Handoffs(self.fleet, self.kv, self.workers, config.handoff_timeout_s, self._moved)
         self._readers = ResumedBy(config.pause_timeout_s)  # stale pauses (a reader moved gateway)
@@ -82,16 +84,21 @@ class SchedulerService:
             self._tasks = tg  # before the subscriptions: their handlers start tasks in it
             subs = [
                 await self.bus.subscribe(self.subjects.submit, self.on_submit, queue=QUEUE_SCHEDULERS),
+                await self.bus.subscribe(self.subjects.submit_to(self.config.scheduler_id), self.on_submit),
                 await self.bus.subscribe(self.subjects.cancel, self.on_cancel),
                 await self.bus.subscribe(self.subjects.pause, self.on_pause),
                 await self.bus.subscribe(self.subjects.load_all, self.on_load),
                 await self.bus.subscribe(self.subjects.kv_events, self.kv.on_kv_events),
+                await self.bus.subscribe(
+                    self.subjects.kv_dump(self.config.scheduler_id), self.device_events.on_dump
+                ),
             ]
             log.info("scheduler %s ready", self.config.scheduler_id)
             tg.create_task(announce(self.bus, self.subjects.members_bucket, self.member_info, stop))
             tg.create_task(self.members.watch(stop, self._check_workers))
             self.bus.add_connection_listener(self._on_connection)
             tg.create_task(self.kv.publish_stats(stop))
+            tg.create_task(self.device_events.publish(stop, self.config.kv_events_interval_s))
             tg.create_task(self._expire_paused(stop))
             await stop.wait()
             for sub in subs:

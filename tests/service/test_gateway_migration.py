@@ -66,7 +66,7 @@ async def test_a_lost_schedulers_request_goes_on_at_another_with_the_tokens_rece
         (1, [8], ""),
         (0, [9], ""),
     ]
-    assert service.num_moves == {"moved": 1, "failed": 0}
+    assert service.migrations.num_moves == {"moved": 1, "failed": 0}
     s2.cancel()
     work.cancel()
 
@@ -90,5 +90,5 @@ async def test_a_move_that_finds_no_scheduler_ends_the_stream_with_an_error(
         assert error == (
             "scheduler s1 lost: no heartbeat; not moved to another scheduler: no scheduler is available"
         )
-    assert service.num_moves == {"moved": 0, "failed": 1}
+    assert service.migrations.num_moves == {"moved": 0, "failed": 1}
     work.cancel()

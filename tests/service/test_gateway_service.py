@@ -49,6 +49,7 @@ class ScriptedScheduler:
     async def start(self) -> None:
         self.subscriptions = [
             await self.bus.subscribe(SUBJECTS.submit, self.on_submit, queue="schedulers"),
+            await self.bus.subscribe(SUBJECTS.submit_to(self.scheduler_id), self.on_submit),
             await self.bus.subscribe(SUBJECTS.cancel, self.on_cancel),
         ]
 
