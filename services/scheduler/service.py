@@ -1,17 +1,19 @@
 """Adapts bus messages to the scheduler's fleet: one WorkerScheduler core and one StepLoop per
 owned worker, under one request table (``Fleet``).
 
-submit (request/reply, queue group) -> ``Placement`` (G3 lookup, then a worker by cached prefix
+submit (request/reply: the queue group, or this replica's own subject when the gateway's KV router
+picked one of its workers) -> ``Placement`` (G3 lookup, then that worker or one by cached prefix
 against load, or a prefill worker for a long uncached prompt) -> the worker's core; each worker's
 StepLoop runs plan = core.schedule(); result = worker.step(plan); core.postprocess(result), and
 this service publishes one StepOutputs per destination gateway per step into the durable OUT
 stream (``OutputPublisher``). KVSync keeps each core's view of its worker's host memory (G2)
-current from the workers' KV events. A prefilled request is handed to a decode worker
-(``Handoffs``).
+current from the workers' KV events; ``DeviceEvents`` publishes each core's G1 for the routers.
+A prefilled request is handed to a decode worker (``Handoffs``).
 
 A worker serves one scheduler at a time (block tables are the scheduler's, so two schedulers
-would hand out the same KV pages): a scheduler claims a worker with an empty plan when it joins,
-and leaves alone workers whose load report names another owner.
+would hand out the same KV pages): a scheduler claims a free worker with an empty plan when it
+sees it, unless another live replica drives fewer workers (that one gets a few seconds to claim
+it first), and leaves alone workers whose load report names another owner.
 
 A worker is lost when a probe of a slow step finds nothing subscribed to its steps, when its
 heartbeat in the members bucket stops for ``worker_timeout_s`` or says it is stuck in a step, or
@@ -57,6 +59,8 @@ from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 
 log = logging.getLogger(__name__)
 
+CLAIM_DEFER_S = 3.0  # a free worker is left this long to a replica driving fewer workers
+
 
 class SchedulerService:
     def __init__(self, config: Config, bus: Bus) -> None:
@@ -66,6 +70,7 @@ class SchedulerService:
         self.workers: dict[str, WorkerHandle] = {}
         self.fleet = Fleet(config.migration_limit)  # the request table and the workers' cores
         self._foreign: set[str] = set()  # workers owned by another scheduler
+        self._free_since: dict[str, float] = {}  # free workers left to a replica with fewer
         self.outputs = OutputPublisher(bus, self.subjects, config.scheduler_id)
         self._tasks: asyncio.TaskGroup | None = None
         self.kv = KVSync(config, bus, self.workers)
@@ -199,7 +204,8 @@ class SchedulerService:
         info = self.members.get(MemberKind.WORKER, load.worker_id)
         stuck = info is not None and info.stuck  # a stuck one waits for its step
         if handle is None and not stuck and not load.draining:  # a draining one is left to leave
-            self._add_worker(load)
+            if not self._defers_claim(load.worker_id):
+                self._add_worker(load)
         elif handle is not None:
             handle.load = load
             handle.last_seen = time.monotonic()
@@ -207,6 +213,25 @@ class SchedulerService:
                 self._drain(handle)
 
     # --- workers ---------------------------------------------------------------------------
+
+    def _defers_claim(self, worker_id: str) -> bool:
+        """Replicas share the free workers: one that drives more workers than another live
+        replica leaves a free worker to it for ``CLAIM_DEFER_S`` (then claims it anyway: the other
+        may be unable to)."""
+        now = time.monotonic()
+        others = [
+            m.num_workers
+            for m in self.members.live(MemberKind.SCHEDULER)
+            if m.member_id != self.config.scheduler_id and m.num_workers >= 0
+        ]
+        if not others or len(self.workers) <= min(others):
+            self._free_since.pop(worker_id, None)
+            return False
+        since = self._free_since.setdefault(worker_id, now)
+        if now - since < CLAIM_DEFER_S:
+            return True
+        del self._free_since[worker_id]
+        return False
 
     def _add_worker(self, load: WorkerLoad) -> None:
         if self._tasks is None:
