@@ -1,5 +1,5 @@
-"""Fleet benchmarks: one scheduler driving several workers, each figure beside a baseline measured
-in the same run, and the ratio.
+"""Fleet benchmarks: scheduler replicas driving several workers, each figure beside a baseline
+measured in the same run, and the ratio.
 
     python bench/fleet.py                     # both parts, full size
     python bench/fleet.py --part routing --g3 # cache-aware routing with G3 on
@@ -8,9 +8,10 @@ in the same run, and the ratio.
 Part routing: an agent multi-turn workload, --sessions sessions x --turns turns run concurrently,
 each turn resending the whole conversation so far (its own system prompt of tool descriptions, the
 previous tool results and answers) plus a new tool result, greedy, --reply-tokens at most per
-answer. It runs against a fresh `deepinfer serve --num-workers W` once with `--routing
-round_robin` (the baseline) and once with `--routing kv`; G3 off unless --g3 (then a fresh store
-each). Per stack:
+answer. It runs against a fresh `deepinfer serve --num-workers W --num-schedulers S` once with
+`--routing round_robin` (the baseline: any replica, then its workers in turn) and once with
+`--routing kv` (the gateway's router picks replica and worker); G3 off unless --g3 (then a fresh
+store each). Per stack:
 - hit rate: cached prompt tokens / prompt tokens summed over every request, from each response's
   usage (G1+G2, and G3 with --g3); beside it the per-tier rates from the gateway's /metrics
   (``deepinfer_kv_hit_tokens`` / ``deepinfer_kv_query_tokens`` of kind=scheduler, the change
@@ -80,6 +81,7 @@ class Options:
     host_cache_gb: float
     model: str
     cache_dir: str
+    num_schedulers: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +194,7 @@ def serve_flags(opts: Options, routing: str, nats_url: str, store: Path | None) 
     return {
         "--nats-url": nats_url,
         "--num-workers": str(opts.num_workers),
+        "--num-schedulers": str(opts.num_schedulers),
         "--routing": routing,
         "--model": opts.model,
         "--dtype": opts.dtype,
@@ -269,7 +272,7 @@ def report_routing(opts: Options, results: dict[str, RoutingResult], summary: li
     g3 = "on (a fresh store per stack)" if opts.g3 else "off"
     workload = f"{opts.num_sessions} sessions x {opts.num_turns} turns"
     print_table(
-        f"routing: {opts.num_workers} workers, {workload}, G3 {g3}",
+        f"routing: {opts.num_workers} workers, {opts.num_schedulers} scheduler(s), {workload}, G3 {g3}",
         ["routing", "requests", "hit rate", "/metrics by tier", "TTFT p50 ms", "TTFT p99 ms",
          "computed prompt tokens per worker", "max/min", "wall s"],
         rows,
@@ -314,8 +317,11 @@ def parse_args() -> Options:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--part", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (2 workers, 2 x 2 turns, 2 kills)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes (2 workers, 2 schedulers, 2 x 2 turns, 2 kills)"
+    )
     parser.add_argument("--workers", type=int, default=4, help="workers of the routing part")
+    parser.add_argument("--schedulers", type=int, default=1, help="scheduler replicas of the routing part")
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--reply-tokens", type=int, default=32, help="most tokens per answer")
@@ -335,12 +341,12 @@ def parse_args() -> Options:
     opts = Options(
         parts, args.workers, args.sessions, args.turns, args.reply_tokens, args.kills, args.streams,
         args.stream_tokens, args.g3, args.dtype, args.threads, args.kv_cache_gb, args.host_cache_gb,
-        EMBEDDED, resolve_cache_dir(args.cache_dir, os.environ),
+        EMBEDDED, resolve_cache_dir(args.cache_dir, os.environ), args.schedulers,
     )  # fmt: skip
     if args.quick:
         opts = replace(
-            opts, num_workers=2, num_sessions=2, num_turns=2, reply_tokens=8, kills=2, num_streams=2,
-            stream_tokens=48, kv_cache_gb=0.25, host_cache_gb=0.25,
+            opts, num_workers=2, num_schedulers=2, num_sessions=2, num_turns=2, reply_tokens=8, kills=2,
+            num_streams=2, stream_tokens=48, kv_cache_gb=0.25, host_cache_gb=0.25,
         )  # fmt: skip
     return opts
 

@@ -82,6 +82,13 @@ class Config:
         },
     )
     decode_workers: int = field(default=0, metadata={"help": "P/D: worker processes with --role decode"})
+    num_schedulers: int = field(
+        default=1,
+        metadata={
+            "help": "scheduler replicas (<scheduler id>, <scheduler id>-1, ...): they share the "
+            "workers, and the gateway's router picks replica and worker per request"
+        },
+    )
     max_restarts: int = field(
         default=5,
         metadata={"help": "restarts of one process within --restart-window-s before serve gives up"},
@@ -115,6 +122,8 @@ class Config:
         self.restart_policy()  # a bad value fails now, naming its key
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.num_schedulers < 1:
+            raise ValueError(f"num_schedulers must be >= 1, got {self.num_schedulers}")
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("prefill_workers and decode_workers must be >= 0")
         if self.prefill_workers + self.decode_workers and self.num_workers != 1:
@@ -261,6 +270,15 @@ def extra_workers(
     }
 
 
+def extra_schedulers(scheduler: SchedulerConfig, num_schedulers: int) -> dict[str, SchedulerConfig]:
+    """The scheduler replicas after the first, by process name (``scheduler-1``, ...), each with
+    its own id."""
+    return {
+        f"scheduler-{i}": dataclasses.replace(scheduler, scheduler_id=f"{scheduler.scheduler_id}-{i}")
+        for i in range(1, num_schedulers)
+    }
+
+
 def _spread_metrics_ports(configs: dict[str, Any]) -> dict[str, Any]:
     """One ``--metrics-port`` reaches every service that has the field (and serve itself): on one
     host they cannot all bind it, so the first takes the port itself and each next one, in the
@@ -286,11 +304,16 @@ def main(args: argparse.Namespace) -> None:
     roles = config.worker_roles(configs["worker"].role)
     configs["worker"] = dataclasses.replace(configs["worker"], role=roles[0])
     extra = extra_workers(configs["worker"], len(roles), roles)
-    # Extra workers' ports come after serve's, so that those of a single-worker stack stay put.
-    spread = _spread_metrics_ports({**configs, "serve": config, **extra})
+    replicas = extra_schedulers(configs["scheduler"], config.num_schedulers)
+    # Extra processes' ports come after serve's, so that those of a one-of-each stack stay put.
+    spread = _spread_metrics_ports({**configs, "serve": config, **extra, **replicas})
     config = spread.pop("serve")
     # All workers first, the gateway still last (it serves once the others are up, and stops first).
-    configs = {"worker": spread.pop("worker"), **{name: spread.pop(name) for name in extra}, **spread}
+    workers = {"worker": spread.pop("worker"), **{name: spread.pop(name) for name in extra}}
+    schedulers = {name: spread.pop(name) for name in replicas}
+    gateway = {"gateway": spread.pop("gateway")}
+    configs = {**workers, **spread, **schedulers, **gateway}
+    commands = {**dict.fromkeys(extra, "worker"), **dict.fromkeys(replicas, "scheduler")}
     start_metrics_server(config.metrics_port, REGISTRY, "127.0.0.1")  # restarts, by service
     signals = _Signals()
     signal.signal(signal.SIGINT, signals)
@@ -305,7 +328,7 @@ def main(args: argparse.Namespace) -> None:
             nats.start()
             nats_url = nats.url
         for name, service_config in configs.items():
-            command = "worker" if name in extra else name
+            command = commands.get(name, name)
             child_config = dataclasses.replace(service_config, nats_url=nats_url)
             services.append(ServiceChild(name, child_config, command))
             services[-1].start()

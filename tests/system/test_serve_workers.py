@@ -1,6 +1,7 @@
-"""``deepinfer serve --num-workers 2``: two worker processes with ids of their own, each supervised
-on its own (kill -9 of one restarts that one; the other keeps its pid), each with its own metrics
-port; SIGTERM still stops the whole stack cleanly (both workers drain and exit)."""
+"""``deepinfer serve --num-workers 2 --num-schedulers 2``: two worker processes with ids of their
+own, each supervised on its own (kill -9 of one restarts that one; the other keeps its pid), each
+with its own metrics port; the two scheduler replicas drive one worker each; SIGTERM still stops
+the whole stack cleanly (both workers drain and exit)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def workers(serve: Serve) -> dict[str, int]:
 
 
 def test_two_workers_each_restarted_on_its_own(model_cache_dir: Path, tmp_path: Path) -> None:
-    port = free_ports(5)  # worker, scheduler, kvcache, serve, then the second worker
-    serve = Serve.start(model_cache_dir, tmp_path, "--num-workers", "2", "--metrics-port", str(port))
+    port = free_ports(6)  # worker, scheduler, kvcache, serve, the second worker, the second scheduler
+    flags = ("--num-workers", "2", "--num-schedulers", "2", "--metrics-port", str(port))
+    serve = Serve.start(model_cache_dir, tmp_path, *flags)
     try:
         serve.wait_until("/health 200", serve.healthy, READY_S)
         serve.wait_until("two workers", lambda: len(workers(serve)) == 2, 30)
@@ -34,6 +36,11 @@ def test_two_workers_each_restarted_on_its_own(model_cache_dir: Path, tmp_path: 
         assert set(before) == {first, f"{first}-1"}
         assert serve.answers()
         assert ("deepinfer_worker_step_seconds_count", ()) in scrape(port + 4)  # the second's port
+        serve.wait_until(
+            "each replica drives one worker",
+            lambda: [len(driven(port + offset)) for offset in (1, 5)] == [1, 1],
+            30,
+        )
         psutil.Process(before[f"{first}-1"]).kill()
         serve.wait_until(
             "the second worker restarted",
@@ -56,6 +63,12 @@ def test_two_workers_each_restarted_on_its_own(model_cache_dir: Path, tmp_path: 
         assert serve.leftovers_after(5) == []
     finally:
         serve.kill()
+
+
+def driven(port: int) -> set[str]:
+    """The workers the scheduler serving /metrics on ``port`` drives."""
+    samples = scrape(port)
+    return {dict(labels)["worker_id"] for name, labels in samples if name == "deepinfer_num_free_kv_blocks"}
 
 
 def _serves_metrics(port: int) -> bool:

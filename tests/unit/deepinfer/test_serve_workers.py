@@ -94,3 +94,14 @@ def test_a_bad_pd_topology_is_a_config_error_naming_its_key(fields: dict[str, in
 def test_a_worker_role_outside_prefill_decode_both_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="role"):
         WorkerConfig(role="verify")
+
+
+def test_scheduler_replicas_get_ids_of_their_own_and_bad_counts_are_config_errors() -> None:
+    first = SchedulerConfig(scheduler_id="sched-ab12", metrics_port=9001)
+    replicas = serve.extra_schedulers(first, 3)
+    assert list(replicas) == ["scheduler-1", "scheduler-2"]
+    assert [c.scheduler_id for c in replicas.values()] == ["sched-ab12-1", "sched-ab12-2"]
+    assert all(dataclasses.replace(c, scheduler_id=first.scheduler_id) == first for c in replicas.values())
+    assert serve.extra_schedulers(first, 1) == {}
+    with pytest.raises(ValueError, match="num_schedulers must be >= 1, got 0"):
+        serve.Config(num_schedulers=0)
