@@ -1,7 +1,7 @@
 """Fleet benchmarks: scheduler replicas driving several workers, each figure beside a baseline
 measured in the same run, and the ratio.
 
-    python bench/fleet.py                     # both parts, full size
+    python bench/fleet.py                     # every part, full size
     python bench/fleet.py --part routing --g3 # cache-aware routing with G3 on
     python bench/fleet.py --quick             # tiny sizes: a smoke run (CI)
 
@@ -26,8 +26,13 @@ Targets, kv / round_robin: hit rate >= 3x, TTFT p50 <= 0.4x; the spread is repor
 Part migration (fleet_migration.py): 2 workers, --kills rounds of kill -9 of the worker holding
 streams: p50 and max kill-to-next-token of the moved streams, against their ITL before the kill.
 
-Each process runs --threads torch threads, all sharing this machine's cores (no pinning): compare
-a figure only with its baseline in the same run. Exits 1 if a stack failed or a stream erred.
+Part pd (fleet_pd.py): decode ITL p99 of --pd-streams streams while --pd-long prompts of
+--pd-long-tokens arrive, 1 prefill + 1 decode worker against 2 colocated ones, each worker pinned
+to a core of its own. Target pd / colocated <= 0.5x.
+
+Each process runs --threads torch threads, all sharing this machine's cores (no pinning, but for
+the pd part's two workers): compare a figure only with its baseline in the same run. Exits 1 if a
+stack failed or a stream erred.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from typing import Any
 
 import httpx
 from fleet_migration import MigrationOptions, MigrationResult, run_migration
+from fleet_pd import PDOptions, report_pd, run_pd
+from fleet_report import ms, percentile, ratio, target_row
 from fleet_stack import PlanTap, worker_loads
 from prometheus_client.parser import text_string_to_metric_families
 from prompts import bench_prompts
@@ -55,7 +62,7 @@ from throughput import fmt_ratio, load_average, print_table, running_serve, stre
 from deepinfer.settings import resolve_cache_dir
 from libs.bus.nats_server import EmbeddedNatsServer
 
-PARTS = ("routing", "migration")
+PARTS = ("routing", "migration", "pd")
 ROUTINGS = ("round_robin", "kv")  # the baseline first
 TARGET_HIT_RATE = 3.0  # kv / round_robin, at least
 TARGET_TTFT_P50 = 0.4  # kv / round_robin, at most
@@ -82,6 +89,7 @@ class Options:
     model: str
     cache_dir: str
     num_schedulers: int = 1
+    pd: PDOptions | None = None  # the pd part's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +123,6 @@ class RoutingResult:
             return None
         low, high = min(self.computed.values()), max(self.computed.values())
         return high / low if low else math.inf
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest rank: the smallest value with at least ``q`` of them at or below it."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 # --- part routing ------------------------------------------------------------------------------
@@ -241,24 +241,6 @@ async def run_routing(opts: Options, routing: str, tmp: Path) -> RoutingResult:
 # --- report ------------------------------------------------------------------------------------
 
 
-def ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1e3:.0f}"
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    """num / den; inf when only the baseline is 0 (e.g. no hit at all without cache-aware routing)."""
-    if num is None or den is None or (num == den == 0):
-        return None
-    return num / den if den else math.inf
-
-
-def target_row(name: str, value: float | None, goal: float, at_least: bool) -> list[str]:
-    """A summary row: the ratio measured against its goal."""
-    met = value is not None and (value >= goal if at_least else value <= goal)
-    status = "n/a" if value is None else ("met" if met else "missed")
-    return [name, f"{'>=' if at_least else '<='} {goal}x", fmt_ratio(value), status]
-
-
 def report_routing(opts: Options, results: dict[str, RoutingResult], summary: list[list[str]]) -> None:
     rows = []
     for r in results.values():
@@ -334,6 +316,11 @@ def parse_args() -> Options:
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="each worker's KV pages (G1)")
     parser.add_argument("--host-cache-gb", type=float, default=1.0, help="each worker's host memory (G2)")
     parser.add_argument("--cache-dir", default="", help="converted-weights cache (default: the stack's)")
+    parser.add_argument("--pd-streams", type=int, default=16, help="pd part: streams decoding")
+    parser.add_argument("--pd-stream-tokens", type=int, default=2048, help="pd part: most tokens per stream")
+    parser.add_argument("--pd-long", type=int, default=4, help="pd part: long prompts arriving")
+    parser.add_argument("--pd-long-tokens", type=int, default=4096, help="pd part: tokens per long prompt")
+    parser.add_argument("--pd-long-every-s", type=float, default=4.0, help="pd part: between long prompts")
     args = parser.parse_args()
     parts = frozenset(p for p in args.part.split(",") if p)
     if parts - set(PARTS):
@@ -343,10 +330,17 @@ def parse_args() -> Options:
         args.stream_tokens, args.g3, args.dtype, args.threads, args.kv_cache_gb, args.host_cache_gb,
         EMBEDDED, resolve_cache_dir(args.cache_dir, os.environ), args.schedulers,
     )  # fmt: skip
+    cache_dir = resolve_cache_dir(args.cache_dir, os.environ)
+    pd = PDOptions(
+        EMBEDDED, args.dtype, cache_dir, args.pd_streams, args.pd_stream_tokens, args.pd_long,
+        args.pd_long_tokens, args.pd_long_every_s, kv_cache_gb=1.5,
+    )  # fmt: skip
+    opts = replace(opts, pd=pd)
     if args.quick:
         opts = replace(
             opts, num_workers=2, num_schedulers=2, num_sessions=2, num_turns=2, reply_tokens=8, kills=2,
             num_streams=2, stream_tokens=48, kv_cache_gb=0.25, host_cache_gb=0.25,
+            pd=replace(pd, num_streams=4, stream_tokens=512, num_long=1, long_tokens=1200, kv_cache_gb=0.5),
         )  # fmt: skip
     return opts
 
@@ -384,13 +378,18 @@ async def main_async(opts: Options, tmp: Path) -> list[str]:
         migration = await run_migration(migration_options(opts, tmp), tmp / "migration.log", progress)
         problems += migration.errors
         report_migration(opts, migration, summary)
+    if "pd" in opts.parts and opts.pd is not None:
+        pd = await run_pd(opts.pd, tmp, progress)
+        problems += [e for r in pd.values() for e in r.errors]
+        report_pd(opts.pd, pd, summary)
     print_table("summary", ["figure", "goal", "measured", "status"], summary)
     return problems
 
 
 def main() -> None:
     opts = parse_args()
-    print(f"load average at start: {load_average()}; every process shares these cores (no pinning)")
+    pinning = "no pinning, but for the pd part's workers"
+    print(f"load average at start: {load_average()}; every process shares these cores ({pinning})")
     with tempfile.TemporaryDirectory(prefix="deepinfer-bench-fleet-") as tmp:
         problems = asyncio.run(main_async(opts, Path(tmp)))
     print(f"load average at end: {load_average()}")

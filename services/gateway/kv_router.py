@@ -35,6 +35,7 @@ from libs.protocol.kv_messages import CacheTier, KVDump, KVEvents, RemovalReason
 from libs.protocol.messages import WorkerLoad
 
 StreamKey = tuple[str, str]  # (publisher id, worker id; "" for a worker's own stream)
+FORGET_AFTER_S = 120.0  # a worker silent this long leaves the view, with its streams
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,15 @@ class KVRouter:
         if view is not None and view.load.owner != load.owner:
             self.streams.pop((view.load.owner, load.worker_id), None)  # the old owner's G1
         self.workers[load.worker_id] = WorkerView(load, now)
+        for gone in [v for v in self.workers.values() if now - v.seen_at > FORGET_AFTER_S]:
+            self._forget(gone)
+
+    def _forget(self, view: WorkerView) -> None:
+        """A worker silent this long is gone (restarted under a new id, or scaled down)."""
+        worker_id = view.load.worker_id
+        del self.workers[worker_id]
+        self.streams.pop((view.load.owner, worker_id), None)
+        self.streams.pop((worker_id, ""), None)
 
     def on_events(self, batch: KVEvents) -> StreamKey | None:
         """Apply one message of a stream; returns the stream's key when it needs a dump."""

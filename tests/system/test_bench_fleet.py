@@ -15,6 +15,7 @@ RATIO_LINES = (
     rf"^ratio kv/round_robin TTFT p50: {MEASURED} \(target <= 0\.4x\)$",
     r"^ratio kv/round_robin computed max/min spread: (\d+\.\d+x|n/a) \(reported\)$",
     rf"^ratio migration kill->next token p50 / ITL before: {MEASURED} \(reported\)$",
+    rf"^ratio pd/colocated decode ITL p99: {MEASURED} \(target <= 0\.5x\)$",
 )
 
 

@@ -167,3 +167,14 @@ def test_only_routable_workers_and_only_the_current_owners_g1_count() -> None:
     assert router.route(prompt, "", 20.0) is None and router.stats.num_unrouted == 1
     router.on_load(load("w3", owner=""), 20.0)  # unowned: any scheduler may claim it, none named
     assert router.route(prompt, "", 20.0) is None
+
+
+def test_a_worker_silent_for_long_leaves_the_view_with_its_streams() -> None:
+    router, streams = fleet()
+    streams.g1("w0", True, chain(list(range(41))))
+    streams.g2("w0", True, chain(list(range(41))))
+    for worker_id in ("w1", "w2", "w3"):
+        router.on_load(load(worker_id), 200.0)  # w0 last reported at 0.0
+    router.check_integrity()
+    assert "w0" not in router.workers
+    assert ("s1", "w0") not in router.streams and ("w0", "") not in router.streams
