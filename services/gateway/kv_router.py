@@ -12,13 +12,14 @@ Only the G1 stream of a worker's current owner counts for it.
 
 Cost of a worker for a prompt, lower is better (G3 is left out: every worker reads it):
 
-    cache_weight * (share of the prompt's blocks it would compute) + load_weight * (share of its slots taken)
+    cache_weight * (share of the prompt's blocks it would compute)
+      + load_weight * (share of its slots taken)
 
 where the slots taken are its last report's running sequences plus the requests this router sent
-it since. Workers with a free slot come before any without, so no worker idles while another
-queues. ``temperature`` 0 takes the cheapest (ties: the less loaded, then the lowest id); above 0
-it samples softmax(-cost / temperature), spreading load over workers of near-equal cost, as
-Dynamo's router does.
+it since (a scheduler's waiting queue is not seen). Workers with a free slot come before any
+without: a full one is chosen only when every one is full. ``temperature`` 0 takes the cheapest
+(ties: the less loaded, then the lowest id); above 0 it samples softmax(-cost / temperature),
+spreading load over workers of near-equal cost, as Dynamo's router does.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class KVRouter:
     # --- feeds -----------------------------------------------------------------------------
 
     def on_load(self, load: WorkerLoad, now: float) -> None:
+        if load.block_size <= 0 or load.max_num_seqs <= 0:
+            return  # nothing to route by (a report no worker sends)
         view = self.workers.get(load.worker_id)
         if view is not None and view.load.owner != load.owner:
             self.streams.pop((view.load.owner, load.worker_id), None)  # the old owner's G1
@@ -104,6 +107,8 @@ class KVRouter:
 
     def on_events(self, batch: KVEvents) -> StreamKey | None:
         """Apply one message of a stream; returns the stream's key when it needs a dump."""
+        if not batch.worker_id and batch.publisher_id not in self.workers:
+            return None  # not a worker's own stream (kvcache's G3 removals), or one not heard yet
         key = (batch.publisher_id, batch.worker_id)
         stream = self.streams.setdefault(key, StreamView())
         verdict = stream.cursor.accept(batch.seq)

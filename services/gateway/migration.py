@@ -7,8 +7,8 @@ recomputes their KV over the prefix its workers' tiers hold. Dynamo's request mi
 its frontend for the same reason: the frontend is the one part that saw every token go out.
 
 A resubmit is retried for ``window_s`` while no scheduler takes it (none answers yet, or the one
-that answers has no worker: the lost scheduler's workers are claimed once they let it go), since
-submits are idempotent by request id. ``migration_limit`` bounds the moves of one request.
+that answers has no worker: the lost scheduler's workers are claimed once they let it go).
+``migration_limit`` bounds the moves one request makes through the gateway.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
-from libs.bus.base import Bus, NoResponders
+from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, encode
 from libs.protocol.messages import SubmitReply, SubmitStatus
+from libs.protocol.subjects import Subjects
 from services.gateway.request_stream import Pending
 
 log = logging.getLogger(__name__)
@@ -31,10 +33,17 @@ class Migrations:
     """The moves of one gateway's requests off lost schedulers, and their count by outcome."""
 
     def __init__(
-        self, bus: Bus, subject: str, submit_timeout_s: float, migration_limit: int, window_s: float
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        candidates: Callable[[], list[str]],
+        submit_timeout_s: float,
+        migration_limit: int,
+        window_s: float,
     ) -> None:
         self.bus = bus
-        self.subject = subject  # submit, to any scheduler
+        self.subjects = subjects
+        self.candidates = candidates  # the live schedulers' ids
         self.submit_timeout_s = submit_timeout_s
         self.migration_limit = migration_limit
         self.window_s = window_s
@@ -49,7 +58,12 @@ class Migrations:
             pending.fail(f"{why}; the migration limit ({self.migration_limit} moves) is reached")
             return None
         pending.num_moves += 1
-        result = await resubmit(self.bus, self.subject, pending, self.submit_timeout_s, self.window_s)
+        timeout_s, window_s = self.submit_timeout_s, self.window_s
+        try:
+            result = await resubmit(self.bus, self.subjects, pending, self.candidates, timeout_s, window_s)
+        except Exception as exc:  # whatever it was, the stream must end, not hang
+            log.exception("moving a request failed")
+            result = f"{exc!r}"
         if isinstance(result, SubmitReply):
             self.num_moves["moved"] += 1
             return result
@@ -61,31 +75,55 @@ class Migrations:
 
 
 async def resubmit(
-    bus: Bus, subject: str, pending: Pending, submit_timeout_s: float, window_s: float
+    bus: Bus,
+    subjects: Subjects,
+    pending: Pending,
+    candidates: Callable[[], list[str]],
+    submit_timeout_s: float,
+    window_s: float,
 ) -> SubmitReply | str | None:
     """Resubmit ``pending``'s request: the reply that accepted it, why no scheduler did (a
-    string), or None if nothing was left to run (every choice ended meanwhile)."""
+    string), or None if nothing was left to run (every choice ended meanwhile).
+
+    Each try names one scheduler (``candidates()``: the live ones, in the gateway's view; never one
+    taken for lost, never the queue group), so the request runs in one place: a try that timed out
+    goes to the same scheduler again (it may have taken it, and takes a retry as the same
+    request); one that was refused, or found none answering, moves on to the next."""
     deadline = time.monotonic() + window_s
     why = "no scheduler is available"
+    target: str | None = None  # the scheduler a try timed out at: retried there while it lives
+    refused: set[str] = set()  # tried and refused since the last round over every candidate
     while True:
         req = pending.resubmission()
         if req is None:
             return None
-        try:
-            raw = await bus.request(subject, encode(req), submit_timeout_s)
-            reply = decode(SubmitReply, raw)
-        except NoResponders:
+        live = [s for s in candidates() if s not in pending.lost_schedulers]
+        if target not in live:
+            fresh = [s for s in live if s not in refused]
+            if not fresh:
+                refused.clear()
+            pool = fresh or live
+            target = pool[0] if pool else None
+        if target is None:
             why = "no scheduler is available"
-        except TimeoutError:
-            why = f"no scheduler answered within {submit_timeout_s:.0f} s"
-        except DecodeError as exc:
-            why = f"bad submit reply: {exc}"
         else:
-            if reply.status is SubmitStatus.ACCEPTED:
-                return reply
-            why = reply.message
-            if reply.status is SubmitStatus.INVALID:
-                return why  # the same everywhere: retrying cannot help
+            try:
+                raw = await bus.request(subjects.submit_to(target), encode(req), submit_timeout_s)
+                reply = decode(SubmitReply, raw)
+            except RequestTimeout:
+                why = f"scheduler {target} did not answer within {submit_timeout_s:.0f} s"
+            except (NoResponders, DecodeError) as exc:
+                why = f"scheduler {target}: {exc!r}"
+                refused.add(target)
+                target = None
+            else:
+                if reply.status is SubmitStatus.INVALID:
+                    return reply.message  # the same everywhere: retrying cannot help
+                if reply.status is SubmitStatus.ACCEPTED:
+                    return reply
+                why = reply.message
+                refused.add(target)
+                target = None
         if time.monotonic() + RETRY_S > deadline:
             return why
         await asyncio.sleep(RETRY_S)

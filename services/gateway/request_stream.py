@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from libs.protocol.codec import pack_tokens, unpack_tokens
 from libs.protocol.messages import FinishReason, RequestOutput, SubmitRequest, seq_id_of
+from services.gateway.grace import OnLeave
 from services.gateway.logprobs import TokenLogprob, unpack_logprobs
 
 
@@ -46,6 +47,7 @@ class Pending:
     received: list[list[int]] = field(default_factory=list)
     ended: list[bool] = field(default_factory=list)
     num_moves: int = 0  # resubmits so far
+    on_leave: OnLeave = "now"  # what its reader's leaving does: cancel, pause for a grace, nothing
     lost_schedulers: set[str] = field(default_factory=set)  # outputs still coming from them are dropped
 
     def __post_init__(self) -> None:

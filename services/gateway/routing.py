@@ -48,7 +48,11 @@ class RouterFeed:
         await self.bus.subscribe(self.subjects.kv_events, self.on_events)
 
     def route(self, prompt: Sequence[int], tenant: str) -> Route | None:
-        return self.router.route(prompt, tenant, self.clock())
+        try:
+            return self.router.route(prompt, tenant, self.clock())
+        except Exception:  # a routing bug must not fail the submit: any scheduler places it
+            log.exception("routing failed")
+            return None
 
     async def on_load(self, msg: Message) -> None:
         load = decode_or_warn(WorkerLoad, msg.data, log, "load message")

@@ -93,7 +93,7 @@ class GatewayService:
         self.submit_timeout_s = submit_timeout_s
         self.out_max_age_s = out_max_age_s
         self.migrations = Migrations(
-            bus, subjects.submit, submit_timeout_s, migration_limit, resubmit_window_s
+            bus, subjects, self._live_schedulers, submit_timeout_s, migration_limit, resubmit_window_s
         )
         # None: a submit goes to any scheduler (the queue group), which places it itself
         self.router = None if router is None else RouterFeed(bus, subjects, router)
@@ -203,6 +203,7 @@ class GatewayService:
         self._taken(request_id, pending, reply)
         # Only a resumable stream is worth keeping for a while once its client is gone.
         on_leave: OnLeave = "now" if record is None else "never" if record.background else "grace"
+        pending.on_leave = on_leave
         return self._stream(request_id, pending, on_leave)
 
     def _taken(self, request_id: str, pending: Pending, reply: SubmitReply) -> None:
@@ -336,8 +337,8 @@ class GatewayService:
     def _fail_scheduler(self, scheduler_id: str, why: str) -> None:
         log.error("scheduler %s: %s", scheduler_id, why)
         for pending in self._pending.values():
-            if pending.scheduler_id == scheduler_id:
-                pending.fail(why)
+            if pending.scheduler_id == scheduler_id and scheduler_id not in pending.lost_schedulers:
+                pending.fail(why)  # (one being moved off it has lost nothing more)
 
     def _on_members(self) -> None:
         """After each read of the members: fail the requests of schedulers that are gone.
@@ -368,6 +369,9 @@ class GatewayService:
                 self._accepted_at.pop(request_id)
                 self._move(request_id, scheduler_id)
 
+    def _live_schedulers(self) -> list[str]:
+        return sorted(m.member_id for m in self.members.live(MemberKind.SCHEDULER))
+
     def _move(self, request_id: str, scheduler_id: str) -> None:
         """The request's scheduler is lost: resubmit it to another (see ``Migrations``)."""
         pending = self._pending[request_id]
@@ -378,8 +382,12 @@ class GatewayService:
         reply = await self.migrations.move(pending, why)
         if reply is None:
             return
-        if self._pending.get(request_id) is not pending:  # its reader left meanwhile
-            self.cancel_soon(request_id)  # (the close's cancel may have come before it)
+        if self._pending.get(request_id) is not pending:  # its reader left meanwhile: what its
+            # leaving did (cancel, pause) reached no scheduler holding it; do it again now
+            if pending.on_leave == "now":
+                self.cancel_soon(request_id)
+            elif pending.on_leave == "grace":
+                self.pause_soon(request_id, resume=False)
             return
         self._taken(request_id, pending, reply)
         new_id, num_moves = reply.scheduler_id, pending.num_moves

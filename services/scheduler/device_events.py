@@ -2,11 +2,13 @@
 
 G1 lives in the scheduler (each worker's prefix cache is its core's), so the scheduler publishes
 it: one stream per worker, ``KVEvents(publisher_id=<scheduler>, worker_id=<worker>)``, numbered
-from 1 when it starts driving the worker (its cache empty then), each message the hashes cached
-and dropped since the last, in order (``PrefixCache.take_events``), every ``kv_events_interval_s``
-while anything changed. A journal that overflowed is published as a gap, so consumers ask for a
-dump (``kv.dump.<scheduler>``, answered here with the whole prefix cache as of the last seq: the
-events after it, replayed on the dump, end in the same state).
+from 1 when it starts driving the worker (the first message: everything cached then), each next
+one the hashes cached and dropped since the last, in order (``PrefixCache.take_events``), every
+``kv_events_interval_s`` while anything changed. A journal that overflowed is published as a gap,
+so consumers ask for a dump (``kv.dump.<scheduler>``, answered here with the whole prefix cache
+as of the last seq: the events after it, replayed on the dump, end in the same state).
+
+The dump is one message: past about 250k cached blocks it would exceed NATS's 8 MB payload.
 """
 
 from __future__ import annotations
@@ -63,11 +65,11 @@ class DeviceEvents:
         cache = handle.core.block_manager.prefix_cache
         events, overflowed = cache.take_events()
         known, seq = self._seq.get(worker_id, (None, 0))
-        if known is not handle:  # a core new to it: its stream starts again, empty
-            seq = 0
+        if known is not handle:  # a core new to it: its stream starts again (seq 1) from a snapshot
+            events, overflowed, seq = [(True, h) for h in cache.cached_hashes()], False, 0
         elif not events and not overflowed:
             return None
-        seq += 2 if overflowed and seq else 1  # a skipped number is a gap: consumers resync
+        seq += 2 if overflowed else 1  # a skipped number is a gap: consumers resync
         self._seq[worker_id] = (handle, seq)
         fingerprint = handle.core.kv_tiers.model_fingerprint
         return KVEvents(self.scheduler_id, seq, _runs(events), fingerprint, worker_id)

@@ -75,14 +75,7 @@ class Placement:
             for wid, h in self.workers.items()
             if wid not in self.fleet.draining and self.fleet.decodes(wid)
         ]
-        # The gateway's router saw every replica's caches: its pick stands while it has room.
-        routed = next((s for s in states if s.worker_id == req.worker_id and s.has_room), None)
-        if routed is not None:
-            worker_id: str | None = routed.worker_id
-        elif self.config.routing == "round_robin":
-            worker_id = pick_in_turn(states, next(self._turns))
-        else:
-            worker_id = pick_worker(states)
+        worker_id = self._pick(req, states)
         if worker_id is None:
             return SubmitReply(SubmitStatus.NO_WORKERS, self._why_no_worker())
         state = next(s for s in states if s.worker_id == worker_id)
@@ -111,16 +104,29 @@ class Placement:
             block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
             handoff=worker_id != decode_id,
         )
-        if req.request_id in self.fleet.table:  # a retried resubmit it took already: idempotent
-            if outputs is not None:
-                return self._accepted(req)
-            return SubmitReply(SubmitStatus.INVALID, f"request id {req.request_id} is in use")
+        if req.request_id in self.fleet.table:
+            return self._again(req)
         try:
             self.fleet.submit(seq, worker_id, outputs, req.num_moves)
         except QueueFull as exc:
             return SubmitReply(SubmitStatus.QUEUE_FULL, str(exc))
         handle.wake.set()
         return self._accepted(req)
+
+    def _pick(self, req: SubmitRequest, states: list[WorkerState]) -> str | None:
+        # The gateway's router saw every replica's caches: its pick stands while it has room.
+        if any(s.worker_id == req.worker_id and s.has_room for s in states):
+            return req.worker_id
+        if self.config.routing == "round_robin":
+            return pick_in_turn(states, next(self._turns))
+        return pick_worker(states)
+
+    def _again(self, req: SubmitRequest) -> SubmitReply:
+        """A submit of a request this scheduler holds: the retry of a resubmit whose reply timed
+        out is the same request (accepted again); a new request reusing a live id is a 400."""
+        if req.num_moves:
+            return self._accepted(req)
+        return SubmitReply(SubmitStatus.INVALID, f"request id {req.request_id} is in use")
 
     def _accepted(self, req: SubmitRequest) -> SubmitReply:
         return SubmitReply(

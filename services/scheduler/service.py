@@ -199,6 +199,7 @@ class SchedulerService:
             if load.worker_id not in self._foreign:
                 log.info("worker %s belongs to scheduler %s", load.worker_id, load.owner)
             self._foreign.add(load.worker_id)
+            self._free_since.pop(load.worker_id, None)  # free again later: a fresh wait
             return
         self._foreign.discard(load.worker_id)
         info = self.members.get(MemberKind.WORKER, load.worker_id)

@@ -1,17 +1,27 @@
 """The gateway moves the requests of a lost scheduler (on the in-memory bus, scripted schedulers):
 each is resubmitted to another scheduler with the tokens its client has, per choice, and its
 stream goes on without an error; outputs still coming from the lost one are dropped; a move that
-finds no taker within the window, or past the migration limit, ends the stream with an error."""
+finds no taker within the window, or past the migration limit, ends the stream with an error; a
+resubmit whose reply timed out is retried at the same scheduler, never sent to a second one."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 
+from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
-from libs.protocol.codec import pack_tokens, unpack_tokens
-from libs.protocol.messages import FinishReason, MemberInfo, MemberKind, RequestOutput, SamplingParams
+from libs.protocol.codec import decode, pack_tokens, unpack_tokens
+from libs.protocol.messages import (
+    FinishReason,
+    MemberInfo,
+    MemberKind,
+    RequestOutput,
+    SamplingParams,
+    SubmitRequest,
+)
 from services.gateway.service import GatewayService
 from tests.service.test_gateway_service import SUBJECTS, ScriptedScheduler
 from tests.service.test_liveness import heartbeat, rest, until
@@ -92,3 +102,41 @@ async def test_a_move_that_finds_no_scheduler_ends_the_stream_with_an_error(
         )
     assert service.migrations.num_moves == {"moved": 0, "failed": 1}
     work.cancel()
+
+
+class SlowFirst(ScriptedScheduler):
+    """Answers its first submit too late (after the gateway's timeout): it may have taken it."""
+
+    async def on_submit(self, msg: Message) -> None:
+        if not self.submitted:
+            self.submitted.append(decode(SubmitRequest, msg.data))
+            await asyncio.sleep(1.5)
+            return
+        await super().on_submit(msg)
+
+
+async def test_a_resubmit_that_timed_out_is_retried_at_the_same_scheduler(
+    gateway: tuple[GatewayService, InMemoryBus, ScriptedScheduler],
+) -> None:
+    service, bus, first = gateway
+    s1 = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
+    work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
+    await until(service.ready)
+    stream = await service.submit("r1", [1, 2, 3], SamplingParams(max_tokens=8), eos_token_id=0)
+    await first.emit(out([5], 1, 0))
+    slow, other = SlowFirst(bus, scheduler_id="s2"), ScriptedScheduler(bus, scheduler_id="s3")
+    for scheduler in (slow, other):
+        await scheduler.start()
+    beats = [
+        await heartbeat(bus, lambda sid=sid: MemberInfo(MemberKind.SCHEDULER, sid)) for sid in ("s2", "s3")
+    ]
+    await until(lambda: {"s2", "s3"} <= {m.member_id for m in service.members.live(MemberKind.SCHEDULER)})
+    await first.stop()
+    s1.cancel()
+    await until(lambda: len(slow.submitted) == 2, timeout_s=15)
+    assert other.submitted == []  # never sent to a second scheduler: it cannot run twice
+    await slow.emit(out([6], 2, 0, FinishReason.LENGTH))
+    deltas = await rest(stream)
+    assert [(d.token_ids, d.error) for d in deltas] == [([5], ""), ([6], "")]
+    for beat in (*beats, work):
+        beat.cancel()
