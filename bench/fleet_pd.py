@@ -64,8 +64,9 @@ class PDResult:
 
 
 def long_prompt(i: int, num_tokens: int) -> str:
-    """About ``num_tokens`` tokens of log lines (about 12 tokens each), distinct per ``i``."""
-    lines = (f"Log {i}.{n}: sensor {n % 7} read {(n * 13 + i) % 97}." for n in range(num_tokens // 12))
+    """About ``num_tokens`` tokens of log lines (about 16 tokens each in SmolLM2's vocabulary),
+    distinct per ``i``."""
+    lines = (f"Log {i}.{n}: sensor {n % 7} read {(n * 13 + i) % 97}." for n in range(num_tokens // 16))
     return " ".join(lines) + " Summarize the log in one line."
 
 
