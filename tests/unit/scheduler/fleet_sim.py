@@ -46,8 +46,10 @@ class FleetSim:
         self.fleet.add_worker(worker_id, core, role)
         return worker_id
 
-    def submit(self, seq: Sequence, worker_id: str) -> None:
-        self.fleet.submit(seq, worker_id)
+    def submit(self, seq: Sequence, worker_id: str, outputs: list[list[int] | None] | None = None) -> None:
+        """``outputs``: a resubmit's tokens per choice (None: that choice ended), as after its
+        scheduler was lost."""
+        self.fleet.submit(seq, worker_id, outputs, num_migrations=0 if outputs is None else 1)
 
     def step(self, worker_id: str) -> None:
         driver = self.drivers[worker_id]

@@ -138,6 +138,9 @@ def test_a_lost_worker_with_no_other_fails_its_requests_and_cancel_finds_moved_o
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_submits_cancels_drains_crashes_and_joins_keep_the_table_whole(seed: int) -> None:
+    """Submits (new, and resubmits going on from tokens already out), cancels, handoffs, drains,
+    crashes, departures and joins in random order: the table stays whole after every event, and
+    every request ends with the reference output, fails with a reason, or was cancelled."""
     rng = random.Random(seed)
     sim = FleetSim(migration_limit=rng.choice([1, 3]), max_in_flight=rng.choice([1, 2]))
     for _ in range(3):
@@ -159,6 +162,18 @@ def test_random_submits_cancels_drains_crashes_and_joins_keep_the_table_whole(se
             seq.handoff = handoff  # prefilled there, decoded where it is handed
             with contextlib.suppress(QueueFull):  # moved requests filled that queue: a 429
                 sim.submit(seq, rng.choice(prefillers if handoff else decoders))
+                prompts[request_id] = (prompt, max_tokens)
+        elif kind < 0.26 and decoders:  # a resubmit: its client has some tokens of each choice
+            request_id = f"r{event}"
+            prompt = [rng.randrange(3, 50) for _ in range(rng.randint(1, 30))]
+            max_tokens = rng.randint(2, 25)
+            seq = make_seq(request_id, prompt, max_tokens, n=rng.choice([1, 2]))
+            have = want(prompt, max_tokens)[: rng.randint(0, max_tokens - 1)]
+            outputs: list[list[int] | None] = [have, have][: seq.sampling_params.n]
+            if len(outputs) == 2 and rng.random() < 0.5:
+                outputs[rng.randrange(2)] = None  # that choice ended before the move
+            with contextlib.suppress(QueueFull):
+                sim.submit(seq, rng.choice(decoders), outputs)
                 prompts[request_id] = (prompt, max_tokens)
         elif kind < 0.27 and sim.prefilled():
             sim.fleet.begin_handoff(rng.choice(sim.prefilled()))
