@@ -5,10 +5,10 @@ worker (P/D) against 2 colocated workers, both on a fresh `deepinfer serve` with
 prompts of about --pd-long-tokens tokens arrive --pd-long-every-s apart. The figure is the
 inter-token latency of the decoding streams (the gaps between their content deltas) from the
 first long prompt's arrival until the last one has its answer: p50 and p99, P/D over colocated.
-Each worker is pinned to a core of its own (taskset -a, once serve is up), so the two workers do
-not share a core; the scheduler, gateway, kvcache and nats-server share both. On one machine this
-measures batching interference (a decode step waiting behind a prefill chunk), not separate
-devices.
+Each worker is pinned to a core of its own (every thread of it, as taskset -a would, once serve is
+up), so the two workers do not share a core; the scheduler, gateway, kvcache and nats-server
+share both. On one machine this measures batching interference (a decode step waiting behind a
+prefill chunk), not separate devices.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def long_prompt(i: int, num_tokens: int) -> str:
 
 
 def pin_workers(serve: subprocess.Popen[bytes]) -> dict[str, int]:
-    """Each worker process of ``serve`` (every thread of it) to a core of its own, in id order."""
+    """Each worker process of ``serve`` (every thread of it) to a core of its own, in id order;
+    returns worker id -> core."""
     workers: dict[str, int] = {}  # worker id -> pid
     for proc in psutil.Process(serve.pid).children(recursive=True):
         argv = proc.cmdline()
@@ -79,8 +80,8 @@ def pin_workers(serve: subprocess.Popen[bytes]) -> dict[str, int]:
             workers[argv[argv.index("--worker-id") + 1]] = proc.pid
     pinned = dict(zip(sorted(workers), sorted(os.sched_getaffinity(0)), strict=False))
     for worker_id, core in pinned.items():
-        taskset = ["taskset", "-a", "-p", "-c", str(core), str(workers[worker_id])]
-        subprocess.run(taskset, check=True, capture_output=True)
+        for thread in psutil.Process(workers[worker_id]).threads():  # as taskset -a: every thread
+            os.sched_setaffinity(thread.id, {core})
     return pinned
 
 
