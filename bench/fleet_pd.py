@@ -189,7 +189,7 @@ def report_pd(opts: PDOptions, results: dict[str, PDResult], summary: list[list[
     ]  # fmt: skip
     print_table(
         f"pd: {opts.num_streams} streams decoding while {opts.num_long} long prompts arrive "
-        f"{opts.long_every_s:g} s apart; workers pinned (taskset), the other services share the cores",
+        f"{opts.long_every_s:g} s apart; workers pinned to a core each, the other services share the cores",
         ["topology", "pinned", "long prompt tokens", "long TTFT p50 ms", "window s", "ITL samples",
          "ITL p50 ms", "ITL p99 ms"],
         rows,
