@@ -85,8 +85,9 @@ class KVEvent:
 @dataclass(frozen=True, slots=True)
 class KVEvents:
     """One stream's tier changes since its last message. A stream is (``publisher_id``,
-    ``worker_id``): a worker publishes its own G2 (and G3 writes), ``worker_id`` empty; a scheduler
-    publishes the G1 of each worker it drives, one stream per worker. ``seq`` is +1 per message of
+    ``worker_id``): a worker publishes its own G2 (and G3 writes) on ``kv.events``, ``worker_id``
+    empty; a scheduler publishes the G1 of each worker it drives on ``kv.device_events``, one
+    stream per worker. ``seq`` is +1 per message of
     a stream (from 1 at its start, when its cache is empty); a consumer that sees a gap resyncs:
     G1 / G2 by asking the publisher for a ``KVDump`` (``kv.dump.<publisher_id>``), G3 by scanning
     the store."""

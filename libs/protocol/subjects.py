@@ -48,6 +48,12 @@ class Subjects:
     def kv_lookup(self) -> str:
         return f"{self.prefix}.kv.lookup"
 
+    @property
+    def kv_device_events(self) -> str:
+        """KVEvents of each worker's G1, from the scheduler driving it (for the gateways' routers;
+        a subject of its own, so the consumers of ``kv_events`` never see them)."""
+        return f"{self.prefix}.kv.device_events"
+
     def kv_dump(self, publisher_id: str) -> str:
         """Request/reply: a worker's whole G2 content (a consumer of its events saw a gap)."""
         return f"{self.prefix}.kv.dump.{publisher_id}"

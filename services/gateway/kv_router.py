@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, hash_blocks
@@ -36,6 +36,7 @@ from libs.protocol.kv_messages import CacheTier, KVDump, KVEvents, RemovalReason
 from libs.protocol.messages import WorkerLoad
 
 StreamKey = tuple[str, str]  # (publisher id, worker id; "" for a worker's own stream)
+ChainKind = tuple[int, str]  # (block size, model fingerprint): what a worker's block hashes depend on
 FORGET_AFTER_S = 120.0  # a worker silent this long leaves the view, with its streams
 
 
@@ -146,22 +147,26 @@ class KVRouter:
 
     # --- routing ---------------------------------------------------------------------------
 
-    def route(self, prompt: Sequence[int], tenant: str, now: float) -> Route | None:
+    def chain_kinds(self, now: float) -> set[ChainKind]:
+        """How the routable workers hash a prompt (workers that hash alike share one chain)."""
+        return {_kind(v.load) for v in self.workers.values() if self._routable(v, now)}
+
+    def route(
+        self, prompt: Sequence[int], tenant: str, now: float, chains: Mapping[ChainKind, list[bytes]] = {}
+    ) -> Route | None:
         """The worker (and its owner) for a new request, or None when no worker can be named
-        (none known, silent, unowned, draining or prefill-only): then any scheduler places it."""
+        (none known, silent, unowned, draining or prefill-only): then any scheduler places it.
+        ``chains``: the prompt's chain per kind, hashed already (``hash_chains``, off the event
+        loop); a kind missing from it is hashed here."""
         candidates = [v for v in self.workers.values() if self._routable(v, now)]
         if not candidates:
             self.stats.num_unrouted += 1
             return None
-        chains: dict[tuple[int, str], list[bytes]] = {}  # workers that hash alike share one chain
+        missing = {_kind(v.load) for v in candidates} - set(chains)
+        chains = {**chains, **hash_chains(prompt, tenant, missing)}
         scored: list[tuple[float, WorkerView, int, int]] = []
         for view in candidates:
-            load = view.load
-            kind = (load.block_size, load.model_fingerprint or load.model)
-            if kind not in chains:
-                num_blocks = max(0, len(prompt) - 1) // load.block_size
-                chains[kind] = hash_blocks(prompt[: num_blocks * load.block_size], *kind, tenant)
-            chain = chains[kind]
+            chain = chains[_kind(view.load)]
             num_cached = self._num_cached(view, chain)
             uncached = 1.0 - num_cached / len(chain) if chain else 0.0
             cost = self.cache_weight * uncached + self.load_weight * _load_fraction(view)
@@ -207,6 +212,23 @@ class KVRouter:
             assert view.load.worker_id == worker_id and view.num_routed >= 0, worker_id
         stats = self.stats
         assert 0 <= stats.num_cached_blocks <= stats.num_prompt_blocks, "cached blocks past the prompts'"
+
+
+def hash_chains(
+    prompt: Sequence[int], tenant: str, kinds: Iterable[ChainKind]
+) -> dict[ChainKind, list[bytes]]:
+    """The chain of the prompt blocks a hit could skip (all but the last token's), per kind."""
+    chains = {}
+    for block_size, fingerprint in kinds:
+        num_blocks = max(0, len(prompt) - 1) // block_size
+        chains[block_size, fingerprint] = hash_blocks(
+            prompt[: num_blocks * block_size], block_size, fingerprint, tenant
+        )
+    return chains
+
+
+def _kind(load: WorkerLoad) -> ChainKind:
+    return (load.block_size, load.model_fingerprint or load.model)
 
 
 def _load_fraction(view: WorkerView) -> float:

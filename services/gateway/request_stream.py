@@ -38,20 +38,18 @@ class Pending:
     want_logprobs: bool
     scheduler_id: str = ""
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
-    num_received: list[int] = field(default_factory=list)  # per choice
     # Per choice: the consumer has seen its end (or stopped it); later deltas for it are dropped.
     done: list[bool] = field(default_factory=list)
-    # What it takes to resubmit a live request whose scheduler is lost: what was submitted, and
-    # per choice the output tokens received and whether the scheduler said it ended.
-    submit: SubmitRequest | None = None
+    # Per choice, the output tokens received: their count checks each output's running count, and
+    # with ``submit`` and ``ended`` they are what it takes to resubmit the request elsewhere.
     received: list[list[int]] = field(default_factory=list)
-    ended: list[bool] = field(default_factory=list)
+    submit: SubmitRequest | None = None  # what was submitted (a live request; not a replay)
+    ended: list[bool] = field(default_factory=list)  # per choice: the scheduler said it ended
     num_moves: int = 0  # resubmits so far
     on_leave: OnLeave = "now"  # what its reader's leaving does: cancel, pause for a grace, nothing
     lost_schedulers: set[str] = field(default_factory=set)  # outputs still coming from them are dropped
 
     def __post_init__(self) -> None:
-        self.num_received = [0] * self.n
         self.done = [False] * self.n
         self.received = [[] for _ in range(self.n)]
         self.ended = [False] * self.n
@@ -77,12 +75,12 @@ class Pending:
             self.fail(f"output for choice {out.index} of a request with n={self.n}")
             return
         token_ids = unpack_tokens(out.new_token_ids)
-        self.num_received[out.index] += len(token_ids)
+        received = self.received[out.index]
+        received.extend(token_ids)
         error, finish = out.error, out.finish_reason
         logprobs: tuple[TokenLogprob, ...] = ()
-        if self.num_received[out.index] != out.num_output_tokens:
-            have = self.num_received[out.index]
-            error = f"lost tokens: have {have}, scheduler sent {out.num_output_tokens}"
+        if len(received) != out.num_output_tokens:
+            error = f"lost tokens: have {len(received)}, scheduler sent {out.num_output_tokens}"
             finish = FinishReason.ERROR
         elif self.want_logprobs and token_ids:
             try:
@@ -91,8 +89,6 @@ class Pending:
                 logprobs = unpack_logprobs(token_ids, out.logprobs)
             except ValueError as exc:
                 error, finish = f"bad logprobs from the scheduler: {exc}", FinishReason.ERROR
-        if self.submit is not None:  # (a choice that failed here has ended: never resubmitted)
-            self.received[out.index].extend(token_ids)
         self.ended[out.index] = self.ended[out.index] or finish is not None
         self.queue.put_nowait(
             Delta(
@@ -110,7 +106,7 @@ class Pending:
     def fail(self, why: str) -> None:
         """End every choice with an error (the consumer skips those it has seen end already)."""
         for index in range(self.n):
-            self.queue.put_nowait(Delta([], 0, self.num_received[index], 0, FinishReason.ERROR, why, index))
+            self.queue.put_nowait(Delta([], 0, len(self.received[index]), 0, FinishReason.ERROR, why, index))
 
 
 class RequestStream:

@@ -10,6 +10,7 @@ they come. A dump that fails leaves the stream empty (never held) and is not ask
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import KVDump, KVDumpRequest, KVEvents
 from libs.protocol.messages import WorkerLoad
 from libs.protocol.subjects import Subjects
-from services.gateway.kv_router import KVRouter, Route, StreamKey
+from services.gateway.kv_router import KVRouter, Route, StreamKey, hash_chains
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,16 @@ class RouterFeed:
 
     async def start(self) -> None:
         await self.bus.subscribe(self.subjects.load_all, self.on_load)
-        await self.bus.subscribe(self.subjects.kv_events, self.on_events)
+        await self.bus.subscribe(self.subjects.kv_events, self.on_events)  # the workers' G2
+        await self.bus.subscribe(self.subjects.kv_device_events, self.on_events)  # the schedulers' G1
 
-    def route(self, prompt: Sequence[int], tenant: str) -> Route | None:
+    async def route(self, prompt: Sequence[int], tenant: str) -> Route | None:
+        """The router's pick; the prompt is hashed in a thread (a long one takes a while), so the
+        event loop goes on serving streams meanwhile."""
         try:
-            return self.router.route(prompt, tenant, self.clock())
+            kinds = self.router.chain_kinds(self.clock())
+            chains = await asyncio.to_thread(hash_chains, prompt, tenant, kinds) if kinds else {}
+            return self.router.route(prompt, tenant, self.clock(), chains)
         except Exception:  # a routing bug must not fail the submit: any scheduler places it
             log.exception("routing failed")
             return None

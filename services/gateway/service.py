@@ -216,7 +216,7 @@ class GatewayService:
     async def _send_submit(self, req: SubmitRequest, prompt: list[int]) -> bytes:
         """Submit to the replica the router picked, naming its worker; to any scheduler when it
         picks none, or when that replica no longer answers (gone since its worker's report)."""
-        route = None if self.router is None else self.router.route(prompt, req.tenant)
+        route = None if self.router is None else await self.router.route(prompt, req.tenant)
         if route is not None:
             routed = encode(dataclasses.replace(req, worker_id=route.worker_id))
             with contextlib.suppress(NoResponders):

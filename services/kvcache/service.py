@@ -166,8 +166,6 @@ class KVCacheService:
             return
         if batch.publisher_id == self.config.kvcache_id:
             return  # our own removals, already applied
-        if batch.worker_id:
-            return  # a scheduler's G1 stream, for the routers: nothing of G3 in it
         if not self.enabled:  # a worker with a store of its own: there is none here to index
             self._last_seq[batch.publisher_id] = batch.seq
             return

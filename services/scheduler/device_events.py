@@ -1,12 +1,13 @@
 """The G1 (device) KV events of the workers this scheduler drives, for the gateways' KV routers.
 
 G1 lives in the scheduler (each worker's prefix cache is its core's), so the scheduler publishes
-it: one stream per worker, ``KVEvents(publisher_id=<scheduler>, worker_id=<worker>)``, numbered
-from 1 when it starts driving the worker (the first message: everything cached then), each next
-one the hashes cached and dropped since the last, in order (``PrefixCache.take_events``), every
-``kv_events_interval_s`` while anything changed. A journal that overflowed is published as a gap,
-so consumers ask for a dump (``kv.dump.<scheduler>``, answered here with the whole prefix cache
-as of the last seq: the events after it, replayed on the dump, end in the same state).
+it, on ``kv.device_events``: one stream per worker, ``KVEvents(publisher_id=<scheduler>,
+worker_id=<worker>)``, numbered from 1 when it starts driving the worker (the first message:
+everything cached then), each next one the hashes cached and dropped since the last, in order
+(``PrefixCache.take_events``), every ``kv_events_interval_s`` while anything changed. A journal
+that overflowed is published as a gap, so consumers ask for a dump (``kv.dump.<scheduler>``,
+answered here with the whole prefix cache as of the last seq: the events after it, replayed on
+the dump, end in the same state).
 
 The dump is one message: past about 250k cached blocks it would exceed NATS's 8 MB payload.
 """
@@ -54,7 +55,7 @@ class DeviceEvents:
                 if batch is None:
                     continue
                 try:
-                    await self.bus.publish(self.subjects.kv_events, encode(batch))
+                    await self.bus.publish(self.subjects.kv_device_events, encode(batch))
                 except Exception as exc:  # lost: consumers see the gap and ask for a dump
                     log.warning("publishing G1 events of %s failed: %r", worker_id, exc)
             for worker_id in [w for w in self._seq if w not in self.workers]:

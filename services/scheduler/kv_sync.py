@@ -78,7 +78,7 @@ class KVSync:
         if batch is None:
             return
         handle = self.workers.get(batch.publisher_id)
-        if handle is None or batch.worker_id:  # (a G1 stream, for the routers)
+        if handle is None:
             return  # a worker another scheduler drives, or one not joined yet (it resyncs then)
         verdict = handle.kv_cursor.accept(batch.seq)
         if verdict is EventVerdict.RESYNC:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -33,35 +34,58 @@ def out(tokens: list[int], total: int, index: int, finish: FinishReason | None =
     return RequestOutput("r1", pack_tokens(tokens), total, 3, finish, index=index)
 
 
+@dataclass
+class Scene:
+    """A gateway, scheduler s1 (scripted) driving worker w1, each heartbeating until ``close``."""
+
+    service: GatewayService
+    bus: InMemoryBus
+    first: ScriptedScheduler
+    beats: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    async def join(self, scheduler: ScriptedScheduler) -> ScriptedScheduler:
+        """Another scheduler, live in the gateway's view when this returns."""
+        await scheduler.start()
+        sid = scheduler.scheduler_id
+        self.beats[sid] = await heartbeat(self.bus, lambda: MemberInfo(MemberKind.SCHEDULER, sid))
+        await until(lambda: sid in {m.member_id for m in self.service.members.live(MemberKind.SCHEDULER)})
+        return scheduler
+
+    async def kill_first(self) -> None:
+        """s1 is gone: it answers nothing more and its heartbeat stops (its entry stays)."""
+        await self.first.stop()
+        self.beats.pop("s1").cancel()
+
+    def close(self) -> None:
+        for beat in self.beats.values():
+            beat.cancel()
+
+
 @pytest.fixture
-async def gateway() -> AsyncIterator[tuple[GatewayService, InMemoryBus, ScriptedScheduler]]:
+async def scene() -> AsyncIterator[Scene]:
     bus = InMemoryBus()
     service = GatewayService(bus, SUBJECTS, "gw1", submit_timeout_s=1, resubmit_window_s=2.0)
     service.members.silence_s = 1.5
     service.scheduler_loss_s = 2.0
     await service.start()
     first = ScriptedScheduler(bus)
-    await first.start()
-    yield service, bus, first
+    scene = Scene(service, bus, first)
+    await scene.join(first)
+    scene.beats["w1"] = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
+    await until(service.ready)
+    yield scene
+    scene.close()
     await service.close()
     await bus.close()
 
 
-async def test_a_lost_schedulers_request_goes_on_at_another_with_the_tokens_received(
-    gateway: tuple[GatewayService, InMemoryBus, ScriptedScheduler],
-) -> None:
-    service, bus, first = gateway
-    s1 = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
-    work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
-    await until(service.ready)
+async def test_a_lost_schedulers_request_goes_on_at_another_with_the_tokens_received(scene: Scene) -> None:
+    service, first = scene.service, scene.first
     stream = await service.submit("r1", [1, 2, 3], PARAMS, eos_token_id=0)
     await first.emit(out([5], 1, 0), out([7], 1, 1))
     await first.emit(out([6], 2, 0), out([8], 2, 1, FinishReason.STOP))
-    await first.stop()
-    s1.cancel()  # killed: its heartbeat stops
-    second = ScriptedScheduler(bus, scheduler_id="s2")
-    await second.start()
-    s2 = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s2"))
+    await scene.kill_first()
+    second = await scene.join(ScriptedScheduler(scene.bus, scheduler_id="s2"))
     await until(lambda: bool(second.submitted))
     (req,) = second.submitted
     assert [unpack_tokens(t) for t in req.output_token_ids] == [[5, 6], [7, 8]]
@@ -77,21 +101,12 @@ async def test_a_lost_schedulers_request_goes_on_at_another_with_the_tokens_rece
         (0, [9], ""),
     ]
     assert service.migrations.num_moves == {"moved": 1, "failed": 0}
-    s2.cancel()
-    work.cancel()
 
 
-async def test_a_move_that_finds_no_scheduler_ends_the_stream_with_an_error(
-    gateway: tuple[GatewayService, InMemoryBus, ScriptedScheduler],
-) -> None:
-    service, bus, first = gateway
-    s1 = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
-    work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
-    await until(service.ready)
-    stream = await service.submit("r1", [1, 2, 3], PARAMS, eos_token_id=0)
-    await first.emit(out([5], 1, 0))
-    await first.stop()
-    s1.cancel()
+async def test_a_move_that_finds_no_scheduler_ends_the_stream_with_an_error(scene: Scene) -> None:
+    stream = await scene.service.submit("r1", [1, 2, 3], PARAMS, eos_token_id=0)
+    await scene.first.emit(out([5], 1, 0))
+    await scene.kill_first()
     deltas = await rest(stream)
     assert deltas[0].token_ids == [5]
     errors = {d.index: d.error for d in deltas[1:]}
@@ -100,8 +115,7 @@ async def test_a_move_that_finds_no_scheduler_ends_the_stream_with_an_error(
         assert error == (
             "scheduler s1 lost: no heartbeat; not moved to another scheduler: no scheduler is available"
         )
-    assert service.migrations.num_moves == {"moved": 0, "failed": 1}
-    work.cancel()
+    assert scene.service.migrations.num_moves == {"moved": 0, "failed": 1}
 
 
 class SlowFirst(ScriptedScheduler):
@@ -115,28 +129,14 @@ class SlowFirst(ScriptedScheduler):
         await super().on_submit(msg)
 
 
-async def test_a_resubmit_that_timed_out_is_retried_at_the_same_scheduler(
-    gateway: tuple[GatewayService, InMemoryBus, ScriptedScheduler],
-) -> None:
-    service, bus, first = gateway
-    s1 = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
-    work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
-    await until(service.ready)
-    stream = await service.submit("r1", [1, 2, 3], SamplingParams(max_tokens=8), eos_token_id=0)
-    await first.emit(out([5], 1, 0))
-    slow, other = SlowFirst(bus, scheduler_id="s2"), ScriptedScheduler(bus, scheduler_id="s3")
-    for scheduler in (slow, other):
-        await scheduler.start()
-    beats = [
-        await heartbeat(bus, lambda sid=sid: MemberInfo(MemberKind.SCHEDULER, sid)) for sid in ("s2", "s3")
-    ]
-    await until(lambda: {"s2", "s3"} <= {m.member_id for m in service.members.live(MemberKind.SCHEDULER)})
-    await first.stop()
-    s1.cancel()
+async def test_a_resubmit_that_timed_out_is_retried_at_the_same_scheduler(scene: Scene) -> None:
+    stream = await scene.service.submit("r1", [1, 2, 3], SamplingParams(max_tokens=8), eos_token_id=0)
+    await scene.first.emit(out([5], 1, 0))
+    slow = await scene.join(SlowFirst(scene.bus, scheduler_id="s2"))
+    other = await scene.join(ScriptedScheduler(scene.bus, scheduler_id="s3"))
+    await scene.kill_first()
     await until(lambda: len(slow.submitted) == 2, timeout_s=15)
     assert other.submitted == []  # never sent to a second scheduler: it cannot run twice
     await slow.emit(out([6], 2, 0, FinishReason.LENGTH))
     deltas = await rest(stream)
     assert [(d.token_ids, d.error) for d in deltas] == [([5], ""), ([6], "")]
-    for beat in (*beats, work):
-        beat.cancel()

@@ -57,7 +57,7 @@ async def fleet() -> AsyncIterator[Fleet]:
 
 async def test_a_submit_goes_to_the_replica_holding_the_prompt_and_names_the_worker(fleet: Fleet) -> None:
     service, bus, schedulers = fleet
-    await bus.publish(SUBJECTS.kv_events, encode(g1("s2", "w2", 1, CHAIN)))
+    await bus.publish(SUBJECTS.kv_device_events, encode(g1("s2", "w2", 1, CHAIN)))
     assert service.router is not None
     await until(lambda: bool(service.router and service.router.router.streams))
     for i in range(3):
@@ -80,8 +80,8 @@ async def test_a_gap_asks_the_publisher_for_a_dump_and_its_content_counts(fleet:
         await bus.respond(msg, encode(KVDump("s1", 5, b"", request.worker_id, join_hashes(CHAIN))))
 
     await bus.subscribe(SUBJECTS.kv_dump("s1"), dump)
-    await bus.publish(SUBJECTS.kv_events, encode(g1("s1", "w1", 1, [])))
-    await bus.publish(SUBJECTS.kv_events, encode(g1("s1", "w1", 3, [])))  # 2 never came
+    await bus.publish(SUBJECTS.kv_device_events, encode(g1("s1", "w1", 1, [])))
+    await bus.publish(SUBJECTS.kv_device_events, encode(g1("s1", "w1", 3, [])))  # 2 never came
     await until(lambda: bool(asked))
     assert asked == [KVDumpRequest("s1", "w1")]
     assert service.router is not None
@@ -92,7 +92,7 @@ async def test_a_gap_asks_the_publisher_for_a_dump_and_its_content_counts(fleet:
 
 async def test_with_the_named_replica_gone_the_submit_goes_to_any_scheduler(fleet: Fleet) -> None:
     service, bus, schedulers = fleet
-    await bus.publish(SUBJECTS.kv_events, encode(g1("s2", "w2", 1, CHAIN)))
+    await bus.publish(SUBJECTS.kv_device_events, encode(g1("s2", "w2", 1, CHAIN)))
     await until(lambda: bool(service.router and service.router.router.streams))
     await schedulers["s2"].stop()  # killed: its worker's last report still names it
     await service.submit("r1", PROMPT, PARAMS, eos_token_id=0)

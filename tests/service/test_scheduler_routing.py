@@ -50,7 +50,7 @@ async def test_the_g1_of_a_driven_worker_is_published_as_a_numbered_stream_and_d
             if batch.publisher_id == "s1":
                 events.append(batch)
 
-        await bus.subscribe(SUBJECTS.kv_events, on_events)
+        await bus.subscribe(SUBJECTS.kv_device_events, on_events)
         for i in range(8):
             prompt = [t + 100 * i for t in PROMPT]
             assert (await ask(bus, request_id=f"r{i}", prompt=prompt)).status is SubmitStatus.ACCEPTED

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepinfer import serve
+from libs.bus.base import Message
 from libs.bus.membership import live_members
 from libs.bus.nats_bus import NatsBus
 from libs.bus.nats_server import EmbeddedNatsServer, free_port
-from libs.protocol.messages import MemberKind
+from libs.protocol.codec import decode
+from libs.protocol.messages import MemberKind, WorkerLoad
 from libs.protocol.subjects import Subjects
 
 READY_TIMEOUT_S = 180.0
@@ -201,6 +203,24 @@ async def wait_member(nats_url: str, kind: MemberKind, timeout_s: float) -> None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {kind.name} member within {timeout_s} s")
             await asyncio.sleep(0.1)
+    finally:
+        await bus.close()
+
+
+async def latest_loads(nats_url: str, listen_s: float = 1.5) -> dict[str, WorkerLoad]:
+    """Each worker's last load report over ``listen_s`` (they come after each step, and twice a
+    second while idle)."""
+    bus = await NatsBus.connect(nats_url, name="system-test")
+    loads: dict[str, WorkerLoad] = {}
+
+    async def on_load(msg: Message) -> None:
+        load = decode(WorkerLoad, msg.data)
+        loads[load.worker_id] = load
+
+    try:
+        await bus.subscribe(Subjects().load_all, on_load)
+        await asyncio.sleep(listen_s)
+        return loads
     finally:
         await bus.close()
 

@@ -21,14 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
-from libs.bus.base import Message
-from libs.bus.nats_bus import NatsBus
-from libs.protocol.codec import decode
-from libs.protocol.messages import MemberKind, WorkerLoad
-from libs.protocol.subjects import Subjects
+from libs.protocol.messages import MemberKind
 from tests.system.faults import MODEL, InFlight
 from tests.system.kv_metrics import scheduler_kv_stat
-from tests.system.stack import Stack, wait_member_id
+from tests.system.stack import Stack, latest_loads, wait_member_id
 from tests.system.test_worker_drain import wait_workers
 
 SECOND, THIRD, FOURTH, FIFTH = "worker-test-2", "worker-test-3", "worker-test-4", "worker-test-5"
@@ -59,25 +55,13 @@ def g3_loaded_blocks(root_url: str) -> float:
     return scheduler_kv_stat(root_url, "loaded_blocks", "G3")
 
 
-async def _running_by_worker(nats_url: str, listen_s: float) -> dict[str, int]:
-    """Each worker's last reported number of running sequences, over ``listen_s``."""
-    bus = await NatsBus.connect(nats_url, name="system-test")
-    running: dict[str, int] = {}
-
-    async def on_load(msg: Message) -> None:
-        load = decode(WorkerLoad, msg.data)
-        running[load.worker_id] = load.num_running_seqs
-
-    try:
-        await bus.subscribe(Subjects().load_all, on_load)
-        await asyncio.sleep(listen_s)
-        return running
-    finally:
-        await bus.close()
+def running_by_worker(nats_url: str) -> dict[str, int]:
+    """Each worker's last reported number of running sequences."""
+    return {w: load.num_running_seqs for w, load in asyncio.run(latest_loads(nats_url)).items()}
 
 
 def busiest(stack: Stack, workers: dict[str, subprocess.Popen[bytes]]) -> str:
-    running = asyncio.run(_running_by_worker(stack.nats.url, 1.5))
+    running = running_by_worker(stack.nats.url)
     worker_id = max(workers, key=lambda w: running.get(w, 0))
     assert running.get(worker_id, 0) > 0, f"no worker holds a stream: {running}"
     return worker_id
@@ -176,17 +160,17 @@ def test_a_request_in_the_batch_at_two_worker_crashes_fails_alone(fleet: Workers
     canary_body = {"messages": [{"role": "user", "content": "Name some rivers."}], **long_run}
     poison = InFlight(stack.base_url, "chat", poison_body, STREAM_DEADLINE_S)
     poison.wait_tokens(4, 120)
-    assert asyncio.run(_running_by_worker(stack.nats.url, 1.5)).get(first) == 1  # P: the lowest id
+    assert running_by_worker(stack.nats.url).get(first) == 1  # P: the lowest id
     # A tenant of its own: P's worker holds nothing C could reuse, so C goes to the idle one.
     auth = {"Authorization": "Bearer canary"}
     canary = InFlight(stack.base_url, "chat", canary_body, STREAM_DEADLINE_S, headers=auth)
     canary.wait_tokens(4, 120)
-    assert asyncio.run(_running_by_worker(stack.nats.url, 1.5)).get(FOURTH) == 1
+    assert running_by_worker(stack.nats.url).get(FOURTH) == 1
     workers.pop(first).kill()  # crash 1: P in the batch
     poison.wait_tokens(poison.state.num_tokens + 4, 60)  # P runs beside C now
     workers[FIFTH] = stack.add_worker(FIFTH)
     asyncio.run(wait_workers(stack.nats.url, {FOURTH, FIFTH}, 180))
-    assert asyncio.run(_running_by_worker(stack.nats.url, 1.5)).get(FOURTH) == 2
+    assert running_by_worker(stack.nats.url).get(FOURTH) == 2
     workers.pop(FOURTH).kill()  # crash 2: P and C in the batch
     end = poison.result()
     assert end.kind == "error_event" and "in the batch at 2 worker crashes" in end.detail, end

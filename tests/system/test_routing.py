@@ -16,13 +16,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from libs.bus.base import Message
-from libs.bus.nats_bus import NatsBus
-from libs.protocol.codec import decode
-from libs.protocol.messages import MemberKind, WorkerLoad
-from libs.protocol.subjects import Subjects
+from libs.protocol.messages import MemberKind
 from tests.system.faults import MODEL, InFlight
-from tests.system.stack import Stack, wait_member_id
+from tests.system.stack import Stack, latest_loads, wait_member_id
 
 SECOND = "worker-test-2"  # sorts after the stack's "worker-test": every tie goes to the first
 REPLICA = "scheduler-test-2"
@@ -63,20 +59,9 @@ def routed_to(stack: Stack, send: Any) -> str:
     return worker_id
 
 
-async def owners(nats_url: str, listen_s: float = 1.5) -> dict[str, str]:
-    bus = await NatsBus.connect(nats_url, name="system-test")
-    seen: dict[str, str] = {}
-
-    async def on_load(msg: Message) -> None:
-        load = decode(WorkerLoad, msg.data)
-        seen[load.worker_id] = load.owner
-
-    try:
-        await bus.subscribe(Subjects().load_all, on_load)
-        await asyncio.sleep(listen_s)
-        return seen
-    finally:
-        await bus.close()
+def owners(nats_url: str) -> dict[str, str]:
+    """Each worker's owner, from its last load report."""
+    return {w: load.owner for w, load in asyncio.run(latest_loads(nats_url)).items()}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +76,7 @@ def replicas(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         time.sleep(2.0)  # the first replica's view of the members has the second in it
         stack.add_worker(SECOND)
         deadline = time.monotonic() + 180
-        while (seen := asyncio.run(owners(stack.nats.url))).get(SECOND) != REPLICA:
+        while (seen := owners(stack.nats.url)).get(SECOND) != REPLICA:
             assert time.monotonic() < deadline, f"the second replica did not claim {SECOND}: {seen}"
         assert seen[stack.worker_id] not in ("", REPLICA), seen
         yield stack
