@@ -114,6 +114,7 @@ class SubmitRequest:
     finished_choices: tuple[int, ...] = ()
     num_moves: int = 0  # moves to another scheduler so far (bounded by the migration limit)
     worker_id: str = ""  # the gateway's KV router picked this worker of the receiving scheduler
+    num_crashes: int = 0  # worker crashes that found it in the batch so far (a suspect from one)
 
 
 class SubmitStatus(enum.IntEnum):
@@ -144,6 +145,15 @@ class CancelRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Handback:
+    """A scheduler gave a request up with nothing lost: its worker is gone and it has no other
+    to move it to. The gateway resubmits it elsewhere, with these counts carried on."""
+
+    num_moves: int  # moves so far, on this scheduler and before it (bounded by the limit)
+    num_crashes: int  # worker crashes it was in the batch of (at the limit it fails instead)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: bytes  # packed uint32, the tokens generated in this step
@@ -154,6 +164,8 @@ class RequestOutput:
     error: str = ""
     index: int = 0  # the choice, when the request asked for n > 1
     logprobs: Logprobs | None = None  # of new_token_ids, when the request asked for them
+    # with finish_reason ERROR: the request may go on elsewhere (the error says why it left)
+    handback: Handback | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +348,11 @@ class StreamRecord:
     context: bytes = b""  # the API's own JSON needed to render (e.g. the Responses skeleton)
     background: bool = False  # a reader that leaves does not cancel it (Responses background)
     tenant: str = ""  # the client's tenant: only the same tenant may resume it
+    # What it takes to move the request when its scheduler is lost while a resumed stream reads
+    # it: the submit (outputs still go to ``gateway_id``), and every scheduler that took it, in
+    # order (the last holds it now; a hand-back from an earlier one was dealt with already).
+    submit: SubmitRequest | None = None
+    scheduler_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, hash_blocks
@@ -147,18 +147,23 @@ class KVRouter:
 
     # --- routing ---------------------------------------------------------------------------
 
-    def chain_kinds(self, now: float) -> set[ChainKind]:
+    def chain_kinds(self, now: float, owners: Container[str] | None = None) -> set[ChainKind]:
         """How the routable workers hash a prompt (workers that hash alike share one chain)."""
-        return {_kind(v.load) for v in self.workers.values() if self._routable(v, now)}
+        return {_kind(v.load) for v in self.workers.values() if self._routable(v, now, owners)}
 
     def route(
-        self, prompt: Sequence[int], tenant: str, now: float, chains: Mapping[ChainKind, list[bytes]] = {}
+        self,
+        prompt: Sequence[int],
+        tenant: str,
+        now: float,
+        chains: Mapping[ChainKind, list[bytes]] = {},
+        owners: Container[str] | None = None,
     ) -> Route | None:
         """The worker (and its owner) for a new request, or None when no worker can be named
-        (none known, silent, unowned, draining or prefill-only): then any scheduler places it.
-        ``chains``: the prompt's chain per kind, hashed already (``hash_chains``, off the event
-        loop); a kind missing from it is hashed here."""
-        candidates = [v for v in self.workers.values() if self._routable(v, now)]
+        (none known, silent, unowned, draining or prefill-only; or, with ``owners``, owned by a
+        scheduler not in it): then any scheduler places it. ``chains``: the prompt's chain per
+        kind, hashed already (``hash_chains``, off the event loop); a kind missing is hashed here."""
+        candidates = [v for v in self.workers.values() if self._routable(v, now, owners)]
         if not candidates:
             self.stats.num_unrouted += 1
             return None
@@ -180,10 +185,11 @@ class KVRouter:
         self.stats.num_prompt_blocks += num_blocks
         return Route(view.load.owner, worker_id, num_cached, num_blocks)
 
-    def _routable(self, view: WorkerView, now: float) -> bool:
+    def _routable(self, view: WorkerView, now: float, owners: Container[str] | None = None) -> bool:
         load = view.load
         fresh = now - view.seen_at <= self.silence_s
-        return fresh and bool(load.owner) and not load.draining and load.role != "prefill"
+        owned = bool(load.owner) and (owners is None or load.owner in owners)
+        return fresh and owned and not load.draining and load.role != "prefill"
 
     def _num_cached(self, view: WorkerView, chain: list[bytes]) -> int:
         """Leading blocks of ``chain`` in the worker's G1 (its owner's stream) or G2."""

@@ -6,21 +6,25 @@ queues each unfinished choice with those tokens as its output so far (not sent a
 recomputes their KV over the prefix its workers' tiers hold. Dynamo's request migration lives in
 its frontend for the same reason: the frontend is the one part that saw every token go out.
 
-A resubmit is retried for ``window_s`` while no scheduler takes it (none answers yet, or the one
-that answers has no worker: the lost scheduler's workers are claimed once they let it go).
+The same path moves a request a scheduler handed back (``Handback``: its worker died and it had
+no other). A resubmit is retried for ``window_s`` while no scheduler takes it (none answers yet,
+or the one that answers has no worker: the lost scheduler's workers are claimed once they let it
+go, and a dead worker's restart rejoins its scheduler).
 ``migration_limit`` bounds the moves one request makes through the gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, encode
-from libs.protocol.messages import SubmitReply, SubmitStatus
+from libs.protocol.messages import RequestOutput, StreamRecord, SubmitReply, SubmitStatus
 from libs.protocol.subjects import Subjects
 from services.gateway.request_stream import Pending
 
@@ -30,7 +34,12 @@ RETRY_S = 0.5  # between tries of a resubmit that found no taker
 
 
 class Migrations:
-    """The moves of one gateway's requests off lost schedulers, and their count by outcome."""
+    """The moves of one gateway's requests, who moves each, and their count by outcome.
+
+    Exactly one reader moves a request (``movers``): the last to submit or resume it. A reader
+    that does not (another gateway resumed the request) waits for that gateway's move, and fails
+    after ``orphan_s`` without one. ``on_moved`` hears of each resubmit a scheduler accepted.
+    """
 
     def __init__(
         self,
@@ -40,6 +49,8 @@ class Migrations:
         submit_timeout_s: float,
         migration_limit: int,
         window_s: float,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        on_moved: Callable[[Pending, SubmitReply], None],
     ) -> None:
         self.bus = bus
         self.subjects = subjects
@@ -47,7 +58,89 @@ class Migrations:
         self.submit_timeout_s = submit_timeout_s
         self.migration_limit = migration_limit
         self.window_s = window_s
+        self.spawn = spawn
+        self.on_moved = on_moved
         self.num_moves = {"moved": 0, "failed": 0}
+        self.movers: dict[str, Pending] = {}  # request id -> the one reader here that moves it
+
+    def moves_it(self, pending: Pending) -> bool:
+        return self.movers.get(pending.request_id) is pending
+
+    def release(self, pending: Pending) -> None:
+        """Its reader left: nobody here moves the request now (a resume moves it, if need be)."""
+        pending.reader_left = True
+        if self.moves_it(pending):
+            del self.movers[pending.request_id]
+
+    def taken(self, pending: Pending, scheduler_id: str) -> None:
+        """A scheduler accepted the request (a submit, or a resubmit): this reader moves it, should
+        that scheduler be lost or hand it back, until another gateway resumes it."""
+        pending.scheduler_id = scheduler_id
+        pending.accepted_at = time.monotonic()
+        pending.orphan_since = None
+        self.movers[pending.request_id] = pending
+        if pending.record is not None:  # a resumed stream learns where the request is from it
+            ids = (*pending.record.scheduler_ids, scheduler_id)
+            pending.record = dataclasses.replace(pending.record, scheduler_ids=ids)
+            self.spawn(self._store_record(pending.record))
+
+    def handed_back(self, pending: Pending, out: RequestOutput) -> bool:
+        """Its scheduler gave the request up (``out.handback``): whether this reader moves it now."""
+        assert out.handback is not None
+        pending.num_moves = max(pending.num_moves, out.handback.num_moves)
+        pending.num_crashes = max(pending.num_crashes, out.handback.num_crashes)
+        if self.moves_it(pending):
+            return True
+        pending.orphan_since = pending.orphan_since or time.monotonic()  # its mover moves it
+        return False
+
+    def on_schedulers(self, readers: list[Pending], gone: Callable[[Pending], bool], now: float) -> None:
+        """After a read of the members: move the requests whose scheduler is ``gone``; fail
+        those that wait for another gateway's move past ``orphan_s``."""
+        lost: dict[str, list[Pending]] = {}
+        for pending in readers:
+            if pending.moving or pending.failed or not gone(pending):
+                continue
+            if self.moves_it(pending):
+                lost.setdefault(pending.scheduler_id, []).append(pending)
+            else:
+                pending.orphan_since = pending.orphan_since or now
+        for pending in readers:
+            since = pending.orphan_since
+            if since is not None and now - since > self.orphan_s and not pending.failed:
+                pending.fail(f"scheduler {pending.scheduler_id} left it, not moved in {self.orphan_s:.0f} s")
+        for scheduler_id, pendings in lost.items():
+            log.error("scheduler %s lost: moving %d requests", scheduler_id, len(pendings))
+            for pending in pendings:
+                self.start(pending, f"scheduler {scheduler_id} lost: no heartbeat", lost=scheduler_id)
+
+    @property
+    def orphan_s(self) -> float:
+        """How long a reader waits for another gateway to move its request (then it fails)."""
+        return 2 * self.window_s
+
+    def start(self, pending: Pending, why: str, lost: str = "", avoid: str = "") -> None:
+        """Resubmit the request to another scheduler: its own is ``lost`` (its outputs are
+        dropped from now on), or handed it back (tried last: ``avoid``)."""
+        pending.moving = True
+        if lost:
+            pending.lost_schedulers.add(lost)
+        pending.avoid = avoid
+        self.spawn(self._run(pending, why))
+
+    async def _run(self, pending: Pending, why: str) -> None:
+        try:
+            reply = await self.move(pending, why)
+        finally:
+            pending.moving = False
+        if reply is not None:
+            self.on_moved(pending, reply)
+
+    async def _store_record(self, record: StreamRecord) -> None:
+        try:
+            await self.bus.kv_put(self.subjects.streams_bucket, record.request_id, encode(record))
+        except Exception as exc:  # a resume then finds the request where the record said before
+            log.warning("updating the stream record of %s failed: %r", record.request_id, exc)
 
     async def move(self, pending: Pending, why: str) -> SubmitReply | None:
         """Resubmit ``pending``'s request (its scheduler is lost, ``why``): the reply of the
@@ -69,7 +162,7 @@ class Migrations:
             return result
         if result is not None:
             self.num_moves["failed"] += 1
-            log.error("request %s not moved: %s", pending.submit and pending.submit.request_id, result)
+            log.error("request %s not moved: %s", pending.request_id, result)
             pending.fail(f"{why}; not moved to another scheduler: {result}")
         return None
 
@@ -97,7 +190,10 @@ async def resubmit(
         req = pending.resubmission()
         if req is None:
             return None
-        live = [s for s in candidates() if s not in pending.lost_schedulers]
+        # the one that handed it back last: it may have a worker again, but others go first
+        live = sorted(
+            (s for s in candidates() if s not in pending.lost_schedulers), key=lambda s: s == pending.avoid
+        )
         if target not in live:
             fresh = [s for s in live if s not in refused]
             if not fresh:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
@@ -49,13 +49,15 @@ class RouterFeed:
         await self.bus.subscribe(self.subjects.kv_events, self.on_events)  # the workers' G2
         await self.bus.subscribe(self.subjects.kv_device_events, self.on_events)  # the schedulers' G1
 
-    async def route(self, prompt: Sequence[int], tenant: str) -> Route | None:
-        """The router's pick; the prompt is hashed in a thread (a long one takes a while), so the
-        event loop goes on serving streams meanwhile."""
+    async def route(
+        self, prompt: Sequence[int], tenant: str, owners: Container[str] | None = None
+    ) -> Route | None:
+        """The router's pick (among the workers of ``owners``, when given); the prompt is hashed
+        in a thread (a long one takes a while), so the event loop goes on serving streams."""
         try:
-            kinds = self.router.chain_kinds(self.clock())
+            kinds = self.router.chain_kinds(self.clock(), owners)
             chains = await asyncio.to_thread(hash_chains, prompt, tenant, kinds) if kinds else {}
-            return self.router.route(prompt, tenant, self.clock(), chains)
+            return self.router.route(prompt, tenant, self.clock(), chains, owners)
         except Exception:  # a routing bug must not fail the submit: any scheduler places it
             log.exception("routing failed")
             return None

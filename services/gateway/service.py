@@ -26,8 +26,8 @@ comes, and resumes it (a ``PauseRequest`` with ``resume``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Coroutine
@@ -42,6 +42,7 @@ from libs.protocol.messages import (
     MemberInfo,
     MemberKind,
     PauseRequest,
+    RequestOutput,
     ResumeClaim,
     SamplingParams,
     StepOutputs,
@@ -55,13 +56,12 @@ from services.gateway.grace import GracePeriods, OnLeave
 from services.gateway.kv_router import KVRouter
 from services.gateway.metrics import StatsBoard
 from services.gateway.migration import Migrations
+from services.gateway.out_numbering import OutNumbering
 from services.gateway.request_stream import Pending, RequestStream
 from services.gateway.routing import RouterFeed
+from services.gateway.submit_path import send_submit
 
 log = logging.getLogger(__name__)
-
-# Outputs a scheduler's heartbeat says it sent but that have not arrived this long after are lost.
-OUT_LAG_S = 10.0
 
 
 class SubmitRejected(Exception):
@@ -93,12 +93,19 @@ class GatewayService:
         self.submit_timeout_s = submit_timeout_s
         self.out_max_age_s = out_max_age_s
         self.migrations = Migrations(
-            bus, subjects, self._live_schedulers, submit_timeout_s, migration_limit, resubmit_window_s
+            bus,
+            subjects,
+            self._live_schedulers,
+            submit_timeout_s,
+            migration_limit,
+            resubmit_window_s,
+            self._spawn,
+            self._moved,
         )
         # None: a submit goes to any scheduler (the queue group), which places it itself
         self.router = None if router is None else RouterFeed(bus, subjects, router)
         self._pending: dict[str, Pending] = {}
-        self._last_seq: dict[str, int] = {}  # scheduler id -> last StepOutputs.seq seen
+        self.numbering = OutNumbering(gateway_id)
         self._background: set[asyncio.Task[None]] = set()
         self._grace = GracePeriods(resume_grace_s, self.cancel_soon, self.pause_soon)
         self._out_seq_seen = 0  # the newest out stream sequence this gateway has seen
@@ -109,12 +116,8 @@ class GatewayService:
         # Failing a scheduler's requests wants a surer verdict than readiness (/health goes 503 at
         # the view's own silence): twice the TTL, and its streams still end well inside 30 s.
         self.scheduler_loss_s = 2 * MEMBER_TTL_S
-        self._accepted_at: dict[str, float] = {}  # request id -> when its scheduler took it
         self._schedulers_seen: set[str] = set()  # ever live in the view
         self._replays: set[Pending] = set()
-        self._behind_since: dict[str, float] = {}  # scheduler id -> since when its heartbeat
-        # says it sent more than has arrived here
-        self.out_lag_s = OUT_LAG_S
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
@@ -138,7 +141,8 @@ class GatewayService:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._pending)
+        """Requests read here now: live ones and resumed ones."""
+        return len(self._pending) + len(self._replays)
 
     def ready(self) -> bool:
         """Whether a request can be served now: connected to the bus, and a live scheduler with a
@@ -180,16 +184,20 @@ class GatewayService:
             tenant=tenant,
             retention_class=retention_class,
         )
-        submit = self._send_submit(req, prompt_token_ids)
+        schedulers = functools.partial(self.members.live, MemberKind.SCHEDULER)
+        submit = send_submit(
+            self.bus, self.subjects, req, prompt_token_ids, self.router, schedulers, self.submit_timeout_s
+        )
+        record = None if record is None else dataclasses.replace(record, submit=req)
         # Registered before the submit goes out, so no output can arrive before its queue exists.
-        pending = self._pending[request_id] = Pending(params.n, params.logprobs, submit=req)
+        pending = Pending(params.n, params.logprobs, submit=req, request_id=request_id, record=record)
+        self._pending[request_id] = pending
         try:
             if record is None:
-                raw = await submit
+                reply = await submit
             else:
                 store = self.bus.kv_put(self.subjects.streams_bucket, request_id, encode(record))
-                _, raw = await asyncio.gather(store, submit)
-            reply = decode(SubmitReply, raw)
+                _, reply = await asyncio.gather(store, submit)
         except NoResponders as exc:
             self._pending.pop(request_id, None)
             raise SubmitRejected(SubmitStatus.NO_WORKERS, "no scheduler is available") from exc
@@ -200,29 +208,18 @@ class GatewayService:
         if reply.status is not SubmitStatus.ACCEPTED:
             self._pending.pop(request_id, None)
             raise SubmitRejected(reply.status, reply.message)
-        self._taken(request_id, pending, reply)
+        self._taken(pending, reply)
         # Only a resumable stream is worth keeping for a while once its client is gone.
         on_leave: OnLeave = "now" if record is None else "never" if record.background else "grace"
         pending.on_leave = on_leave
         return self._stream(request_id, pending, on_leave)
 
-    def _taken(self, request_id: str, pending: Pending, reply: SubmitReply) -> None:
-        """A scheduler accepted the request (a submit, or a resubmit after its scheduler's loss)."""
-        pending.scheduler_id = reply.scheduler_id
-        if reply.out_seq >= 0:  # outputs seen since are newer; if none, the next is out_seq + 1
-            self._last_seq.setdefault(reply.scheduler_id, reply.out_seq)
-        self._accepted_at[request_id] = time.monotonic()
-
-    async def _send_submit(self, req: SubmitRequest, prompt: list[int]) -> bytes:
-        """Submit to the replica the router picked, naming its worker; to any scheduler when it
-        picks none, or when that replica no longer answers (gone since its worker's report)."""
-        route = None if self.router is None else await self.router.route(prompt, req.tenant)
-        if route is not None:
-            routed = encode(dataclasses.replace(req, worker_id=route.worker_id))
-            with contextlib.suppress(NoResponders):
-                subject = self.subjects.submit_to(route.scheduler_id)
-                return await self.bus.request(subject, routed, self.submit_timeout_s)
-        return await self.bus.request(self.subjects.submit, encode(req), self.submit_timeout_s)
+    def _taken(self, pending: Pending, reply: SubmitReply) -> None:
+        """A scheduler accepted the request (a submit, or a resubmit after a loss or hand-back)."""
+        assert pending.submit is not None
+        if pending.submit.gateway_id == self.gateway_id:  # (a replay's outputs go elsewhere)
+            self.numbering.accepted(reply.scheduler_id, reply.out_seq)
+        self.migrations.taken(pending, reply.scheduler_id)
 
     def next_out_seq(self) -> int:
         """A start for a request submitted now: nothing of it can be in the out stream before it.
@@ -242,26 +239,39 @@ class GatewayService:
         background response, which is not the reader's to cancel)."""
         if record.start_seq < 1:
             raise ValueError(f"stream record of {record.request_id} has no start sequence")
-        pending = Pending(record.n, record.logprobs)
         request_id = record.request_id
+        past = record.scheduler_ids[:-1]
+        pending = Pending(
+            record.n,
+            record.logprobs,
+            scheduler_id=record.scheduler_ids[-1] if record.scheduler_ids else "",
+            submit=record.submit,
+            num_moves=len(past),
+            request_id=request_id,
+            record=record,
+            past_schedulers=frozenset(past),
+            accepted_at=time.monotonic(),
+        )
 
         async def on_message(msg: Message) -> None:
             try:
                 step = decode(StepOutputs, msg.data)
             except DecodeError:
                 return  # the live consumer logs it
-            for out in step.outputs:
-                if out.request_id == request_id:
-                    pending.accept(out)
+            outputs = [out for out in step.outputs if out.request_id == request_id]
+            self._deliver_all(step.scheduler_id, [(pending, out) for out in outputs])
 
         sub = await self.bus.subscribe_durable(
             self.subjects.out(record.gateway_id), on_message, start_seq=record.start_seq
         )
-        # Claimed once the replay runs: the gateway whose reader left must not cancel it now. And
-        # resumed from here too, for when that gateway is gone (a request resumed twice just runs).
+        # Claimed once the replay runs: the gateway whose reader left must not cancel it now, nor
+        # move it: this reader does (it has the submit). And resumed from here too, for when that
+        # gateway is gone (a request resumed twice just runs).
         await self.bus.publish(self.subjects.resume_claim, encode(ResumeClaim(request_id, self.gateway_id)))
         self.pause_soon(request_id, resume=True)  # with this gateway's id: a stale pause loses to it
         self._replays.add(pending)
+        if record.submit is not None:
+            self.migrations.movers[request_id] = pending
         return self._stream(request_id, pending, on_leave, sub)
 
     def _stream(
@@ -272,9 +282,9 @@ class GatewayService:
         self._grace.joined(request_id, on_leave)
 
         def close(stream: RequestStream, failed: bool) -> None:
+            self.migrations.release(pending)
             if sub is None:
                 self._pending.pop(request_id, None)
-                self._accepted_at.pop(request_id, None)
             else:
                 self._replays.discard(pending)
                 self._spawn(sub.unsubscribe())
@@ -287,8 +297,10 @@ class GatewayService:
             claim = decode(ResumeClaim, msg.data)
         except DecodeError:
             return
-        # A reader of ours joined already: its own claim has nothing to tell us.
-        if claim.gateway_id != self.gateway_id and self._grace.claimed(claim.request_id):
+        if claim.gateway_id == self.gateway_id:
+            return  # a reader of ours joined already: its own claim has nothing to tell us
+        self.migrations.movers.pop(claim.request_id, None)  # the claimer moves it from now on
+        if self._grace.claimed(claim.request_id):
             log.info("request %s resumed at %s: not cancelled", claim.request_id, claim.gateway_id)
 
     async def _on_stats(self, msg: Message) -> None:
@@ -320,19 +332,23 @@ class GatewayService:
             log.error("undecodable step outputs at stream seq %d: %s", msg.seq, exc)
             return
         self._out_seq_seen = max(self._out_seq_seen, msg.seq)
-        last = self._last_seq.get(step.scheduler_id)
-        # Not older than what was seen or said: a submit's reply (its out_seq) may overtake an
-        # output the scheduler had published before it accepted.
-        if last is None or step.seq > last:
-            self._last_seq[step.scheduler_id] = step.seq
-        if last is not None and step.seq > last + 1:
-            self._fail_scheduler(step.scheduler_id, f"lost step outputs {last + 1}..{step.seq - 1}")
-        for out in step.outputs:
-            pending = self._pending.get(out.request_id)
-            # (None: cancelled here already, or another gateway's with our id; from a scheduler
-            # taken for lost: the request went on elsewhere)
-            if pending is not None and step.scheduler_id not in pending.lost_schedulers:
-                pending.accept(out)
+        gap = self.numbering.arrived(step.scheduler_id, step.seq)
+        if gap:
+            self._fail_scheduler(step.scheduler_id, gap)
+        # (a request not pending: cancelled here already, or another gateway's with our id)
+        outputs = [
+            (self._pending[out.request_id], out) for out in step.outputs if out.request_id in self._pending
+        ]
+        self._deliver_all(step.scheduler_id, outputs)
+
+    def _deliver_all(self, scheduler_id: str, outputs: list[tuple[Pending, RequestOutput]]) -> None:
+        """Hand one step's outputs to their readers; then move what that scheduler handed back."""
+        handed_back: dict[str, tuple[Pending, RequestOutput]] = {}
+        for pending, out in outputs:
+            if pending.deliver(scheduler_id, out) and self.migrations.handed_back(pending, out):
+                handed_back[pending.request_id] = (pending, out)
+        for pending, out in handed_back.values():
+            self.migrations.start(pending, out.error, avoid=scheduler_id)
 
     def _fail_scheduler(self, scheduler_id: str, why: str) -> None:
         log.error("scheduler %s: %s", scheduler_id, why)
@@ -341,7 +357,7 @@ class GatewayService:
                 pending.fail(why)  # (one being moved off it has lost nothing more)
 
     def _on_members(self) -> None:
-        """After each read of the members: fail the requests of schedulers that are gone.
+        """After each read of the members: move the requests of schedulers that are gone.
 
         Gone: not live in a current view, and either seen live before or silent since it took
         the request (a scheduler answers submits a moment before its first heartbeat)."""
@@ -350,79 +366,52 @@ class GatewayService:
         live = {m.member_id for m in self.members.live(MemberKind.SCHEDULER, silence_s=self.scheduler_loss_s)}
         self._schedulers_seen |= live
         now = time.monotonic()
-        gone: dict[str, list[str]] = {}
-        for request_id, accepted_at in list(self._accepted_at.items()):
-            pending = self._pending.get(request_id)
-            if pending is None:
-                self._accepted_at.pop(request_id)
-                continue
-            scheduler_id = pending.scheduler_id
-            known = scheduler_id in self._schedulers_seen or now - accepted_at > self.scheduler_loss_s
-            if scheduler_id not in live and known:
-                gone.setdefault(scheduler_id, []).append(request_id)
         self._check_arrivals(now)
-        for scheduler_id, request_ids in gone.items():
-            silent_s = self.members.silent_for(MemberKind.SCHEDULER, scheduler_id)
-            heard = "gone from the members" if silent_s is None else f"heartbeat silent {silent_s:.1f} s"
-            log.error("scheduler %s lost (%s): moving %d requests", scheduler_id, heard, len(request_ids))
-            for request_id in request_ids:
-                self._accepted_at.pop(request_id)
-                self._move(request_id, scheduler_id)
+
+        def gone(pending: Pending) -> bool:
+            scheduler_id = pending.scheduler_id
+            if not scheduler_id or scheduler_id in live:
+                return False
+            return scheduler_id in self._schedulers_seen or now - pending.accepted_at > self.scheduler_loss_s
+
+        self.migrations.on_schedulers([*self._pending.values(), *self._replays], gone, now)
 
     def _live_schedulers(self) -> list[str]:
         return sorted(m.member_id for m in self.members.live(MemberKind.SCHEDULER))
 
-    def _move(self, request_id: str, scheduler_id: str) -> None:
-        """The request's scheduler is lost: resubmit it to another (see ``Migrations``)."""
-        pending = self._pending[request_id]
-        pending.lost_schedulers.add(scheduler_id)
-        self._spawn(self._moved(request_id, pending, f"scheduler {scheduler_id} lost: no heartbeat"))
-
-    async def _moved(self, request_id: str, pending: Pending, why: str) -> None:
-        reply = await self.migrations.move(pending, why)
-        if reply is None:
-            return
-        if self._pending.get(request_id) is not pending:  # its reader left meanwhile: what its
-            # leaving did (cancel, pause) reached no scheduler holding it; do it again now
+    def _moved(self, pending: Pending, reply: SubmitReply) -> None:
+        """A scheduler took a moved request."""
+        request_id = pending.request_id
+        if pending.reader_left:  # what its leaving did (cancel, pause) reached no scheduler
+            # holding it; do it again now
             if pending.on_leave == "now":
                 self.cancel_soon(request_id)
             elif pending.on_leave == "grace":
                 self.pause_soon(request_id, resume=False)
             return
-        self._taken(request_id, pending, reply)
+        self._taken(pending, reply)
         new_id, num_moves = reply.scheduler_id, pending.num_moves
         log.warning("request %s moved to scheduler %s (move %d)", request_id, new_id, num_moves)
 
     def _check_arrivals(self, now: float) -> None:
-        """Fail the requests of a scheduler whose last outputs never came: its heartbeat has said
-        for ``out_lag_s`` that it sent more than arrived (and nothing since showed a gap)."""
-        for info in self.members.live(MemberKind.SCHEDULER):
-            sent = next((o.seq for o in info.out_seqs if o.gateway_id == self.gateway_id), 0)
-            last = self._last_seq.get(info.member_id)
-            if last is None or last >= sent:  # None: nothing since the start or an outage
-                self._behind_since.pop(info.member_id, None)
-                continue
-            since = self._behind_since.setdefault(info.member_id, now)
-            if now - since < self.out_lag_s:
-                continue
+        """Fail the requests of a scheduler whose last outputs never came (see ``OutNumbering``)."""
+        for scheduler_id, sent, since in self.numbering.behind(self.members.live(MemberKind.SCHEDULER), now):
             lost = [
-                rid
-                for rid, accepted_at in self._accepted_at.items()
-                if accepted_at < since and self._pending[rid].scheduler_id == info.member_id
+                p
+                for p in self._pending.values()
+                if p.accepted_at < since and p.scheduler_id == scheduler_id and not (p.moving or p.failed)
             ]
             if lost:  # those taken later had nothing in the missing outputs
-                log.error("scheduler %s: step outputs up to %d never arrived", info.member_id, sent)
-            for rid in lost:
-                self._accepted_at.pop(rid)
-                self._pending[rid].fail(f"lost step outputs of scheduler {info.member_id} (up to {sent})")
+                log.error("scheduler %s: step outputs up to %d never arrived", scheduler_id, sent)
+            for pending in lost:
+                pending.fail(f"lost step outputs of scheduler {scheduler_id} (up to {sent})")
 
     def _on_connection(self, connected: bool) -> None:
         """Step outputs published while this gateway was cut off never arrive: every request in
         flight fails at once; sequence numbers start afresh with the next output."""
         # The first output of each scheduler after the outage starts its numbering afresh: also
         # at the reconnect, for outputs read before the loss but handled after its news.
-        self._last_seq.clear()
-        self._behind_since.clear()
+        self.numbering.clear()
         if connected:
             self._spawn(self._refresh_members())
             return
@@ -431,7 +420,7 @@ class GatewayService:
             log.error("lost the connection to NATS: failing %d requests", len(readers))
         for pending in readers:
             pending.fail("NATS connection lost: the step outputs in flight are gone")
-        self._accepted_at.clear()
+        self.migrations.movers.clear()
 
     async def _refresh_members(self) -> None:
         await self.members.refresh()

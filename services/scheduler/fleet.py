@@ -10,6 +10,10 @@ What happens to a lost worker's requests (``WorkerLoss``):
 - LEFT (another scheduler took it, or it drained past its timeout): moved, no crash charged.
 - UNREACHABLE (this scheduler lost the bus): every worker goes at once, nothing can move; fail.
 
+A request that may move but finds no other worker here is handed back (``Handback``): it ends
+here with an error that tells the gateway to resubmit it to another replica, where it goes on
+from the tokens its client has received, with its moves and crashes counted on.
+
 P/D handoff: a request prefilled on a prefill worker leaves it after its first token
 (``begin_handoff``: detached, its computed full blocks queued for saving to the shared store) and
 waits in transit until the caller has seen the store hold them; ``end_handoff`` attaches it to the
@@ -23,7 +27,7 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from libs.protocol.messages import FinishReason
+from libs.protocol.messages import FinishReason, Handback
 from services.scheduler.moving import attach, detach, take_all
 from services.scheduler.request_table import RequestEntry, RequestTable
 from services.scheduler.router import WorkerState, pick_worker
@@ -78,12 +82,15 @@ class Fleet:
         worker_id: str,
         outputs: list[list[int] | None] | None = None,
         num_migrations: int = 0,
+        num_crashes: int = 0,
     ) -> list[Sequence]:
         """Queue a new request on a worker (raises QueueFull); returns its sequences. A request
-        resubmitted after its scheduler was lost goes on from ``outputs`` (see
-        ``WorkerScheduler.add``), its moves so far counted against the limit."""
+        resubmitted after its scheduler was lost (or handed it back) goes on from ``outputs``
+        (see ``WorkerScheduler.add``), its moves and crashes so far counted against the limits."""
         choices = self.cores[worker_id].add(seq, outputs)
-        self.table.add(seq.request_id, [c.seq_id for c in choices], worker_id, num_migrations)
+        self.table.add(seq.request_id, [c.seq_id for c in choices], worker_id, num_migrations, num_crashes)
+        for choice in choices:
+            choice.suspect = num_crashes > 0
         return choices
 
     def worker_of(self, request_or_seq_id: str) -> str | None:
@@ -162,6 +169,10 @@ class Fleet:
             why = self._why_not_move(entry, loss)
             target = None if why else self._pick_target(request_seqs, exclude=worker_id)
             if target is None:
+                if not why and loss is not WorkerLoss.UNREACHABLE:
+                    handback = Handback(entry.num_migrations, entry.num_crashes)
+                    for seq in request_seqs:
+                        seq.handback = handback
                 self._fail(request_seqs, why or NO_TARGET, moves)
                 continue
             entry.num_migrations += 1

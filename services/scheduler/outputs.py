@@ -58,6 +58,7 @@ def _take_output(seq: Sequence, error: str) -> RequestOutput:
         error=(seq.error or error) if seq.finish_reason is FinishReason.ERROR else "",
         index=seq.index,
         logprobs=_take_logprobs(seq),
+        handback=seq.handback if seq.finish_reason is FinishReason.ERROR else None,
     )
 
 

@@ -77,7 +77,7 @@ class Placement:
         ]
         worker_id = self._pick(req, states)
         if worker_id is None:
-            return SubmitReply(SubmitStatus.NO_WORKERS, self._why_no_worker())
+            return SubmitReply(SubmitStatus.NO_WORKERS, self._why_no_worker(), self.config.scheduler_id)
         state = next(s for s in states if s.worker_id == worker_id)
         # A resubmitted request goes on decoding: no remote prefill for it.
         prefill_id = None if outputs else self._remote_prefill(req, prompt, worker_id, kinds, stored, state)
@@ -107,7 +107,7 @@ class Placement:
         if req.request_id in self.fleet.table:
             return self._again(req)
         try:
-            self.fleet.submit(seq, worker_id, outputs, req.num_moves)
+            self.fleet.submit(seq, worker_id, outputs, req.num_moves, req.num_crashes)
         except QueueFull as exc:
             return SubmitReply(SubmitStatus.QUEUE_FULL, str(exc))
         handle.wake.set()

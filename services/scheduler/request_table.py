@@ -41,9 +41,18 @@ class RequestTable:
         request_id = self._request_of.get(request_or_seq_id, request_or_seq_id)
         return self._requests.get(request_id)
 
-    def add(self, request_id: str, seq_ids: list[str], worker_id: str, num_migrations: int = 0) -> None:
+    def add(
+        self,
+        request_id: str,
+        seq_ids: list[str],
+        worker_id: str,
+        num_migrations: int = 0,
+        num_crashes: int = 0,
+    ) -> None:
         assert request_id not in self._requests, f"request {request_id} is in the table already"
-        self._requests[request_id] = RequestEntry(request_id, worker_id, set(seq_ids), num_migrations)
+        self._requests[request_id] = RequestEntry(
+            request_id, worker_id, set(seq_ids), num_migrations, num_crashes
+        )
         self._request_of.update((s, request_id) for s in seq_ids)
         self._on_worker.setdefault(worker_id, set()).add(request_id)
 

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from libs.protocol.messages import FinishReason, Logprobs, SamplingParams, seq_id_of
+from libs.protocol.messages import FinishReason, Handback, Logprobs, SamplingParams, seq_id_of
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +41,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str = ""  # why it finished with ERROR, when that is the sequence's own fault
+    handback: Handback | None = None  # with ERROR: given back to the gateway to move elsewhere
     num_sent_tokens: int = 0  # output tokens already published to the gateway
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0

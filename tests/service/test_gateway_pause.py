@@ -5,13 +5,14 @@ paused."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
 
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
-from libs.protocol.codec import decode
+from libs.protocol.codec import decode, unpack_tokens
 from libs.protocol.messages import PauseRequest
 from services.gateway.service import GatewayService
 from tests.service.test_gateway_service import PARAMS, SUBJECTS, ScriptedScheduler, out, record_for
@@ -50,8 +51,11 @@ async def test_a_stream_left_unfinished_pauses_at_once_and_a_replay_resumes_it(g
         PauseRequest(("r1",), resume=False, timeout_s=2 * GRACE_S, gateway_id=service.gateway_id)
     ]
     assert scheduler.cancelled == []  # paused, kept for a resume
-    assert await service.stream_record("r1") == record
-    replay = await service.replay(record)
+    stored = await service.stream_record("r1")  # with what a resume needs to move it
+    assert stored is not None and stored.scheduler_ids == (scheduler.scheduler_id,)
+    assert stored.submit is not None and unpack_tokens(stored.submit.prompt_token_ids) == [1, 2, 3]
+    assert dataclasses.replace(stored, submit=None, scheduler_ids=()) == record
+    replay = await service.replay(stored)
     await asyncio.sleep(GRACE_S * 2)
     assert pauses[1:] and all(p.resume for p in pauses[1:])  # resumed; no pause since
     assert scheduler.cancelled == []

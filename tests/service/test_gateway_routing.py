@@ -1,10 +1,13 @@
 """The gateway's KV router on the bus (in-memory bus, scripted schedulers): a submit goes to the
 replica that owns the worker holding the prompt's blocks, naming that worker; a stream with a gap
-gets a dump asked of its publisher, and the dump's content counts; with no worker known, or the
-named replica gone, the submit goes to any scheduler."""
+gets a dump asked of its publisher, and the dump's content counts; the workers of a replica that
+is gone (no answer, or not live in the members) are not named; a replica with no worker that the
+queue group picks passes the submit to one that has workers."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import AsyncIterator
 
 import pytest
@@ -14,12 +17,12 @@ from libs.bus.memory import InMemoryBus
 from libs.kvstore.block_hash import hash_blocks
 from libs.protocol.codec import decode, encode
 from libs.protocol.kv_messages import CacheTier, KVDump, KVDumpRequest, KVEvent, KVEvents, join_hashes
-from libs.protocol.messages import SamplingParams, WorkerLoad
+from libs.protocol.messages import MemberInfo, MemberKind, SamplingParams, SubmitStatus, WorkerLoad
 from services.gateway.kv_router import KVRouter
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.service import GatewayService
+from services.gateway.service import GatewayService, SubmitRejected
 from tests.service.test_gateway_service import SUBJECTS, ScriptedScheduler
-from tests.service.test_liveness import until
+from tests.service.test_liveness import heartbeat, until
 
 BLOCK_SIZE = 4
 PROMPT = list(range(10, 51))  # 10 full blocks a hit could skip
@@ -36,7 +39,7 @@ def g1(scheduler_id: str, worker_id: str, seq: int, hashes: list[bytes]) -> KVEv
     return KVEvents(scheduler_id, seq, (event,) if hashes else (), "m", worker_id)
 
 
-Fleet = tuple[GatewayService, InMemoryBus, dict[str, ScriptedScheduler]]
+Fleet = tuple[GatewayService, InMemoryBus, dict[str, ScriptedScheduler], dict[str, asyncio.Task[None]]]
 
 
 @pytest.fixture
@@ -45,18 +48,25 @@ async def fleet() -> AsyncIterator[Fleet]:
     service = GatewayService(bus, SUBJECTS, "gw1", submit_timeout_s=1, router=KVRouter())
     await service.start()
     schedulers = {sid: ScriptedScheduler(bus, scheduler_id=sid) for sid in ("s1", "s2")}
-    for scheduler in schedulers.values():
+    beats = {}
+    for sid, scheduler in schedulers.items():
         await scheduler.start()
+        beats[sid] = await heartbeat(
+            bus, functools.partial(MemberInfo, MemberKind.SCHEDULER, sid, num_workers=1)
+        )
+    await until(lambda: len(service.members.live(MemberKind.SCHEDULER)) == 2)
     for worker_id, owner in (("w1", "s1"), ("w2", "s2")):
         await bus.publish(SUBJECTS.load(worker_id), encode(load(worker_id, owner)))
     await until(lambda: service.router is not None and len(service.router.router.workers) == 2)
-    yield service, bus, schedulers
+    yield service, bus, schedulers, beats
+    for beat in beats.values():
+        beat.cancel()
     await service.close()
     await bus.close()
 
 
 async def test_a_submit_goes_to_the_replica_holding_the_prompt_and_names_the_worker(fleet: Fleet) -> None:
-    service, bus, schedulers = fleet
+    service, bus, schedulers, _ = fleet
     await bus.publish(SUBJECTS.kv_device_events, encode(g1("s2", "w2", 1, CHAIN)))
     assert service.router is not None
     await until(lambda: bool(service.router and service.router.router.streams))
@@ -71,7 +81,7 @@ async def test_a_submit_goes_to_the_replica_holding_the_prompt_and_names_the_wor
 
 
 async def test_a_gap_asks_the_publisher_for_a_dump_and_its_content_counts(fleet: Fleet) -> None:
-    service, bus, schedulers = fleet
+    service, bus, schedulers, _ = fleet
     asked: list[KVDumpRequest] = []
 
     async def dump(msg: Message) -> None:
@@ -90,11 +100,53 @@ async def test_a_gap_asks_the_publisher_for_a_dump_and_its_content_counts(fleet:
     assert [r.worker_id for r in schedulers["s1"].submitted] == ["w1"]
 
 
-async def test_with_the_named_replica_gone_the_submit_goes_to_any_scheduler(fleet: Fleet) -> None:
-    service, bus, schedulers = fleet
+async def test_with_the_named_replica_gone_the_router_names_a_live_one(fleet: Fleet) -> None:
+    service, bus, schedulers, _ = fleet
     await bus.publish(SUBJECTS.kv_device_events, encode(g1("s2", "w2", 1, CHAIN)))
     await until(lambda: bool(service.router and service.router.router.streams))
     await schedulers["s2"].stop()  # killed: its worker's last report still names it
     await service.submit("r1", PROMPT, PARAMS, eos_token_id=0)
     (req,) = schedulers["s1"].submitted
-    assert req.worker_id == ""  # the queue group's pick places it itself
+    assert req.worker_id == "w1"  # the router asked again, without s2
+
+
+async def test_the_router_names_no_worker_of_a_scheduler_gone_from_the_members(fleet: Fleet) -> None:
+    service, bus, schedulers, beats = fleet
+    await bus.publish(SUBJECTS.kv_device_events, encode(g1("s2", "w2", 1, CHAIN)))
+    await until(lambda: bool(service.router and service.router.router.streams))
+    beats["s2"].cancel()  # its heartbeat stops (it still answers submits: stuck, or cut off)
+    service.members.silence_s = 1.0
+    await until(lambda: len(service.members.live(MemberKind.SCHEDULER)) == 1)
+    await service.submit("r1", PROMPT, PARAMS, eos_token_id=0)
+    assert schedulers["s2"].submitted == []
+    assert [r.worker_id for r in schedulers["s1"].submitted] == ["w1"]
+
+
+async def test_a_replica_without_workers_in_the_queue_group_passes_to_one_with_workers() -> None:
+    """No route (no worker report yet): the queue group's pick is a replica that has no worker
+    (just restarted); the gateway then names the live replica that drives one."""
+    bus = InMemoryBus()
+    service = GatewayService(bus, SUBJECTS, "gw1", submit_timeout_s=1, router=KVRouter())
+    await service.start()
+    empty = ScriptedScheduler(bus, SubmitStatus.NO_WORKERS, scheduler_id="s1")
+    busy = ScriptedScheduler(bus, scheduler_id="s2")
+    await empty.start()
+    await busy.start()
+    await busy.subscriptions[0].unsubscribe()  # the queue group reaches only the empty one
+    beats = [
+        await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1", num_workers=0)),
+        await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s2", num_workers=1)),
+    ]
+    await until(lambda: len(service.members.live(MemberKind.SCHEDULER)) == 2)
+    await service.submit("r1", PROMPT, PARAMS, eos_token_id=0)
+    assert [r.request_id for r in empty.submitted] == ["r1"]
+    assert [r.request_id for r in busy.submitted] == ["r1"]
+    empty.status = SubmitStatus.NO_WORKERS
+    await busy.stop()  # now no replica can take it: the client sees the refusal
+    with pytest.raises(SubmitRejected) as rejected:
+        await service.submit("r2", PROMPT, PARAMS, eos_token_id=0)
+    assert rejected.value.status is SubmitStatus.NO_WORKERS
+    for beat in beats:
+        beat.cancel()
+    await service.close()
+    await bus.close()

@@ -19,6 +19,7 @@ from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import encode, pack_tokens
 from libs.protocol.messages import (
     FinishReason,
+    Handback,
     MemberInfo,
     MemberKind,
     OutSeq,
@@ -232,6 +233,9 @@ async def test_a_worker_with_no_subscriber_left_is_dropped_before_its_heartbeat_
         [(request_id, reason, error)] = [(o.request_id, o.finish_reason, o.error) for o in out.outputs]
         assert (request_id, reason) == ("r1", FinishReason.ERROR)
         assert error == "worker w1 lost: gone: nothing answers on its step subject"
+        # no other worker here: handed back, for the gateway to move to another replica (it was
+        # in the batch: one crash)
+        assert [o.handback for o in out.outputs] == [Handback(num_moves=0, num_crashes=1)]
         assert "w1" not in service.workers
         worker.gate.set()
 
@@ -244,6 +248,7 @@ async def test_the_scheduler_drops_its_workers_when_the_bus_connection_drops_and
         out = await asyncio.wait_for(outputs.get(), 5)
         (lost,) = out.outputs
         assert lost.finish_reason is FinishReason.ERROR and "NATS connection lost" in lost.error
+        assert lost.handback is None  # every worker went at once: the gateway moves it, if need be
         assert service.workers == {}
         bus.set_connected(True)
         worker.gate.set()
@@ -321,7 +326,7 @@ async def test_the_gateway_fails_requests_whose_last_outputs_never_came(
     gateway: tuple[GatewayService, InMemoryBus, ScriptedScheduler],
 ) -> None:
     service, bus, scheduler = gateway
-    service.out_lag_s = 1.0
+    service.numbering.lag_s = 1.0
     sent = 1  # what the scheduler's heartbeat says it published to gw1
 
     def sched_info() -> MemberInfo:
@@ -351,7 +356,7 @@ async def test_the_gateway_fails_a_request_whose_only_output_never_came(
     """No output of the scheduler ever arrived here, so no gap can show; its submit reply said
     what it had sent so far (0), and its heartbeat then says 1 (the request's end, lost)."""
     service, bus, _ = gateway
-    service.out_lag_s = 1.0
+    service.numbering.lag_s = 1.0
     sent = 0
 
     def sched_info() -> MemberInfo:

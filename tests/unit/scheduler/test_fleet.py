@@ -14,7 +14,7 @@ import random
 import pytest
 
 from libs.protocol.errors import QueueFull
-from libs.protocol.messages import SamplingParams
+from libs.protocol.messages import Handback, SamplingParams
 from services.scheduler.fleet import NO_TARGET, WorkerLoss
 from services.scheduler.request_table import RequestTable
 from services.scheduler.sequence import Sequence, SequenceStatus
@@ -133,7 +133,30 @@ def test_a_lost_worker_with_no_other_fails_its_requests_and_cancel_finds_moved_o
     sim.fleet.check_integrity()
     moves = sim.lose(w1, WorkerLoss.CRASHED)
     assert [(s.seq_id, why) for s, why in moves.failed] == [("r", NO_TARGET)]
+    # handed back to the gateway, to go on at another replica: one move and one crash so far (not
+    # in the batch at the second: it had not run on w1 yet)
+    assert [s.handback for s, _ in moves.failed] == [Handback(num_moves=1, num_crashes=1)]
     assert len(sim.fleet.table) == 0
+
+
+def test_a_request_resubmitted_with_crashes_is_a_suspect_and_fails_at_the_crash_limit() -> None:
+    """Crashes counted at other replicas carry over: one more here is its second, and it fails
+    alone, not handed back; with the bus lost nothing is handed back either."""
+    sim = FleetSim()
+    worker = sim.join()
+    seq = make_seq("r", [4, 5, 6, 7, 8])
+    (choice,) = sim.fleet.submit(seq, worker, outputs=[[]], num_migrations=1, num_crashes=1)
+    assert choice.suspect
+    sim.fleet.check_integrity()
+    steps(sim, worker, 1)
+    sim.join()
+    moves = sim.lose(worker, WorkerLoss.CRASHED)
+    [(failed, why)] = moves.failed
+    assert "2 worker crashes" in why and failed.handback is None
+    other = next(iter(sim.drivers))
+    sim.submit(make_seq("q", [4, 5, 6]), other)
+    moves = sim.lose(other, WorkerLoss.UNREACHABLE)
+    assert [(s.seq_id, s.handback) for s, _ in moves.failed] == [("q", None)]
 
 
 @pytest.mark.parametrize("seed", range(12))
