@@ -125,6 +125,15 @@ class SubmitStatus(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerRef:
+    """One scheduler process: its id, and which start of that id (a process restarted under the
+    same id is another one: it holds none of the requests the first had)."""
+
+    scheduler_id: str
+    incarnation: str = ""  # random per process start ("": a peer from before incarnations)
+
+
+@dataclass(frozen=True, slots=True)
 class SubmitReply:
     """The scheduler's answer to a submit (submit is request/reply, so admission is synchronous)."""
 
@@ -134,6 +143,11 @@ class SubmitReply:
     # The last StepOutputs.seq it had sent the submitting gateway when it accepted (-1: not said):
     # the gateway then notices a loss even of the first output it is owed (its heartbeat's count).
     out_seq: int = -1
+    incarnation: str = ""  # of ``scheduler_id`` (see SchedulerRef)
+
+    @property
+    def scheduler(self) -> SchedulerRef:
+        return SchedulerRef(self.scheduler_id, self.incarnation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +185,13 @@ class RequestOutput:
 @dataclass(frozen=True, slots=True)
 class StepOutputs:
     scheduler_id: str
-    seq: int  # per (scheduler, gateway), +1 per message; a gap means something was lost
+    seq: int  # per (scheduler process, gateway), +1 per message; a gap means something was lost
     outputs: tuple[RequestOutput, ...]
+    incarnation: str = ""  # of ``scheduler_id``: a restarted scheduler numbers afresh
+
+    @property
+    def scheduler(self) -> SchedulerRef:
+        return SchedulerRef(self.scheduler_id, self.incarnation)
 
 
 # --- scheduler <-> worker -------------------------------------------------------------------
@@ -280,6 +299,7 @@ class MemberInfo:
     # NATS outage it claims its workers again from their next load reports)
     num_workers: int = -1
     draining: bool = False  # a worker: told to stop (SIGTERM), it takes no new sequences
+    incarnation: str = ""  # a scheduler: which start of its id (see SchedulerRef)
     role: str = "both"  # a worker: prefill | decode | both (a prefill worker alone cannot serve)
 
     @property
@@ -352,7 +372,7 @@ class StreamRecord:
     # it: the submit (outputs still go to ``gateway_id``), and every scheduler that took it, in
     # order (the last holds it now; a hand-back from an earlier one was dealt with already).
     submit: SubmitRequest | None = None
-    scheduler_ids: tuple[str, ...] = ()
+    schedulers: tuple[SchedulerRef, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

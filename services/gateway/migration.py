@@ -24,7 +24,7 @@ from typing import Any
 
 from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, encode
-from libs.protocol.messages import RequestOutput, StreamRecord, SubmitReply, SubmitStatus
+from libs.protocol.messages import RequestOutput, SchedulerRef, StreamRecord, SubmitReply, SubmitStatus
 from libs.protocol.subjects import Subjects
 from services.gateway.request_stream import Pending
 
@@ -45,7 +45,7 @@ class Migrations:
         self,
         bus: Bus,
         subjects: Subjects,
-        candidates: Callable[[], list[str]],
+        candidates: Callable[[], list[SchedulerRef]],
         submit_timeout_s: float,
         migration_limit: int,
         window_s: float,
@@ -72,16 +72,16 @@ class Migrations:
         if self.moves_it(pending):
             del self.movers[pending.request_id]
 
-    def taken(self, pending: Pending, scheduler_id: str) -> None:
+    def taken(self, pending: Pending, scheduler: SchedulerRef) -> None:
         """A scheduler accepted the request (a submit, or a resubmit): this reader moves it, should
         that scheduler be lost or hand it back, until another gateway resumes it."""
-        pending.scheduler_id = scheduler_id
+        pending.scheduler = scheduler
         pending.accepted_at = time.monotonic()
         pending.orphan_since = None
         self.movers[pending.request_id] = pending
         if pending.record is not None:  # a resumed stream learns where the request is from it
-            ids = (*pending.record.scheduler_ids, scheduler_id)
-            pending.record = dataclasses.replace(pending.record, scheduler_ids=ids)
+            schedulers = (*pending.record.schedulers, scheduler)
+            pending.record = dataclasses.replace(pending.record, schedulers=schedulers)
             self.spawn(self._store_record(pending.record))
 
     def handed_back(self, pending: Pending, out: RequestOutput) -> bool:
@@ -97,33 +97,37 @@ class Migrations:
     def on_schedulers(self, readers: list[Pending], gone: Callable[[Pending], bool], now: float) -> None:
         """After a read of the members: move the requests whose scheduler is ``gone``; fail
         those that wait for another gateway's move past ``orphan_s``."""
-        lost: dict[str, list[Pending]] = {}
+        lost: dict[SchedulerRef, list[Pending]] = {}
         for pending in readers:
-            if pending.moving or pending.failed or not gone(pending):
+            if pending.moving or pending.failed or pending.scheduler is None or not gone(pending):
                 continue
             if self.moves_it(pending):
-                lost.setdefault(pending.scheduler_id, []).append(pending)
+                lost.setdefault(pending.scheduler, []).append(pending)
             else:
                 pending.orphan_since = pending.orphan_since or now
         for pending in readers:
             since = pending.orphan_since
             if since is not None and now - since > self.orphan_s and not pending.failed:
-                pending.fail(f"scheduler {pending.scheduler_id} left it, not moved in {self.orphan_s:.0f} s")
-        for scheduler_id, pendings in lost.items():
+                name = pending.scheduler.scheduler_id if pending.scheduler else "?"
+                pending.fail(f"scheduler {name} left it, not moved in {self.orphan_s:.0f} s")
+        for scheduler, pendings in lost.items():
+            scheduler_id = scheduler.scheduler_id
             log.error("scheduler %s lost: moving %d requests", scheduler_id, len(pendings))
             for pending in pendings:
-                self.start(pending, f"scheduler {scheduler_id} lost: no heartbeat", lost=scheduler_id)
+                self.start(pending, f"scheduler {scheduler_id} lost: no heartbeat", lost=scheduler)
 
     @property
     def orphan_s(self) -> float:
         """How long a reader waits for another gateway to move its request (then it fails)."""
         return 2 * self.window_s
 
-    def start(self, pending: Pending, why: str, lost: str = "", avoid: str = "") -> None:
+    def start(
+        self, pending: Pending, why: str, lost: SchedulerRef | None = None, avoid: SchedulerRef | None = None
+    ) -> None:
         """Resubmit the request to another scheduler: its own is ``lost`` (its outputs are
         dropped from now on), or handed it back (tried last: ``avoid``)."""
         pending.moving = True
-        if lost:
+        if lost is not None:
             pending.lost_schedulers.add(lost)
         pending.avoid = avoid
         self.spawn(self._run(pending, why))
@@ -171,7 +175,7 @@ async def resubmit(
     bus: Bus,
     subjects: Subjects,
     pending: Pending,
-    candidates: Callable[[], list[str]],
+    candidates: Callable[[], list[SchedulerRef]],
     submit_timeout_s: float,
     window_s: float,
 ) -> SubmitReply | str | None:
@@ -184,8 +188,8 @@ async def resubmit(
     request); one that was refused, or found none answering, moves on to the next."""
     deadline = time.monotonic() + window_s
     why = "no scheduler is available"
-    target: str | None = None  # the scheduler a try timed out at: retried there while it lives
-    refused: set[str] = set()  # tried and refused since the last round over every candidate
+    target: SchedulerRef | None = None  # the scheduler a try timed out at: retried there while it lives
+    refused: set[SchedulerRef] = set()  # tried and refused since the last round over every candidate
     while True:
         req = pending.resubmission()
         if req is None:
@@ -204,12 +208,14 @@ async def resubmit(
             why = "no scheduler is available"
         else:
             try:
-                raw = await bus.request(subjects.submit_to(target), encode(req), submit_timeout_s)
+                raw = await bus.request(
+                    subjects.submit_to(target.scheduler_id), encode(req), submit_timeout_s
+                )
                 reply = decode(SubmitReply, raw)
             except RequestTimeout:
-                why = f"scheduler {target} did not answer within {submit_timeout_s:.0f} s"
+                why = f"scheduler {target.scheduler_id} did not answer within {submit_timeout_s:.0f} s"
             except (NoResponders, DecodeError) as exc:
-                why = f"scheduler {target}: {exc!r}"
+                why = f"scheduler {target.scheduler_id}: {exc!r}"
                 refused.add(target)
                 target = None
             else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from libs.protocol.messages import MemberInfo
+from libs.protocol.messages import MemberInfo, SchedulerRef
 
 LAG_S = 10.0  # outputs a heartbeat says were sent but that have not arrived this long after are lost
 
@@ -19,40 +19,42 @@ class OutNumbering:
     def __init__(self, gateway_id: str, lag_s: float = LAG_S) -> None:
         self.gateway_id = gateway_id
         self.lag_s = lag_s
-        self._last: dict[str, int] = {}  # scheduler id -> last StepOutputs.seq seen or said
-        self._behind_since: dict[str, float] = {}  # scheduler id -> since when its heartbeat said
-        # it sent more than has arrived here
+        # Per scheduler process (a restart under the same id numbers afresh):
+        self._last: dict[SchedulerRef, int] = {}  # the last StepOutputs.seq seen or said
+        self._behind_since: dict[SchedulerRef, float] = {}  # since when its heartbeat said it
+        # sent more than has arrived here
 
-    def accepted(self, scheduler_id: str, out_seq: int) -> None:
+    def accepted(self, scheduler: SchedulerRef, out_seq: int) -> None:
         """A submit's reply: the scheduler had sent ``out_seq`` (-1: not said); outputs seen
         since are newer; if none, the next is ``out_seq`` + 1."""
         if out_seq >= 0:
-            self._last.setdefault(scheduler_id, out_seq)
+            self._last.setdefault(scheduler, out_seq)
 
-    def arrived(self, scheduler_id: str, seq: int) -> str:
+    def arrived(self, scheduler: SchedulerRef, seq: int) -> str:
         """A message arrived: what was lost before it ("" if nothing)."""
-        last = self._last.get(scheduler_id)
+        last = self._last.get(scheduler)
         # Not older than what was seen or said: a submit's reply may overtake an output the
         # scheduler had published before it accepted.
         if last is None or seq > last:
-            self._last[scheduler_id] = seq
+            self._last[scheduler] = seq
         if last is not None and seq > last + 1:
             return f"lost step outputs {last + 1}..{seq - 1}"
         return ""
 
-    def behind(self, schedulers: Iterable[MemberInfo], now: float) -> list[tuple[str, int, float]]:
-        """(scheduler id, what it says it sent, since when) for each scheduler whose heartbeat
-        has said for ``lag_s`` that it sent more than arrived."""
+    def behind(self, schedulers: Iterable[MemberInfo], now: float) -> list[tuple[SchedulerRef, int, float]]:
+        """(scheduler, what it says it sent, since when) for each scheduler whose heartbeat has
+        said for ``lag_s`` that it sent more than arrived."""
         late = []
         for info in schedulers:
+            scheduler = SchedulerRef(info.member_id, info.incarnation)
             sent = next((o.seq for o in info.out_seqs if o.gateway_id == self.gateway_id), 0)
-            last = self._last.get(info.member_id)
+            last = self._last.get(scheduler)
             if last is None or last >= sent:  # None: nothing since the start or an outage
-                self._behind_since.pop(info.member_id, None)
+                self._behind_since.pop(scheduler, None)
                 continue
-            since = self._behind_since.setdefault(info.member_id, now)
+            since = self._behind_since.setdefault(scheduler, now)
             if now - since >= self.lag_s:
-                late.append((info.member_id, sent, since))
+                late.append((scheduler, sent, since))
         return late
 
     def clear(self) -> None:

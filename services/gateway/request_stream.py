@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from libs.protocol.codec import pack_tokens, unpack_tokens
-from libs.protocol.messages import FinishReason, RequestOutput, StreamRecord, SubmitRequest, seq_id_of
+from libs.protocol.messages import (
+    FinishReason,
+    RequestOutput,
+    SchedulerRef,
+    StreamRecord,
+    SubmitRequest,
+    seq_id_of,
+)
 from services.gateway.grace import OnLeave
 from services.gateway.logprobs import TokenLogprob, unpack_logprobs
 
@@ -36,12 +43,12 @@ class Delta:
 class Pending:
     """One reader's view of a request: its deltas, and what it takes to move the request.
 
-    ``scheduler_id`` is the scheduler its outputs come from now (from the submit's reply, and
-    from the outputs themselves: a resumed stream learns a move by another gateway that way)."""
+    ``scheduler`` is the scheduler process its outputs come from now (from the submit's reply,
+    and from the outputs themselves: a resumed stream learns a move by another gateway that way)."""
 
     n: int
     want_logprobs: bool
-    scheduler_id: str = ""
+    scheduler: SchedulerRef | None = None
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     # Per choice: the consumer has seen its end (or stopped it); later deltas for it are dropped.
     done: list[bool] = field(default_factory=list)
@@ -52,15 +59,17 @@ class Pending:
     ended: list[bool] = field(default_factory=list)  # per choice: the scheduler said it ended
     num_moves: int = 0  # resubmits so far
     on_leave: OnLeave = "now"  # what its reader's leaving does: cancel, pause for a grace, nothing
-    lost_schedulers: set[str] = field(default_factory=set)  # outputs still coming from them are dropped
+    lost_schedulers: set[SchedulerRef] = field(
+        default_factory=set
+    )  # outputs still coming from them are dropped
     num_crashes: int = 0  # worker crashes it was in the batch of (said by a hand-back)
     request_id: str = ""
     record: StreamRecord | None = None  # a resumable request's record, as last stored
     # schedulers it had left before this reader started (a replay): their hand-backs are old news
-    past_schedulers: frozenset[str] = frozenset()
+    past_schedulers: frozenset[SchedulerRef] = frozenset()
     accepted_at: float = 0.0  # when its scheduler took it, or this replay started (monotonic)
     moving: bool = False  # a resubmit is under way
-    avoid: str = ""  # the scheduler that handed it back: tried last
+    avoid: SchedulerRef | None = None  # the scheduler that handed it back: tried last
     orphan_since: float | None = None  # its scheduler left it and another gateway is to move it
     reader_left: bool = False
     failed: bool = False
@@ -86,21 +95,21 @@ class Pending:
             num_crashes=self.num_crashes,
         )
 
-    def deliver(self, scheduler_id: str, out: RequestOutput) -> bool:
-        """Take an output from ``scheduler_id``; True when it hands the request back (its tokens
+    def deliver(self, scheduler: SchedulerRef, out: RequestOutput) -> bool:
+        """Take an output from ``scheduler``; True when it hands the request back (its tokens
         stand, its end does not: the request goes on elsewhere). A replay's old news (from a
         scheduler it had left before the replay started) moves nothing."""
-        if scheduler_id in self.lost_schedulers:
+        if scheduler in self.lost_schedulers:
             return False  # taken for lost: the request went on elsewhere
-        if scheduler_id not in self.past_schedulers:
-            self.scheduler_id = scheduler_id
+        if scheduler not in self.past_schedulers:
+            self.scheduler = scheduler
             self.orphan_since = None
         if out.handback is None:
             self.accept(out)
             return False
         if out.new_token_ids:
             self.accept(dataclasses.replace(out, finish_reason=None, error="", handback=None))
-        return scheduler_id not in self.past_schedulers
+        return scheduler not in self.past_schedulers
 
     def accept(self, out: RequestOutput) -> None:
         """Queue one output as a delta; a lost message or bad payload ends its choice with an error."""

@@ -45,6 +45,7 @@ from libs.protocol.messages import (
     RequestOutput,
     ResumeClaim,
     SamplingParams,
+    SchedulerRef,
     StepOutputs,
     StreamRecord,
     SubmitReply,
@@ -116,7 +117,7 @@ class GatewayService:
         # Failing a scheduler's requests wants a surer verdict than readiness (/health goes 503 at
         # the view's own silence): twice the TTL, and its streams still end well inside 30 s.
         self.scheduler_loss_s = 2 * MEMBER_TTL_S
-        self._schedulers_seen: set[str] = set()  # ever live in the view
+        self._schedulers_seen: set[SchedulerRef] = set()  # ever live in the view
         self._replays: set[Pending] = set()
         self._stop = asyncio.Event()
 
@@ -218,8 +219,8 @@ class GatewayService:
         """A scheduler accepted the request (a submit, or a resubmit after a loss or hand-back)."""
         assert pending.submit is not None
         if pending.submit.gateway_id == self.gateway_id:  # (a replay's outputs go elsewhere)
-            self.numbering.accepted(reply.scheduler_id, reply.out_seq)
-        self.migrations.taken(pending, reply.scheduler_id)
+            self.numbering.accepted(reply.scheduler, reply.out_seq)
+        self.migrations.taken(pending, reply.scheduler)
 
     def next_out_seq(self) -> int:
         """A start for a request submitted now: nothing of it can be in the out stream before it.
@@ -240,11 +241,11 @@ class GatewayService:
         if record.start_seq < 1:
             raise ValueError(f"stream record of {record.request_id} has no start sequence")
         request_id = record.request_id
-        past = record.scheduler_ids[:-1]
+        past = record.schedulers[:-1]
         pending = Pending(
             record.n,
             record.logprobs,
-            scheduler_id=record.scheduler_ids[-1] if record.scheduler_ids else "",
+            scheduler=record.schedulers[-1] if record.schedulers else None,
             submit=record.submit,
             num_moves=len(past),
             request_id=request_id,
@@ -259,7 +260,7 @@ class GatewayService:
             except DecodeError:
                 return  # the live consumer logs it
             outputs = [out for out in step.outputs if out.request_id == request_id]
-            self._deliver_all(step.scheduler_id, [(pending, out) for out in outputs])
+            self._deliver_all(step.scheduler, [(pending, out) for out in outputs])
 
         sub = await self.bus.subscribe_durable(
             self.subjects.out(record.gateway_id), on_message, start_seq=record.start_seq
@@ -332,28 +333,28 @@ class GatewayService:
             log.error("undecodable step outputs at stream seq %d: %s", msg.seq, exc)
             return
         self._out_seq_seen = max(self._out_seq_seen, msg.seq)
-        gap = self.numbering.arrived(step.scheduler_id, step.seq)
+        gap = self.numbering.arrived(step.scheduler, step.seq)
         if gap:
-            self._fail_scheduler(step.scheduler_id, gap)
+            self._fail_scheduler(step.scheduler, gap)
         # (a request not pending: cancelled here already, or another gateway's with our id)
         outputs = [
             (self._pending[out.request_id], out) for out in step.outputs if out.request_id in self._pending
         ]
-        self._deliver_all(step.scheduler_id, outputs)
+        self._deliver_all(step.scheduler, outputs)
 
-    def _deliver_all(self, scheduler_id: str, outputs: list[tuple[Pending, RequestOutput]]) -> None:
+    def _deliver_all(self, scheduler: SchedulerRef, outputs: list[tuple[Pending, RequestOutput]]) -> None:
         """Hand one step's outputs to their readers; then move what that scheduler handed back."""
         handed_back: dict[str, tuple[Pending, RequestOutput]] = {}
         for pending, out in outputs:
-            if pending.deliver(scheduler_id, out) and self.migrations.handed_back(pending, out):
+            if pending.deliver(scheduler, out) and self.migrations.handed_back(pending, out):
                 handed_back[pending.request_id] = (pending, out)
         for pending, out in handed_back.values():
-            self.migrations.start(pending, out.error, avoid=scheduler_id)
+            self.migrations.start(pending, out.error, avoid=scheduler)
 
-    def _fail_scheduler(self, scheduler_id: str, why: str) -> None:
-        log.error("scheduler %s: %s", scheduler_id, why)
+    def _fail_scheduler(self, scheduler: SchedulerRef, why: str) -> None:
+        log.error("scheduler %s: %s", scheduler.scheduler_id, why)
         for pending in self._pending.values():
-            if pending.scheduler_id == scheduler_id and scheduler_id not in pending.lost_schedulers:
+            if pending.scheduler == scheduler and scheduler not in pending.lost_schedulers:
                 pending.fail(why)  # (one being moved off it has lost nothing more)
 
     def _on_members(self) -> None:
@@ -363,21 +364,24 @@ class GatewayService:
         the request (a scheduler answers submits a moment before its first heartbeat)."""
         if not self.members.current:
             return  # cut off from the bus: the connection listener acts
-        live = {m.member_id for m in self.members.live(MemberKind.SCHEDULER, silence_s=self.scheduler_loss_s)}
+        infos = self.members.live(MemberKind.SCHEDULER, silence_s=self.scheduler_loss_s)
+        live = {SchedulerRef(m.member_id, m.incarnation) for m in infos}
         self._schedulers_seen |= live
         now = time.monotonic()
         self._check_arrivals(now)
 
         def gone(pending: Pending) -> bool:
-            scheduler_id = pending.scheduler_id
-            if not scheduler_id or scheduler_id in live:
+            # (a scheduler restarted under its id is another process: the old one is gone)
+            scheduler = pending.scheduler
+            if scheduler is None or scheduler in live:
                 return False
-            return scheduler_id in self._schedulers_seen or now - pending.accepted_at > self.scheduler_loss_s
+            return scheduler in self._schedulers_seen or now - pending.accepted_at > self.scheduler_loss_s
 
         self.migrations.on_schedulers([*self._pending.values(), *self._replays], gone, now)
 
-    def _live_schedulers(self) -> list[str]:
-        return sorted(m.member_id for m in self.members.live(MemberKind.SCHEDULER))
+    def _live_schedulers(self) -> list[SchedulerRef]:
+        live = self.members.live(MemberKind.SCHEDULER)
+        return sorted((SchedulerRef(m.member_id, m.incarnation) for m in live), key=lambda s: s.scheduler_id)
 
     def _moved(self, pending: Pending, reply: SubmitReply) -> None:
         """A scheduler took a moved request."""
@@ -395,11 +399,12 @@ class GatewayService:
 
     def _check_arrivals(self, now: float) -> None:
         """Fail the requests of a scheduler whose last outputs never came (see ``OutNumbering``)."""
-        for scheduler_id, sent, since in self.numbering.behind(self.members.live(MemberKind.SCHEDULER), now):
+        for scheduler, sent, since in self.numbering.behind(self.members.live(MemberKind.SCHEDULER), now):
+            scheduler_id = scheduler.scheduler_id
             lost = [
                 p
                 for p in self._pending.values()
-                if p.accepted_at < since and p.scheduler_id == scheduler_id and not (p.moving or p.failed)
+                if p.accepted_at < since and p.scheduler == scheduler and not (p.moving or p.failed)
             ]
             if lost:  # those taken later had nothing in the missing outputs
                 log.error("scheduler %s: step outputs up to %d never arrived", scheduler_id, sent)

@@ -4,6 +4,7 @@ into the durable OUT stream, numbered per gateway so that a gateway notices a lo
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import defaultdict
 
 from libs.bus.base import Bus
@@ -20,6 +21,8 @@ class OutputPublisher:
         self.bus = bus
         self.subjects = subjects
         self.scheduler_id = scheduler_id
+        # This process's numbering: a restart under the same id numbers afresh, as another one.
+        self.incarnation = uuid.uuid4().hex[:8]
         self._out_seq: dict[str, int] = defaultdict(int)  # gateway id -> last StepOutputs.seq
 
     def sent_to(self, gateway_id: str) -> int:
@@ -37,7 +40,7 @@ class OutputPublisher:
             by_gateway[seq.gateway_id].append(_take_output(seq, error))
         for gateway_id, outputs in by_gateway.items():
             self._out_seq[gateway_id] += 1
-            step = StepOutputs(self.scheduler_id, self._out_seq[gateway_id], tuple(outputs))
+            step = StepOutputs(self.scheduler_id, self._out_seq[gateway_id], tuple(outputs), self.incarnation)
             try:
                 await self.bus.publish_durable(self.subjects.out(gateway_id), encode(step))
             except Exception as exc:  # the gateway sees the seq gap and fails these requests loudly

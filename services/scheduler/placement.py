@@ -77,7 +77,12 @@ class Placement:
         ]
         worker_id = self._pick(req, states)
         if worker_id is None:
-            return SubmitReply(SubmitStatus.NO_WORKERS, self._why_no_worker(), self.config.scheduler_id)
+            return SubmitReply(
+                SubmitStatus.NO_WORKERS,
+                self._why_no_worker(),
+                self.config.scheduler_id,
+                incarnation=self.outputs.incarnation,
+            )
         state = next(s for s in states if s.worker_id == worker_id)
         # A resubmitted request goes on decoding: no remote prefill for it.
         prefill_id = None if outputs else self._remote_prefill(req, prompt, worker_id, kinds, stored, state)
@@ -133,6 +138,7 @@ class Placement:
             SubmitStatus.ACCEPTED,
             scheduler_id=self.config.scheduler_id,
             out_seq=self.outputs.sent_to(req.gateway_id),
+            incarnation=self.outputs.incarnation,
         )
 
     def _why_no_worker(self) -> str:

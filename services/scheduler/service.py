@@ -122,7 +122,11 @@ class SchedulerService:
         out_seqs = self.outputs.out_seqs()
         scheduler_id = self.config.scheduler_id
         return MemberInfo(
-            MemberKind.SCHEDULER, scheduler_id, out_seqs=out_seqs, num_workers=len(self.workers)
+            MemberKind.SCHEDULER,
+            scheduler_id,
+            out_seqs=out_seqs,
+            num_workers=len(self.workers),
+            incarnation=self.outputs.incarnation,
         )
 
     # --- inbound messages ------------------------------------------------------------------

@@ -2,7 +2,8 @@
 and a resumed stream's request when its scheduler dies (in-memory bus, scripted schedulers): the
 request goes on at another replica from the tokens received, with its move and crash counts;
 exactly one gateway moves a request (the last to submit or resume it), and a reader whose mover
-never moves it ends with an error within a bound instead of hanging."""
+never moves it ends with an error within a bound instead of hanging; a scheduler restarted under
+its id counts as lost (another process)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from libs.protocol.messages import (
     RequestOutput,
     ResumeClaim,
     SamplingParams,
+    SchedulerRef,
     SubmitRequest,
     SubmitStatus,
 )
@@ -125,7 +127,7 @@ async def test_a_resumed_stream_moves_when_its_scheduler_dies(scene: Scene) -> N
     record = dataclasses.replace(
         record_for(scene.service, "r1", 1),
         submit=SubmitRequest("r1", "gw1", pack_tokens([1, 2, 3]), PARAMS, 0),
-        scheduler_ids=("s1",),
+        schedulers=(SchedulerRef("s1"),),
     )
     await scene.first.emit(out([5], 1))  # what the client had seen before it reconnected
     resumer = gateway(bus, "gw2")
@@ -143,7 +145,7 @@ async def test_a_resumed_stream_moves_when_its_scheduler_dies(scene: Scene) -> N
         deltas = await rest(replay)
         assert [(d.token_ids, d.error) for d in deltas] == [([5], ""), ([6], "")]
         stored = await resumer.stream_record("r1")
-        assert stored is not None and stored.scheduler_ids == ("s1", "s2")
+        assert stored is not None and stored.schedulers == (SchedulerRef("s1"), SchedulerRef("s2"))
     finally:
         await resumer.close()
 
@@ -189,3 +191,39 @@ async def test_a_reader_whose_mover_never_moves_it_ends_with_an_error(scene: Sce
         ([5], ""),
         ([], "scheduler s1 left it, not moved in 4 s"),
     ]
+
+
+async def test_a_scheduler_restarted_under_its_id_is_another_process() -> None:
+    """kill -9 of s1 and an immediate restart under the same id (as serve's supervision does):
+    the new process holds nothing of the old one's, so the request moves (to it), and what still
+    comes from the old one is dropped."""
+    bus = InMemoryBus()
+    service = gateway(bus, "gw1")
+    await service.start()
+    incarnation = "a"
+    beats = [
+        await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1", incarnation=incarnation)),
+        await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1")),
+    ]
+    old = ScriptedScheduler(bus, incarnation="a")
+    await old.start()
+    try:
+        await until(service.ready)
+        stream = await service.submit("r1", [1, 2, 3], PARAMS, eos_token_id=0)
+        await old.emit(out([5], 1))
+        await old.stop()
+        new = ScriptedScheduler(bus, incarnation="b")
+        await new.start()
+        incarnation = "b"
+        await until(lambda: bool(new.submitted), timeout_s=15)
+        (req,) = new.submitted
+        assert req.num_moves == 1 and [unpack_tokens(t) for t in req.output_token_ids] == [[5]]
+        await old.emit(out([66], 2))  # the old process's last, late: dropped
+        await new.emit(out([6], 2, FinishReason.LENGTH))
+        deltas = await rest(stream)
+        assert [(d.token_ids, d.error) for d in deltas] == [([5], ""), ([6], "")]
+    finally:
+        for beat in beats:
+            beat.cancel()
+        await service.close()
+        await bus.close()

@@ -13,7 +13,7 @@ import pytest
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import decode, unpack_tokens
-from libs.protocol.messages import PauseRequest
+from libs.protocol.messages import PauseRequest, SchedulerRef
 from services.gateway.service import GatewayService
 from tests.service.test_gateway_service import PARAMS, SUBJECTS, ScriptedScheduler, out, record_for
 
@@ -52,9 +52,9 @@ async def test_a_stream_left_unfinished_pauses_at_once_and_a_replay_resumes_it(g
     ]
     assert scheduler.cancelled == []  # paused, kept for a resume
     stored = await service.stream_record("r1")  # with what a resume needs to move it
-    assert stored is not None and stored.scheduler_ids == (scheduler.scheduler_id,)
+    assert stored is not None and stored.schedulers == (SchedulerRef(scheduler.scheduler_id),)
     assert stored.submit is not None and unpack_tokens(stored.submit.prompt_token_ids) == [1, 2, 3]
-    assert dataclasses.replace(stored, submit=None, scheduler_ids=()) == record
+    assert dataclasses.replace(stored, submit=None, schedulers=()) == record
     replay = await service.replay(stored)
     await asyncio.sleep(GRACE_S * 2)
     assert pauses[1:] and all(p.resume for p in pauses[1:])  # resumed; no pause since

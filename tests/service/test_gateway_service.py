@@ -37,11 +37,16 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 
 class ScriptedScheduler:
     def __init__(
-        self, bus: InMemoryBus, status: SubmitStatus = SubmitStatus.ACCEPTED, scheduler_id: str = "s1"
+        self,
+        bus: InMemoryBus,
+        status: SubmitStatus = SubmitStatus.ACCEPTED,
+        scheduler_id: str = "s1",
+        incarnation: str = "",
     ) -> None:
         self.bus = bus
         self.status = status
         self.scheduler_id = scheduler_id
+        self.incarnation = incarnation
         self.submitted: list[SubmitRequest] = []
         self.cancelled: list[str] = []
         self.seq = 0
@@ -60,7 +65,7 @@ class ScriptedScheduler:
 
     async def on_submit(self, msg: Message) -> None:
         self.submitted.append(decode(SubmitRequest, msg.data))
-        reply = SubmitReply(self.status, "busy", scheduler_id=self.scheduler_id, out_seq=self.seq)
+        reply = SubmitReply(self.status, "busy", self.scheduler_id, self.seq, self.incarnation)
         await self.bus.respond(msg, encode(reply))
 
     async def on_cancel(self, msg: Message) -> None:
@@ -68,7 +73,7 @@ class ScriptedScheduler:
 
     async def emit(self, *outputs: RequestOutput, seq: int | None = None) -> None:
         self.seq = self.seq + 1 if seq is None else seq
-        step = StepOutputs(self.scheduler_id, self.seq, outputs)
+        step = StepOutputs(self.scheduler_id, self.seq, outputs, self.incarnation)
         await self.bus.publish_durable(SUBJECTS.out("gw1"), encode(step))
 
 

@@ -1,14 +1,21 @@
-"""Routing across scheduler replicas (real processes, real nats-server, SmolLM2): two replicas,
-each owning one worker; the gateway's KV router sends a prompt back to the worker that holds it,
-through that worker's replica, even where every tie-break would pick the other one. (That a
-worker's removals stop it being preferred, and gap -> dump, are the unit and service tests'.)
+"""Routing and faults across scheduler replicas (real processes, real nats-server, SmolLM2): two
+replicas, each owning one worker. The gateway's KV router sends a prompt back to the worker that
+holds it, through that worker's replica, even where every tie-break would pick the other one; a
+worker's kill -9 moves its streams to the other replica (its own has no other worker: it hands
+them back to the gateway); a scheduler's kill -9 moves its streams, a resumed one among them, to
+the other replica, and new requests meanwhile are served there, never refused. Fault-free texts
+are the reference (fp32 greedy). (That a worker's removals stop it being preferred, and gap ->
+dump, are the unit and service tests'.) The tests run in order on this module's stack.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from libs.protocol.messages import MemberKind
 from tests.system.faults import MODEL, InFlight
 from tests.system.stack import Stack, latest_loads, wait_member_id
+from tests.system.test_resume import Api, chat_text, drop_after, resume
 
 SECOND = "worker-test-2"  # sorts after the stack's "worker-test": every tie goes to the first
 REPLICA = "scheduler-test-2"
+TOPICS = ("herons", "reefs", "fog")
+LONG = 48  # tokens per stream in the fault tests: long enough to be cut mid-way
 BLOCK_SIZE = 16
 NOTES = " ".join(f"Entry {i}: the tide rose {i % 5} feet at the {i}th bell." for i in range(30))
 
@@ -32,8 +42,8 @@ def body(topic: str, max_tokens: int = 8, notes: str = NOTES) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, **sampling}
 
 
-def chat(stack: Stack, topic: str) -> dict[str, Any]:
-    resp = httpx.post(f"{stack.base_url}/chat/completions", json=body(topic), timeout=300)
+def chat(stack: Stack, topic: str, max_tokens: int = 8) -> dict[str, Any]:
+    resp = httpx.post(f"{stack.base_url}/chat/completions", json=body(topic, max_tokens), timeout=300)
     assert resp.status_code == 200, resp.text
     return resp.json()  # type: ignore[no-any-return]
 
@@ -64,28 +74,49 @@ def owners(nats_url: str) -> dict[str, str]:
     return {w: load.owner for w, load in asyncio.run(latest_loads(nats_url)).items()}
 
 
+@dataclass
+class Replicas:
+    stack: Stack
+    replica: subprocess.Popen[bytes]  # REPLICA's process (the stack's own is stack.scheduler)
+    second: subprocess.Popen[bytes]  # SECOND's (the stack's own worker is stack.worker)
+
+    def one_worker_each(self) -> dict[str, str]:
+        """Wait until each replica owns one worker; returns worker id -> owner."""
+        deadline = time.monotonic() + 180
+        while True:
+            seen = owners(self.stack.nats.url)
+            if len(seen) == 2 and "" not in seen.values() and len(set(seen.values())) == 2:
+                return seen
+            assert time.monotonic() < deadline, f"not one worker per replica: {seen}"
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
-def replicas(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def replicas(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
     """The stack's scheduler owns its worker; a second replica joins and, driving fewer workers,
     gets the second worker (the first leaves a free worker to it)."""
     tmp = tmp_path_factory.mktemp("routing")
     stack = Stack.start(model_cache_dir, tmp / "stack.log", dtype="float32", kv_store=tmp / "kv-store")
     try:
-        stack.add_scheduler(REPLICA)
+        replica = stack.add_scheduler(REPLICA)
         asyncio.run(wait_member_id(stack.nats.url, MemberKind.SCHEDULER, REPLICA, 120))
         time.sleep(2.0)  # the first replica's view of the members has the second in it
-        stack.add_worker(SECOND)
-        deadline = time.monotonic() + 180
-        while (seen := owners(stack.nats.url)).get(SECOND) != REPLICA:
-            assert time.monotonic() < deadline, f"the second replica did not claim {SECOND}: {seen}"
-        assert seen[stack.worker_id] not in ("", REPLICA), seen
-        yield stack
+        replicas = Replicas(stack, replica, stack.add_worker(SECOND))
+        seen = replicas.one_worker_each()
+        assert seen[SECOND] == REPLICA, seen
+        yield replicas
     finally:
         stack.stop()
 
 
-def test_a_prompt_goes_back_to_the_worker_holding_it_through_its_replica(replicas: Stack) -> None:
-    stack = replicas
+@pytest.fixture(scope="module")
+def undisturbed(replicas: Replicas) -> dict[str, str]:
+    """Each topic's long answer, with no fault (every fault test's reference)."""
+    return {t: chat(replicas.stack, t, LONG)["choices"][0]["message"]["content"] for t in TOPICS}
+
+
+def test_a_prompt_goes_back_to_the_worker_holding_it_through_its_replica(replicas: Replicas) -> None:
+    stack = replicas.stack
     # A long stream keeps the first worker busy, so the prompts below are first computed on the
     # second (by load); once it ends, both are idle and a tie would pick the first.
     busy = InFlight(stack.base_url, "chat", body("bells", max_tokens=160, notes="Unrelated."), 300)
@@ -101,3 +132,101 @@ def test_a_prompt_goes_back_to_the_worker_holding_it_through_its_replica(replica
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK_SIZE * 10
     log = stack.log.read_text()
     assert f"scheduler {REPLICA} ready" in log
+
+
+def busiest(stack: Stack) -> str:
+    running = {w: load.num_running_seqs for w, load in asyncio.run(latest_loads(stack.nats.url)).items()}
+    worker_id = max(running, key=lambda w: running[w])
+    assert running[worker_id] > 0, f"no worker holds a stream: {running}"
+    return worker_id
+
+
+def streams_of(stack: Stack, topics: tuple[str, ...]) -> dict[str, InFlight]:
+    streams = {t: InFlight(stack.base_url, "chat", body(t, LONG), 300) for t in topics}
+    for stream in streams.values():
+        stream.wait_tokens(4, 120)
+    return streams
+
+
+def assert_undisturbed(streams: dict[str, InFlight], undisturbed: dict[str, str]) -> None:
+    for topic, stream in streams.items():
+        end = stream.result()
+        assert end.kind == "completed", (topic, end)
+        assert stream.state.text == undisturbed[topic], topic
+
+
+def test_kill_9_of_a_worker_moves_its_streams_to_the_other_replica(
+    replicas: Replicas, undisturbed: dict[str, str]
+) -> None:
+    """Its replica has no other worker: it hands the streams back, and the gateway resubmits them
+    to the other replica. The worker, restarted, rejoins its replica."""
+    stack = replicas.stack
+    streams = streams_of(stack, TOPICS)
+    victim = busiest(stack)
+    proc = replicas.second if victim == SECOND else stack.worker
+    assert proc is not None
+    proc.kill()
+    proc.wait()
+    assert_undisturbed(streams, undisturbed)
+    log = stack.log.read_text()
+    assert f"worker {victim} lost" in log and "moved to scheduler" in log, log[-3000:]
+    if victim == SECOND:
+        replicas.second = stack.add_worker(SECOND)
+    else:
+        stack.spawn_worker()
+    replicas.one_worker_each()
+
+
+def test_kill_9_of_a_scheduler_moves_a_resumed_stream_and_new_requests_are_served(
+    replicas: Replicas, undisturbed: dict[str, str]
+) -> None:
+    """A stream dropped and resumed runs on one replica, which is killed: the resumed stream goes
+    on at the other replica with the same text, and requests sent meanwhile get answers (the
+    router leaves out the dead replica's worker; a replica with none passes the submit on), never
+    a 503."""
+    stack = replicas.stack
+    topic = TOPICS[0]
+    before = drop_after(stack.base_url, ask(topic), 6)
+    request_id = json.loads(before[0].data)["id"]
+    resumed = InFlight(
+        stack.base_url,
+        "chat",
+        None,
+        300,
+        path=f"/chat/completions/{request_id}?stream=true",
+        headers={"Last-Event-ID": str(before[-1].id)},
+    )
+    resumed.wait_tokens(2, 120)
+    owner = owners(stack.nats.url)[busiest(stack)]
+    victim = replicas.replica if owner == REPLICA else stack.scheduler
+    assert victim is not None
+    victim.kill()
+    victim.wait()
+    # Restarted at once, as serve's supervision does: it drives no worker until the dead one's
+    # is let go, and the queue group (or, under REPLICA's id, the router) may pick it meanwhile.
+    if owner == REPLICA:
+        replicas.replica = stack.add_scheduler(REPLICA)
+    else:
+        stack.spawn_scheduler()
+    statuses = []
+    for i in range(12):  # through the time the gateway takes to see the replica gone
+        resp = httpx.post(f"{stack.base_url}/chat/completions", json=body(f"gannets {i}"), timeout=120)
+        statuses.append(resp.status_code)
+        time.sleep(1.0)
+    assert statuses == [200] * 12, statuses
+    end = resumed.result()
+    assert end.kind == "completed", end
+    full = resume(stack.base_url, ask(topic), request_id, -1)  # the whole stream, replayed
+    assert chat_text(full) == undisturbed[topic]
+    assert [e.id for e in full] == list(range(len(full)))
+    assert "moved to scheduler" in stack.log.read_text()
+
+
+def ask(topic: str) -> Api:
+    """Chat, as the resume tests drive it, with this module's long greedy body."""
+    return Api(
+        "/chat/completions",
+        body(topic, LONG),
+        lambda rid, last: (f"/chat/completions/{rid}?stream=true", {"Last-Event-ID": str(last)}),
+        lambda first: json.loads(first.data)["id"],
+    )
