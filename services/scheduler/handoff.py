@@ -1,21 +1,26 @@
 """P/D handoff in the scheduler service: a request prefilled on a prefill worker moves, after its
-first token, to a decode worker once the shared store (G3) lists the blocks it saved.
+first token, to a decode worker once the prefill worker has written the blocks it saved to the
+shared store (G3).
 
 The prefill worker's next plan carries the saves of the prompt's full blocks and drops the
-sequence (``Fleet.begin_handoff``). The kvcache index hears of each block file from that worker's
-KV events once it is written; when a lookup finds them all (or ``handoff_timeout_s`` passed), the
-request is attached to a decode worker (``Fleet.end_handoff``), whose admission plans them as G3
-loads and computes only the partial last block and the first output token. NATS carries block
-hashes and notices; the KV itself goes through the store. A block that is not there after all is
-recomputed by the decode worker (a failed load), never read wrong.
+sequence (``Fleet.begin_handoff``). The worker sends a KV event for each block file as soon as it
+is written: the completion notice (``written``), heard here through ``KVSync``. Blocks the store
+held already are written again by no one: one kvcache lookup at the start counts those. Once every
+block is written (or ``handoff_timeout_s`` passed), the request is attached to a decode worker
+(``Fleet.end_handoff``), whose admission plans them as G3 loads and computes only the partial last
+block and the first output token. NATS carries block hashes and notices; the KV itself goes
+through the store. A block that is not there after all is recomputed by the decode worker (a
+failed load), never read wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from services.scheduler import metrics
 from services.scheduler.fleet import Fleet, Moves
@@ -25,7 +30,16 @@ from services.scheduler.step_loop import WorkerHandle
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.02  # between lookups while the store is being written
+CHECK_S = 0.1  # how often a wait for the notices looks whether the request is still in transit
+
+
+@dataclass(slots=True)
+class WriteWait:
+    """A handoff waiting for its prefill worker's notices."""
+
+    worker_id: str
+    unwritten: set[bytes]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Handoffs:
@@ -43,6 +57,15 @@ class Handoffs:
         self.timeout_s = timeout_s
         self.on_moves = on_moves  # wakes the targets and publishes what failed (with an error)
         self._active: set[str] = set()  # request ids being handed off
+        self._waits: dict[str, WriteWait] = {}  # request id -> its wait for the notices
+
+    def written(self, worker_id: str, block_hashes: list[bytes]) -> None:
+        """A worker's notice: these blocks are in the store now."""
+        for wait in self._waits.values():
+            if wait.worker_id == worker_id and wait.unwritten:
+                wait.unwritten.difference_update(block_hashes)
+                if not wait.unwritten:
+                    wait.done.set()
 
     def ready(self, seqs: list[Sequence]) -> list[str]:
         """The requests among ``seqs`` whose prefill is done (their first token is sampled) and
@@ -73,26 +96,36 @@ class Handoffs:
             source.wake.set()  # its next plan saves the blocks and drops the sequence
         started = time.monotonic()
         fingerprint = source.core.kv_tiers.model_fingerprint if source is not None else ""
-        num_listed = await self._wait_stored(seqs[0], fingerprint)
+        num_listed = await self._wait_stored(seqs[0], worker_id, fingerprint)
         moves = self.fleet.end_handoff(request_id)
         self.on_moves(moves, f"request {request_id} handed off by worker {worker_id}")
         if moves.moved:
             metrics.HANDOFFS.inc()
             metrics.HANDOFF_SECONDS.observe(time.monotonic() - started)
             log.info(
-                "handed %s from %s to %s (%d of %d blocks listed in the store)",
+                "handed %s from %s to %s (%d of %d blocks in the store)",
                 *(request_id, worker_id, next(iter(moves.moved)), num_listed, seqs[0].num_saved_blocks),
             )
 
-    async def _wait_stored(self, seq: Sequence, fingerprint: str) -> int:
-        """How many of the blocks ``seq`` saved the store lists, once it lists all of them or the
-        bound passed (then the decode worker recomputes what is missing)."""
+    async def _wait_stored(self, seq: Sequence, worker_id: str, fingerprint: str) -> int:
+        """How many leading blocks of those ``seq`` saved are in the store, once all of them are,
+        the request left transit (cancelled), or the bound passed (then the decode worker
+        recomputes what is missing)."""
         chain = seq.block_hashes[: seq.num_saved_blocks]
+        if not chain:
+            return 0
+        wait = self._waits[seq.request_id] = WriteWait(worker_id, set(chain))  # before the lookup:
+        # a notice meanwhile counts
         deadline = time.monotonic() + self.timeout_s
-        num_listed = 0
-        while chain and seq.request_id in self.fleet.in_transit:
-            num_listed = await self.kv.lookup(chain, fingerprint, seq.retention_class)
-            if num_listed >= len(chain) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(POLL_S)
-        return num_listed
+        try:
+            num_held = await self.kv.lookup(chain, fingerprint, seq.retention_class)
+            self.written(worker_id, chain[:num_held])  # held already: no notice comes for those
+            while not wait.done.is_set() and seq.request_id in self.fleet.in_transit:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wait.done.wait(), min(CHECK_S, left_s))
+        finally:
+            del self._waits[seq.request_id]
+        return next((i for i, h in enumerate(chain) if h in wait.unwritten), len(chain))

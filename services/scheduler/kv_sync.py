@@ -1,6 +1,6 @@
 """The scheduler service's side of the lower KV tiers: G3 lookups at submit, each driven worker's
-G2 view kept current from its KV events (with a dump to resync after a gap), and the periodic
-KVCacheStats of every core.
+G2 view kept current from its KV events (with a dump to resync after a gap), the notices of its
+finished G3 writes, and the periodic KVCacheStats of every core.
 
 Events and dumps run inside the kv_events handler, one message at a time: while a dump is asked
 for, later events wait in the subscription's queue, and those the dump already covers are ignored
@@ -14,12 +14,13 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
 from libs.kvstore.event_cursor import EventVerdict
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import (
+    CacheTier,
     KVCacheStats,
     KVDump,
     KVDumpRequest,
@@ -48,6 +49,9 @@ class KVSync:
         self.workers = workers  # the service's own map: the workers this scheduler drives
         self._retired: Counter[tuple[str, str]] = Counter()  # counters of cores whose worker left
         self._resync_after: dict[str, float] = {}  # worker id -> no dump asked before (monotonic)
+        # Hears each driven worker's finished G3 writes (worker id, block hashes): P/D handoffs
+        # wait for them.
+        self.on_store_written: Callable[[str, list[bytes]], None] | None = None
 
     # --- G3 ----------------------------------------------------------------------------------
 
@@ -80,6 +84,7 @@ class KVSync:
         handle = self.workers.get(batch.publisher_id)
         if handle is None:
             return  # a worker another scheduler drives, or one not joined yet (it resyncs then)
+        self._notice_writes(batch)
         verdict = handle.kv_cursor.accept(batch.seq)
         if verdict is EventVerdict.RESYNC:
             if not await self._resync(handle):
@@ -95,6 +100,19 @@ class KVSync:
                 handle.kv_cursor.synced = False
         elif verdict is EventVerdict.RESYNC:
             log.warning("kv events of %s: seq %d is past its dump", batch.publisher_id, batch.seq)
+
+    def _notice_writes(self, batch: KVEvents) -> None:
+        """Pass on the G3 writes a message reports, whatever its place in the G2 stream (a
+        notice heard twice changes nothing)."""
+        if self.on_store_written is None:
+            return
+        written: list[bytes] = []
+        for event in batch.events:
+            if event.tier is CacheTier.STORE and event.stored:
+                with contextlib.suppress(ValueError):  # malformed: no notice (the wait is bounded)
+                    written.extend(split_hashes(event.block_hashes))
+        if written:
+            self.on_store_written(batch.publisher_id, written)
 
     async def _resync(self, handle: WorkerHandle) -> bool:
         """Replace the worker's G2 view by its dump; False (and an empty view) when it fails."""

@@ -77,6 +77,7 @@ class SchedulerService:
         self.device_events = DeviceEvents(bus, self.subjects, config.scheduler_id, self.workers)
         self.placement = Placement(config, self.workers, self.fleet, self.kv, self.outputs)
         self.handoffs = Handoffs(self.fleet, self.kv, self.workers, config.handoff_timeout_s, self._moved)
+        self.kv.on_store_written = self.handoffs.written
         self._readers = ResumedBy(config.pause_timeout_s)  # stale pauses (a reader moved gateway)
         # Workers are dropped when their heartbeat stops or says they are stuck in a step.
         self.members = MembershipView(bus, self.subjects.members_bucket, silence_s=config.worker_timeout_s)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +80,9 @@ class KVTiers:
         self._host_lock = threading.Lock()  # G2's changes and the dump's read of it; see the module doc
         if store is not None:
             store.on_stored = self._on_stored  # called on the store's writer thread
+        # Called (on the writer thread) once a G3 write's event is in the outbox: the worker
+        # then sends it at once, the completion notice a P/D handoff waits for.
+        self.on_written: Callable[[], None] | None = None
         self.num_loaded_host_blocks = 0
         self.num_loaded_store_blocks = 0
         self.failed_load_blocks: Counter[str] = Counter()  # by the first failure's reason
@@ -139,6 +142,8 @@ class KVTiers:
                 num_bytes=stored.header.file_size,
             )
         )
+        if self.on_written is not None:
+            self.on_written()
 
     # --- loads ------------------------------------------------------------------------------
 

@@ -70,6 +70,7 @@ class WorkerService:
         self.model_fingerprint = model_fingerprint
         self.kv_seq = 0  # of the last KVEvents published
         self._publishing_kv = asyncio.Lock()  # KVEvents leave in seq order
+        self._written = asyncio.Event()  # a G3 write's event waits in the outbox
         self.subjects = Subjects(config.subject_prefix)
         self._last_step_ms = 0.0
         self.owner = ""  # the scheduler this worker serves ("": none yet)
@@ -83,9 +84,12 @@ class WorkerService:
 
     async def run(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)]
-        if self.runner.kv_tiers is not None:
+        tiers = self.runner.kv_tiers
+        if tiers is not None:
             await self.publish_kv_events()  # seq 1: this worker's G2 starts empty
             subs.append(await self.bus.subscribe(self.subjects.kv_dump(self.config.worker_id), self.on_dump))
+            loop = asyncio.get_running_loop()
+            tiers.on_written = lambda: self._wake_soon(loop)
         log.info("worker %s ready (max_num_seqs=%d)", self.config.worker_id, self.config.max_num_seqs)
         # Set once the drain is over: the heartbeat and load reports (with their orphan checks)
         # go on while draining, then the worker leaves the members bucket.
@@ -93,9 +97,11 @@ class WorkerService:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(announce(self.bus, self.subjects.members_bucket, self.member_info, leaving))
             tg.create_task(self._report_load(leaving))
+            tg.create_task(self._publish_written(leaving))
             await stop.wait()
             await self.drain(stop)
             leaving.set()
+            self._written.set()  # the notices' task looks at ``leaving`` and ends
             for sub in subs:
                 await sub.unsubscribe()
             await asyncio.gather(*self._steps)  # accepted steps still run and reply
@@ -328,6 +334,19 @@ class WorkerService:
         if self._owner_absent_since is None:
             self._owner_absent_since = now
         return self.draining or now - self._owner_absent_since >= MEMBER_TTL_S
+
+    def _wake_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From the store's writer thread: a G3 write's event is in the outbox."""
+        with contextlib.suppress(RuntimeError):  # the loop closed (shutting down): nobody waits
+            loop.call_soon_threadsafe(self._written.set)
+
+    async def _publish_written(self, stop: asyncio.Event) -> None:
+        """G3 writes end on the store's thread, between steps too: their events go out as soon as
+        they are written (a P/D handoff waits for them), not with the next step or load report."""
+        while not stop.is_set():
+            await self._written.wait()  # (set at ``stop`` too)
+            self._written.clear()  # before the drain: a write after it sets it again
+            await self.publish_kv_events()
 
     async def _report_load(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -1,0 +1,81 @@
+"""A P/D handoff waits for the prefill worker's completion notices (its KV events of finished G3
+writes), not for a poll of the store's index: blocks the store held already count from one
+lookup; the wait ends once every saved block is written, when the request leaves transit
+(cancelled), or at the bound, and then says how many leading blocks are there to load."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence as Seq
+
+from libs.kvstore.block_hash import hash_blocks
+from libs.protocol.messages import SamplingParams
+from services.scheduler.handoff import Handoffs
+from services.scheduler.sequence import Sequence
+
+PROMPT = list(range(3, 20))  # 4 full blocks of 4
+CHAIN = hash_blocks(PROMPT[:16], 4, "fp")
+
+
+class FakeKV:
+    def __init__(self, num_held: int) -> None:
+        self.num_held = num_held
+
+    async def lookup(self, block_hashes: Seq[bytes], fingerprint: str, retention_class: str = "") -> int:
+        return self.num_held
+
+
+class FakeFleet:
+    def __init__(self) -> None:
+        self.in_transit: dict[str, object] = {"r": object()}
+
+
+def handoffs(num_held: int, timeout_s: float = 5.0) -> tuple[Handoffs, FakeFleet]:
+    fleet = FakeFleet()
+    return Handoffs(fleet, FakeKV(num_held), {}, timeout_s, lambda moves, why: None), fleet  # type: ignore[arg-type]
+
+
+def saved_seq() -> Sequence:
+    seq = Sequence("r", "g1", PROMPT, SamplingParams(max_tokens=4), 2)
+    seq.block_hashes = list(CHAIN)
+    seq.num_saved_blocks = len(CHAIN)
+    return seq
+
+
+async def test_the_wait_ends_on_the_notices_of_what_the_store_did_not_hold() -> None:
+    hand, _ = handoffs(num_held=2)
+    started = time.monotonic()
+    wait = asyncio.create_task(hand._wait_stored(saved_seq(), "p1", "fp"))
+    await asyncio.sleep(0.05)
+    hand.written("p2", CHAIN)  # another worker's writes: no notice for this handoff
+    hand.written("p1", [CHAIN[3]])
+    await asyncio.sleep(0.05)
+    assert not wait.done()
+    hand.written("p1", [CHAIN[2]])
+    assert await asyncio.wait_for(wait, 1) == 4
+    assert time.monotonic() - started < 2  # long before the 5 s bound
+    assert hand._waits == {}
+
+
+async def test_at_the_bound_it_counts_the_leading_blocks_written() -> None:
+    hand, _ = handoffs(num_held=1, timeout_s=0.3)
+    wait = asyncio.create_task(hand._wait_stored(saved_seq(), "p1", "fp"))
+    await asyncio.sleep(0.05)
+    hand.written("p1", [CHAIN[2], CHAIN[3]])  # block 1 never comes: the decode worker computes 1..3
+    assert await asyncio.wait_for(wait, 2) == 1
+
+
+async def test_a_cancel_in_transit_ends_the_wait() -> None:
+    hand, fleet = handoffs(num_held=0)
+    started = time.monotonic()
+    wait = asyncio.create_task(hand._wait_stored(saved_seq(), "p1", "fp"))
+    await asyncio.sleep(0.05)
+    del fleet.in_transit["r"]
+    assert await asyncio.wait_for(wait, 2) == 0
+    assert time.monotonic() - started < 1
+
+
+async def test_blocks_the_store_held_already_need_no_notice() -> None:
+    hand, _ = handoffs(num_held=4)
+    assert await asyncio.wait_for(hand._wait_stored(saved_seq(), "p1", "fp"), 1) == 4
