@@ -60,8 +60,9 @@ class Bus(Protocol):
         """Ordered delivery from ``start_seq`` (0: only new messages)."""
         ...
 
-    async def stream_last_seq(self, name: str) -> int:
-        """The sequence of the newest message in stream ``name`` (0: empty)."""
+    async def stream_last_seq(self, name: str, subject: str = "") -> int:
+        """The sequence of the newest message in stream ``name`` (0: empty), or of the newest on
+        ``subject`` (0: none)."""
         ...
 
     async def ensure_kv(self, bucket: str, ttl_s: float) -> None:

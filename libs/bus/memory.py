@@ -140,8 +140,11 @@ class InMemoryBus:
         self._subs.add(sub)
         return sub
 
-    async def stream_last_seq(self, name: str) -> int:
-        return len(self._streams[name].messages)
+    async def stream_last_seq(self, name: str, subject: str = "") -> int:
+        messages = self._streams[name].messages
+        if not subject:
+            return len(messages)
+        return max((seq for seq, (s, _) in enumerate(messages, start=1) if s == subject), default=0)
 
     async def ensure_kv(self, bucket: str, ttl_s: float) -> None:
         self._kv.setdefault(bucket, {})

@@ -165,7 +165,12 @@ class NatsBus:
         )
         return _NatsSubscription(sub)
 
-    async def stream_last_seq(self, name: str) -> int:
+    async def stream_last_seq(self, name: str, subject: str = "") -> int:
+        if subject:
+            try:
+                return int((await self._js.get_last_msg(name, subject)).seq or 0)
+            except nats.js.errors.NotFoundError:
+                return 0
         info = await self._js.stream_info(name)
         return int(info.state.last_seq)
 

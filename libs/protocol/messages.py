@@ -373,6 +373,7 @@ class StreamRecord:
     # order (the last holds it now; a hand-back from an earlier one was dealt with already).
     submit: SubmitRequest | None = None
     schedulers: tuple[SchedulerRef, ...] = ()
+    num_moves: int = 0  # the request's moves when the last of them took it
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,15 +74,24 @@ class Migrations:
 
     def taken(self, pending: Pending, scheduler: SchedulerRef) -> None:
         """A scheduler accepted the request (a submit, or a resubmit): this reader moves it, should
-        that scheduler be lost or hand it back, until another gateway resumes it."""
+        that scheduler be lost or hand it back, until another gateway resumes it (or its own
+        reader left, or another gateway claimed it meanwhile)."""
         pending.scheduler = scheduler
         pending.accepted_at = time.monotonic()
         pending.orphan_since = None
-        self.movers[pending.request_id] = pending
+        if not (pending.reader_left or pending.claimed_away):
+            self.movers[pending.request_id] = pending
         if pending.record is not None:  # a resumed stream learns where the request is from it
             schedulers = (*pending.record.schedulers, scheduler)
-            pending.record = dataclasses.replace(pending.record, schedulers=schedulers)
-            self.spawn(self._store_record(pending.record))
+            record = dataclasses.replace(pending.record, schedulers=schedulers, num_moves=pending.num_moves)
+            pending.record = record
+            self.spawn(self._store_record(record))
+
+    def claimed(self, request_id: str) -> None:
+        """Another gateway resumed the request: it moves it from now on."""
+        pending = self.movers.pop(request_id, None)
+        if pending is not None:
+            pending.claimed_away = True
 
     def handed_back(self, pending: Pending, out: RequestOutput) -> bool:
         """Its scheduler gave the request up (``out.handback``): whether this reader moves it now."""
@@ -99,7 +108,9 @@ class Migrations:
         those that wait for another gateway's move past ``orphan_s``."""
         lost: dict[SchedulerRef, list[Pending]] = {}
         for pending in readers:
-            if pending.moving or pending.failed or pending.scheduler is None or not gone(pending):
+            if pending.moving or pending.failed or not pending.caught_up:
+                continue  # (a replay decides once it has read what was there when it started)
+            if pending.scheduler is None or not gone(pending):
                 continue
             if self.moves_it(pending):
                 lost.setdefault(pending.scheduler, []).append(pending)
@@ -118,8 +129,9 @@ class Migrations:
 
     @property
     def orphan_s(self) -> float:
-        """How long a reader waits for another gateway to move its request (then it fails)."""
-        return 2 * self.window_s
+        """How long a reader waits for another gateway to move its request (then it fails): a
+        move's longest, and as long again."""
+        return 2 * (self.window_s + self.submit_timeout_s)
 
     def start(
         self, pending: Pending, why: str, lost: SchedulerRef | None = None, avoid: SchedulerRef | None = None
@@ -147,9 +159,9 @@ class Migrations:
             log.warning("updating the stream record of %s failed: %r", record.request_id, exc)
 
     async def move(self, pending: Pending, why: str) -> SubmitReply | None:
-        """Resubmit ``pending``'s request (its scheduler is lost, ``why``): the reply of the
-        scheduler that took it, or None when none did (``pending`` is failed, saying why) or
-        nothing was left to run."""
+        """Resubmit ``pending``'s request (its scheduler is lost or handed it back, ``why``): the
+        reply of the scheduler that took it, or None when none did (``pending`` is failed, saying
+        why) or nothing was left to run."""
         if pending.num_moves >= self.migration_limit:
             self.num_moves["failed"] += 1
             pending.fail(f"{why}; the migration limit ({self.migration_limit} moves) is reached")

@@ -65,19 +65,43 @@ class Pending:
     num_crashes: int = 0  # worker crashes it was in the batch of (said by a hand-back)
     request_id: str = ""
     record: StreamRecord | None = None  # a resumable request's record, as last stored
-    # schedulers it had left before this reader started (a replay): their hand-backs are old news
+    # A replay's view of what happened before it started: the schedulers the request had left
+    # (their outputs tell nothing of where it is now), and the moves it had made (a hand-back
+    # counting fewer is old news, dealt with already).
     past_schedulers: frozenset[SchedulerRef] = frozenset()
+    num_moves_before: int = 0
+    caught_up: bool = True  # a replay has read the out stream up to where it was at its start
     accepted_at: float = 0.0  # when its scheduler took it, or this replay started (monotonic)
     moving: bool = False  # a resubmit is under way
     avoid: SchedulerRef | None = None  # the scheduler that handed it back: tried last
     orphan_since: float | None = None  # its scheduler left it and another gateway is to move it
     reader_left: bool = False
+    claimed_away: bool = False  # another gateway resumed it: that one moves it
     failed: bool = False
 
     def __post_init__(self) -> None:
         self.done = [False] * self.n
         self.received = [[] for _ in range(self.n)]
         self.ended = [False] * self.n
+
+    @classmethod
+    def replaying(cls, record: StreamRecord, now: float) -> Pending:
+        """The reader of a resumed stream: what its record says of the request's moves so far (a
+        scheduler taken again later is not one it has left)."""
+        current = record.schedulers[-1] if record.schedulers else None
+        return cls(
+            record.n,
+            record.logprobs,
+            scheduler=current,
+            submit=record.submit,
+            num_moves=record.num_moves,
+            request_id=record.request_id,
+            record=record,
+            past_schedulers=frozenset(record.schedulers[:-1]) - {current},
+            num_moves_before=record.num_moves,
+            accepted_at=now,
+            caught_up=False,
+        )
 
     def resubmission(self) -> SubmitRequest | None:
         """The submit that lets another scheduler go on from what has been received; None if
@@ -109,7 +133,7 @@ class Pending:
             return False
         if out.new_token_ids:
             self.accept(dataclasses.replace(out, finish_reason=None, error="", handback=None))
-        return scheduler not in self.past_schedulers
+        return scheduler not in self.past_schedulers and out.handback.num_moves >= self.num_moves_before
 
     def accept(self, out: RequestOutput) -> None:
         """Queue one output as a delta; a lost message or bad payload ends its choice with an error."""

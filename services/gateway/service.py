@@ -240,19 +240,11 @@ class GatewayService:
         background response, which is not the reader's to cancel)."""
         if record.start_seq < 1:
             raise ValueError(f"stream record of {record.request_id} has no start sequence")
-        request_id = record.request_id
-        past = record.schedulers[:-1]
-        pending = Pending(
-            record.n,
-            record.logprobs,
-            scheduler=record.schedulers[-1] if record.schedulers else None,
-            submit=record.submit,
-            num_moves=len(past),
-            request_id=request_id,
-            record=record,
-            past_schedulers=frozenset(past),
-            accepted_at=time.monotonic(),
-        )
+        request_id, subject = record.request_id, self.subjects.out(record.gateway_id)
+        pending = Pending.replaying(record, time.monotonic())
+        # It moves nothing before it has read what the out stream held at its start.
+        last_seq = await self.bus.stream_last_seq(self.subjects.out_stream, subject)
+        pending.caught_up = last_seq < record.start_seq
 
         async def on_message(msg: Message) -> None:
             try:
@@ -261,18 +253,17 @@ class GatewayService:
                 return  # the live consumer logs it
             outputs = [out for out in step.outputs if out.request_id == request_id]
             self._deliver_all(step.scheduler, [(pending, out) for out in outputs])
+            pending.caught_up = pending.caught_up or msg.seq >= last_seq
 
-        sub = await self.bus.subscribe_durable(
-            self.subjects.out(record.gateway_id), on_message, start_seq=record.start_seq
-        )
+        self._replays.add(pending)
+        if record.submit is not None:  # before its first output: a hand-back there is this one's
+            self.migrations.movers[request_id] = pending
+        sub = await self.bus.subscribe_durable(subject, on_message, start_seq=record.start_seq)
         # Claimed once the replay runs: the gateway whose reader left must not cancel it now, nor
         # move it: this reader does (it has the submit). And resumed from here too, for when that
         # gateway is gone (a request resumed twice just runs).
         await self.bus.publish(self.subjects.resume_claim, encode(ResumeClaim(request_id, self.gateway_id)))
         self.pause_soon(request_id, resume=True)  # with this gateway's id: a stale pause loses to it
-        self._replays.add(pending)
-        if record.submit is not None:
-            self.migrations.movers[request_id] = pending
         return self._stream(request_id, pending, on_leave, sub)
 
     def _stream(
@@ -300,7 +291,7 @@ class GatewayService:
             return
         if claim.gateway_id == self.gateway_id:
             return  # a reader of ours joined already: its own claim has nothing to tell us
-        self.migrations.movers.pop(claim.request_id, None)  # the claimer moves it from now on
+        self.migrations.claimed(claim.request_id)
         if self._grace.claimed(claim.request_id):
             log.info("request %s resumed at %s: not cancelled", claim.request_id, claim.gateway_id)
 
@@ -346,7 +337,9 @@ class GatewayService:
         """Hand one step's outputs to their readers; then move what that scheduler handed back."""
         handed_back: dict[str, tuple[Pending, RequestOutput]] = {}
         for pending, out in outputs:
-            if pending.deliver(scheduler, out) and self.migrations.handed_back(pending, out):
+            fresh = pending.deliver(scheduler, out)
+            # (a move under way goes on: its tries look again where the request can go)
+            if fresh and not pending.moving and self.migrations.handed_back(pending, out):
                 handed_back[pending.request_id] = (pending, out)
         for pending, out in handed_back.values():
             self.migrations.start(pending, out.error, avoid=scheduler)
@@ -384,18 +377,15 @@ class GatewayService:
         return sorted((SchedulerRef(m.member_id, m.incarnation) for m in live), key=lambda s: s.scheduler_id)
 
     def _moved(self, pending: Pending, reply: SubmitReply) -> None:
-        """A scheduler took a moved request."""
-        request_id = pending.request_id
-        if pending.reader_left:  # what its leaving did (cancel, pause) reached no scheduler
-            # holding it; do it again now
-            if pending.on_leave == "now":
-                self.cancel_soon(request_id)
-            elif pending.on_leave == "grace":
-                self.pause_soon(request_id, resume=False)
-            return
+        """A scheduler took a moved request (its record says so, whoever reads it now)."""
         self._taken(pending, reply)
-        new_id, num_moves = reply.scheduler_id, pending.num_moves
-        log.warning("request %s moved to scheduler %s (move %d)", request_id, new_id, num_moves)
+        request_id, num_moves = pending.request_id, pending.num_moves
+        log.warning("request %s moved to scheduler %s (move %d)", request_id, reply.scheduler_id, num_moves)
+        # Its reader left meanwhile: what that did (cancel, pause) reached no scheduler holding it.
+        if pending.reader_left and pending.on_leave == "now":
+            self.cancel_soon(request_id)
+        elif pending.reader_left and pending.on_leave == "grace":
+            self.pause_soon(request_id, resume=False)
 
     def _check_arrivals(self, now: float) -> None:
         """Fail the requests of a scheduler whose last outputs never came (see ``OutNumbering``)."""

@@ -2,10 +2,11 @@
 
 The router names a worker and its owner among the schedulers live in the gateway's members view
 (a scheduler just killed still owns its workers until they let it go). A named replica that no
-longer answers is left out and the router asked again. Without a route the submit goes to the
-``schedulers`` queue group; a replica there with no worker (one just restarted, before it claims
-any) answers ``NO_WORKERS``, and then each live replica that drives a worker is named in turn, so
-a client sees 503 only when no replica can take the request.
+longer answers, or has no room or worker, is left out and the router asked again. Without a
+route the submit goes to the ``schedulers`` queue group; a replica there with no worker (one just
+restarted, before it claims any) answers ``NO_WORKERS``, and then each live replica that drives a
+worker is named in turn, so a client sees 503 only when no replica can take the request (and 429
+when the one the queue group picked is full).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ async def send_submit(
             tried.add(route.scheduler_id)
             routed = dataclasses.replace(req, worker_id=route.worker_id)
             reply = await _ask(bus, subjects.submit_to(route.scheduler_id), routed, timeout_s)
-            if reply is not None and reply.status is not SubmitStatus.NO_WORKERS:
+            if reply is not None and reply.status not in (SubmitStatus.NO_WORKERS, SubmitStatus.QUEUE_FULL):
                 return reply
     reply = await _ask(bus, subjects.submit, req, timeout_s)
     if reply is None:

@@ -4,8 +4,9 @@ shared store (G3).
 
 The prefill worker's next plan carries the saves of the prompt's full blocks and drops the
 sequence (``Fleet.begin_handoff``). The worker sends a KV event for each block file as soon as it
-is written: the completion notice (``written``), heard here through ``KVSync``. Blocks the store
-held already are written again by no one: one kvcache lookup at the start counts those. Once every
+is written (or found there already): the completion notice (``written``), heard here through
+``KVSync``. One kvcache lookup at the start counts blocks whose notice may have come before the
+wait began (saved by an earlier request). Once every
 block is written (or ``handoff_timeout_s`` passed), the request is attached to a decode worker
 (``Fleet.end_handoff``), whose admission plans them as G3 loads and computes only the partial last
 block and the first output token. NATS carries block hashes and notices; the KV itself goes

@@ -346,7 +346,10 @@ class WorkerService:
         while not stop.is_set():
             await self._written.wait()  # (set at ``stop`` too)
             self._written.clear()  # before the drain: a write after it sets it again
-            await self.publish_kv_events()
+            try:
+                await self.publish_kv_events()
+            except Exception as exc:  # the next notice or load report sends them
+                log.warning("publishing kv events failed: %r", exc)
 
     async def _report_load(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

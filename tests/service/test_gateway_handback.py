@@ -189,7 +189,7 @@ async def test_a_reader_whose_mover_never_moves_it_ends_with_an_error(scene: Sce
     deltas = await rest(stream, timeout_s=20)
     assert [(d.token_ids, d.error) for d in deltas] == [
         ([5], ""),
-        ([], "scheduler s1 left it, not moved in 4 s"),
+        ([], "scheduler s1 left it, not moved in 6 s"),
     ]
 
 
