@@ -227,3 +227,35 @@ async def test_a_scheduler_restarted_under_its_id_is_another_process() -> None:
             beat.cancel()
         await service.close()
         await bus.close()
+
+
+async def test_a_replay_tells_an_old_hand_back_from_a_new_one_at_the_same_scheduler(scene: Scene) -> None:
+    """The record says s1 took the request twice (it handed it back once, then took it again
+    after a move): the first hand-back, in the replayed history, moves nothing; the second moves
+    the request to s2."""
+    bus = scene.bus
+    record = dataclasses.replace(
+        record_for(scene.service, "r1", 1),
+        submit=SubmitRequest("r1", "gw1", pack_tokens([1, 2, 3]), PARAMS, 0),
+        schedulers=(SchedulerRef("s1"), SchedulerRef("s1")),
+        num_moves=1,
+    )
+    await scene.first.emit(out([5], 1))
+    await scene.first.emit(handed_back([], 1, num_moves=0))  # old news: dealt with before
+    await scene.first.emit(out([6], 2))
+    resumer = gateway(bus, "gw2")
+    await resumer.start()
+    try:
+        second = await scene.join(ScriptedScheduler(bus, scheduler_id="s2"))
+        replay = await resumer.replay(record)
+        await until(lambda: resumer.num_in_flight == 1 and len(replay._pending.received[0]) == 2)
+        assert second.submitted == [] and scene.first.submitted == []
+        await scene.first.emit(handed_back([7], 3, num_moves=1))
+        await until(lambda: bool(second.submitted))
+        (req,) = second.submitted
+        assert req.num_moves == 2 and [unpack_tokens(t) for t in req.output_token_ids] == [[5, 6, 7]]
+        await second.emit(out([8], 4, FinishReason.LENGTH))
+        deltas = await rest(replay)
+        assert [(d.token_ids, d.error) for d in deltas] == [([5], ""), ([6], ""), ([7], ""), ([8], "")]
+    finally:
+        await resumer.close()
