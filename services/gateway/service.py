@@ -9,18 +9,20 @@ A request with n > 1 is one submit; the scheduler runs choice i as sequence
 ``seq_id_of(request_id, i)`` and tags its outputs with ``index`` i. The request is over when every
 choice is: finished by the scheduler, or stopped here (a stop string cancels just that sequence).
 
-Liveness: a watcher keeps a view of the members bucket. The requests of a scheduler gone from it
-(heartbeat stopped, or a clean leave) move: each is resubmitted to another scheduler with the
-tokens received so far (``migration``), and fails, naming the scheduler, only when none takes it
+Liveness: a watcher keeps a view of the members bucket. The requests of a scheduler process gone
+from it (heartbeat stopped, a clean leave, or a restart under its id) move, and so do those a
+scheduler hands back (its worker died, with no other): each is resubmitted to another scheduler
+with the tokens received so far (``migration``), and fails, naming why, only when none takes it
 or after ``migration_limit`` moves. A lost bus connection fails every request in flight, naming
-NATS (outputs published meanwhile never arrive). ``ready()``
-(/health) reads only that view and the connection state, never the bus.
+NATS (outputs published meanwhile never arrive). ``ready()`` (/health) reads only that view and
+the connection state, never the bus.
 
 Resume: at admission a ``StreamRecord`` goes into the streams bucket (where the outputs will be in
-the out stream, and how to render them). A client that went away leaves its request paused (it
-computes nothing, its KV stays cached) for ``resume_grace_s``; a reconnect, here or at any gateway,
-replays the out stream from the record, claims the request (``ResumeClaim``), so the cancel never
-comes, and resumes it (a ``PauseRequest`` with ``resume``).
+the out stream, how to render them, and what it takes to move the request). A client that went
+away leaves its request paused (it computes nothing, its KV stays cached) for ``resume_grace_s``;
+a reconnect, here or at any gateway, replays the out stream from the record, claims the request
+(``ResumeClaim``), so the cancel never comes and the claimer moves it from then on, and resumes it
+(a ``PauseRequest`` with ``resume``).
 """
 
 from __future__ import annotations
