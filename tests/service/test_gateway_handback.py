@@ -8,9 +8,6 @@ its id counts as lost (another process)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
-
-import pytest
 
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import encode, pack_tokens, unpack_tokens
@@ -26,8 +23,8 @@ from libs.protocol.messages import (
     SubmitRequest,
     SubmitStatus,
 )
-from services.gateway.service import GatewayService
-from tests.service.test_gateway_migration import Scene
+from tests.service.test_gateway_migration import Scene, make_gateway
+from tests.service.test_gateway_migration import scene as scene  # the fixture, shared
 from tests.service.test_gateway_service import SUBJECTS, ScriptedScheduler, record_for
 from tests.service.test_liveness import heartbeat, rest, until
 
@@ -49,28 +46,6 @@ def handed_back(tokens: list[int], total: int, num_moves: int = 0, num_crashes: 
         error=LOST,
         handback=Handback(num_moves, num_crashes),
     )
-
-
-def gateway(bus: InMemoryBus, gateway_id: str) -> GatewayService:
-    service = GatewayService(bus, SUBJECTS, gateway_id, submit_timeout_s=1, resubmit_window_s=2.0)
-    service.members.silence_s = 1.5
-    service.scheduler_loss_s = 2.0
-    return service
-
-
-@pytest.fixture
-async def scene() -> AsyncIterator[Scene]:
-    bus = InMemoryBus()
-    service = gateway(bus, "gw1")
-    await service.start()
-    scene = Scene(service, bus, ScriptedScheduler(bus))
-    await scene.join(scene.first)
-    scene.beats["w1"] = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
-    await until(service.ready)
-    yield scene
-    scene.close()
-    await service.close()
-    await bus.close()
 
 
 async def test_a_handed_back_request_goes_on_at_another_replica(scene: Scene) -> None:
@@ -130,7 +105,7 @@ async def test_a_resumed_stream_moves_when_its_scheduler_dies(scene: Scene) -> N
         schedulers=(SchedulerRef("s1"),),
     )
     await scene.first.emit(out([5], 1))  # what the client had seen before it reconnected
-    resumer = gateway(bus, "gw2")
+    resumer = make_gateway(bus, "gw2")
     await resumer.start()
     try:
         replay = await resumer.replay(record)
@@ -159,7 +134,7 @@ async def test_after_a_resume_elsewhere_only_the_resumer_moves_the_request(scene
     await scene.first.emit(out([5], 1))
     stored = await service.stream_record("r1")
     assert stored is not None
-    resumer = gateway(bus, "gw2")
+    resumer = make_gateway(bus, "gw2")
     await resumer.start()
     try:
         replay = await resumer.replay(stored, on_leave="never")
@@ -198,7 +173,7 @@ async def test_a_scheduler_restarted_under_its_id_is_another_process() -> None:
     the new process holds nothing of the old one's, so the request moves (to it), and what still
     comes from the old one is dropped."""
     bus = InMemoryBus()
-    service = gateway(bus, "gw1")
+    service = make_gateway(bus, "gw1")
     await service.start()
     incarnation = "a"
     beats = [
@@ -243,7 +218,7 @@ async def test_a_replay_tells_an_old_hand_back_from_a_new_one_at_the_same_schedu
     await scene.first.emit(out([5], 1))
     await scene.first.emit(handed_back([], 1, num_moves=0))  # old news: dealt with before
     await scene.first.emit(out([6], 2))
-    resumer = gateway(bus, "gw2")
+    resumer = make_gateway(bus, "gw2")
     await resumer.start()
     try:
         second = await scene.join(ScriptedScheduler(bus, scheduler_id="s2"))

@@ -61,12 +61,18 @@ class Scene:
             beat.cancel()
 
 
+def make_gateway(bus: InMemoryBus, gateway_id: str) -> GatewayService:
+    """A gateway with short liveness bounds (a scheduler counts as lost after 2 s)."""
+    service = GatewayService(bus, SUBJECTS, gateway_id, submit_timeout_s=1, resubmit_window_s=2.0)
+    service.members.silence_s = 1.5
+    service.scheduler_loss_s = 2.0
+    return service
+
+
 @pytest.fixture
 async def scene() -> AsyncIterator[Scene]:
     bus = InMemoryBus()
-    service = GatewayService(bus, SUBJECTS, "gw1", submit_timeout_s=1, resubmit_window_s=2.0)
-    service.members.silence_s = 1.5
-    service.scheduler_loss_s = 2.0
+    service = make_gateway(bus, "gw1")
     await service.start()
     first = ScriptedScheduler(bus)
     scene = Scene(service, bus, first)

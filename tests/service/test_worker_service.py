@@ -203,12 +203,11 @@ async def test_kv_events_in_sequence_dumps_stats_and_fingerprint(tmp_path: Path)
     await bus.close()
 
 
-async def test_a_finished_g3_write_is_announced_at_once(tmp_path: Path) -> None:
-    """The completion notice a P/D handoff waits for: the store's writer thread finishes the
-    writes of a save after the step that asked for them, and their events go out then, with no
-    step after it and no load report due (its period is an hour here)."""
-    bus = InMemoryBus()
-    service = make_tiered_service(bus, tmp_path)
+async def running_with_a_sequence(
+    bus: InMemoryBus, root: Path
+) -> tuple[WorkerService, list[KVEvents], asyncio.Event, asyncio.Task[None]]:
+    """A tiered worker running (until ``stop``), its KV events collected, sequence "a" computed."""
+    service = make_tiered_service(bus, root)
     events: list[KVEvents] = []
 
     async def on_events(msg: Message) -> None:
@@ -221,6 +220,15 @@ async def test_a_finished_g3_write_is_announced_at_once(tmp_path: Path) -> None:
     assert not (
         await step(bus, encode(SchedulerOutput(1, (new_seq("a", [0, 1, 2]),), scheduler_id="s1")))
     ).error
+    return service, events, stop, task
+
+
+async def test_a_finished_g3_write_is_announced_at_once(tmp_path: Path) -> None:
+    """The completion notice a P/D handoff waits for: the store's writer thread finishes the
+    writes of a save after the step that asked for them, and their events go out then, with no
+    step after it and no load report due (its period is an hour here)."""
+    bus = InMemoryBus()
+    service, events, stop, task = await running_with_a_sequence(bus, tmp_path)
     save = KVSave(pack_tokens([0, 1]), join_hashes(HASHES), "chat")
     plan = SchedulerOutput(2, finished_seq_ids=("a",), kv_saves=(save,), scheduler_id="s1")
     assert not (await step(bus, encode(plan))).error
@@ -245,19 +253,7 @@ async def test_a_dump_is_answered_while_a_step_runs(tmp_path: Path) -> None:
     """A step that saved blocks to G2 and has not finished yet: the dump has them, with the seq of
     the last message published; their event comes after it, and re-applying it changes nothing."""
     bus = InMemoryBus()
-    service = make_tiered_service(bus, tmp_path)
-    events: list[KVEvents] = []
-
-    async def on_events(msg: Message) -> None:
-        events.append(decode(KVEvents, msg.data))
-
-    await bus.subscribe(SUBJECTS.kv_events, on_events)
-    stop = asyncio.Event()
-    task = asyncio.create_task(service.run(stop))
-    await until(lambda: bool(events))
-    assert not (
-        await step(bus, encode(SchedulerOutput(1, (new_seq("a", [0, 1, 2]),), scheduler_id="s1")))
-    ).error
+    service, events, stop, task = await running_with_a_sequence(bus, tmp_path)
     await until(lambda: events[-1].seq == service.kv_seq)
     seq_before = service.kv_seq
     # The G3 writes' notices would send the G2 event too, mid-step: this test holds it in the
