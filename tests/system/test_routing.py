@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from libs.protocol.messages import MemberKind
 from tests.system.faults import MODEL, InFlight
 from tests.system.stack import Stack, latest_loads, wait_member_id
+from tests.system.test_migration import next_tokens_s
 from tests.system.test_resume import Api, chat_text, drop_after, resume
 
 SECOND = "worker-test-2"  # sorts after the stack's "worker-test": every tie goes to the first
@@ -166,8 +167,13 @@ def test_kill_9_of_a_worker_moves_its_streams_to_the_other_replica(
     victim = busiest(stack)
     proc = replicas.second if victim == SECOND else stack.worker
     assert proc is not None
-    proc.kill()
-    proc.wait()
+
+    def kill() -> None:
+        proc.kill()
+        proc.wait()
+
+    seconds = next_tokens_s(streams, kill)
+    print(f"kill -9 of {victim} -> every stream's next token, at the other replica, within {seconds:.2f} s")
     assert_undisturbed(streams, undisturbed)
     log = stack.log.read_text()
     assert f"worker {victim} lost" in log and "moved to scheduler" in log, log[-3000:]
