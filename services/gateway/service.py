@@ -35,7 +35,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from libs.bus.base import Bus, Message, NoResponders, Subscription
+from libs.bus.base import Bus, Message, NoResponders, RequestTimeout, Subscription
 from libs.bus.membership import MEMBER_TTL_S, MembershipView, member_key
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode, pack_tokens
 from libs.protocol.kv_messages import KVCacheStats
@@ -204,9 +204,12 @@ class GatewayService:
         except NoResponders as exc:
             self._pending.pop(request_id, None)
             raise SubmitRejected(SubmitStatus.NO_WORKERS, "no scheduler is available") from exc
-        except BaseException:  # timed out or cancelled: the scheduler may still have admitted it
+        except BaseException as exc:  # timed out or cancelled: the scheduler may have admitted it
             self._pending.pop(request_id, None)
             self.cancel_soon(request_id)
+            if isinstance(exc, RequestTimeout):  # (one killed a moment ago, say): a 503 with why
+                why = f"the scheduler did not answer within {self.submit_timeout_s:g} s"
+                raise SubmitRejected(SubmitStatus.NO_WORKERS, why) from exc
             raise
         if reply.status is not SubmitStatus.ACCEPTED:
             self._pending.pop(request_id, None)

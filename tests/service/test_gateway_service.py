@@ -168,6 +168,31 @@ async def test_rejections() -> None:
     await bus.close()
 
 
+async def test_a_submit_nobody_answers_in_time_is_a_503_and_cancelled() -> None:
+    """A scheduler killed a moment ago may still be subscribed: the submit times out. The client
+    gets a 503 saying so (not a 500), and a cancel goes out, in case it was taken after all."""
+    bus = InMemoryBus()
+    service = GatewayService(bus, SUBJECTS, "gw1", submit_timeout_s=0.2)
+    await service.start()
+    scheduler = ScriptedScheduler(bus)
+    await scheduler.start()
+
+    async def silent(msg: Message) -> None:
+        scheduler.submitted.append(decode(SubmitRequest, msg.data))
+
+    scheduler.on_submit = silent  # type: ignore[method-assign]
+    await scheduler.stop()
+    await scheduler.start()  # subscribed again, with the silent handler
+    with pytest.raises(SubmitRejected) as info:
+        await service.submit("a", [1], PARAMS, 2)
+    assert info.value.status is SubmitStatus.NO_WORKERS
+    assert str(info.value) == "the scheduler did not answer within 0.2 s"
+    await asyncio.sleep(0.01)
+    assert [r.request_id for r in scheduler.submitted] == ["a"] and scheduler.cancelled == ["a"]
+    assert service.num_in_flight == 0
+    await bus.close()
+
+
 async def test_the_submit_carries_the_tenant_and_the_retention_class(gateway) -> None:  # type: ignore[no-untyped-def]
     service, scheduler = gateway
     (await service.submit("a", [1], PARAMS, 2, tenant="t1", retention_class="chat")).close()
