@@ -169,7 +169,7 @@ async def test_a_reader_whose_mover_never_moves_it_ends_with_an_error(scene: Sce
 
 
 async def test_a_scheduler_restarted_under_its_id_is_another_process() -> None:
-    """kill -9 of s1 and an immediate restart under the same id (as serve's supervision does):
+    """kill -9 of s1 and an immediate restart under the same id (a supervisor that keeps the id):
     the new process holds nothing of the old one's, so the request moves (to it), and what still
     comes from the old one is dropped."""
     bus = InMemoryBus()

@@ -208,7 +208,8 @@ def test_kill_9_of_a_scheduler_moves_a_resumed_stream_and_new_requests_are_serve
     assert victim is not None
     victim.kill()
     victim.wait()
-    # Restarted at once, as serve's supervision does: it drives no worker until the dead one's
+    # Restarted at once, as a supervisor does (under REPLICA's id, one that keeps the id; serve's
+    # restart takes a new id, as spawn_scheduler's does): it drives no worker until the dead one's
     # is let go, and the queue group (or, under REPLICA's id, the router) may pick it meanwhile.
     if owner == REPLICA:
         replicas.replica = stack.add_scheduler(REPLICA)
