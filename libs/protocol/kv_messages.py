@@ -56,6 +56,10 @@ class KVLoad:
     first_block: int
     block_hashes: bytes  # concatenated, 32 bytes each
     tiers: bytes = b""  # one CacheTier value per block: where the scheduler expects it (a hint)
+    # A P/D handoff's partial last prompt block, the page right after these: read from the
+    # handoff area under this key (then deleted there) when every block before it loaded; its
+    # tokens are those up to NewSequence.num_computed_tokens. Empty: none.
+    partial_key: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,17 @@ class KVSave:
     block_ids: bytes  # packed uint32
     block_hashes: bytes  # concatenated, 32 bytes each, one per block id
     retention_class: str = ""  # "": the store's default class
+
+
+@dataclass(frozen=True, slots=True)
+class PartialSave:
+    """A P/D handoff's partial last prompt block: page ``block_id``, whose KV earlier plans
+    computed, copied to the handoff area under ``key`` before this step's forward. It has no
+    chained hash, so it never enters G1, G2 or G3: the handoff area is a directory of its own,
+    which the decode worker reads it from (deleting it) and which no index knows."""
+
+    block_id: int
+    key: bytes  # HASH_NUM_BYTES, unique to this handoff
 
 
 # --- events: worker -> scheduler, kvcache -----------------------------------------------------
@@ -97,6 +112,10 @@ class KVEvents:
     events: tuple[KVEvent, ...]
     fingerprint: str = ""  # the model whose KV these blocks hold
     worker_id: str = ""  # the worker whose cache changed ("": the publisher itself)
+    # Concatenated keys of the partial blocks (``PartialSave``) the worker is done writing to the
+    # handoff area, failed writes too: the notices a P/D handoff waits for. Not a tier's change:
+    # kvcache and the routers ignore them.
+    handoff_keys: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

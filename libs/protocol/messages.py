@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from libs.protocol.kv_messages import KVLoad, KVSave
+from libs.protocol.kv_messages import KVLoad, KVSave, PartialSave
 
 
 class FinishReason(enum.IntEnum):
@@ -230,6 +230,10 @@ class SchedulerOutput:
     finished_seq_ids: tuple[str, ...] = ()  # drop their state first (finished, aborted, preempted)
     scheduler_id: str = ""  # the sender; a worker serves one owner and drops all it holds if that goes
     kv_saves: tuple[KVSave, ...] = ()  # blocks to keep in G2 / G3, saved before this step's forward
+    partial_saves: tuple[PartialSave, ...] = ()  # P/D handoffs' partial blocks, saved with kv_saves
+    # Concatenated keys of handoff-area files no plan will load (the request ended or moved on
+    # without them): deleted after this worker's earlier partial saves are written.
+    handoff_drops: bytes = b""
 
     @property
     def num_scheduled_seqs(self) -> int:
@@ -255,6 +259,8 @@ class ModelRunnerOutput:
     num_loaded_host_blocks: int = 0
     num_loaded_store_blocks: int = 0
     num_failed_load_blocks: int = 0
+    num_loaded_partial_blocks: int = 0  # P/D handoffs' partial blocks read from the handoff area
+    num_failed_partial_blocks: int = 0  # ... and those recomputed instead
     # the sequences whose load stopped short, and the blocks each recomputed instead (in all:
     # num_failed_load_blocks): what they report as cached shrinks by as much
     failed_load_seq_ids: tuple[str, ...] = ()
@@ -325,6 +331,7 @@ class WorkerLoad:
     # empty: the scheduler falls back to ``model``
     model_fingerprint: str = ""
     has_kv_store: bool = False  # it reads the shared store (G3): only then are G3 loads planned for it
+    has_handoff_area: bool = False  # it writes and reads P/D handoffs' partial blocks (PartialSave)
     # told to stop (SIGTERM): its owner sends it no new sequences and moves those it holds; it
     # leaves once it holds none (or its drain timeout passes)
     draining: bool = False

@@ -15,10 +15,11 @@ here with an error that tells the gateway to resubmit it to another replica, whe
 from the tokens its client has received, with its moves and crashes counted on.
 
 P/D handoff: a request prefilled on a prefill worker leaves it after its first token
-(``begin_handoff``: detached, its computed full blocks queued for saving to the shared store) and
-waits in transit until the caller has seen the store hold them; ``end_handoff`` attaches it to the
-best decode worker, which loads them and computes only the rest (the partial last block and the
-first output token). Moves never target a prefill worker.
+(``begin_handoff``: detached, its computed full blocks queued for saving to the shared store, its
+partial last prompt block to the handoff area) and waits in transit until the caller has seen
+them written; ``end_handoff`` attaches it to the best decode worker, which loads them and
+computes only the first output token's KV (and whatever did not load). Moves never target a
+prefill worker.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ class Fleet:
             return "", []
         entry = self.table.get(request_or_seq_id)
         if entry is not None and entry.request_id in self.in_transit:
-            seqs, _ = self.in_transit.pop(entry.request_id)
-            self._end(seqs, FinishReason.ABORT)
+            seqs, source = self.in_transit.pop(entry.request_id)
+            self._end(seqs, FinishReason.ABORT, source)
             return worker_id, seqs
         aborted = self.cores[worker_id].abort(request_or_seq_id)
         self.finished(aborted)
@@ -155,6 +156,9 @@ class Fleet:
         core = self.cores.pop(worker_id)
         self.roles.pop(worker_id, None)
         self.draining.discard(worker_id)
+        drops = core.kv_tiers.take_drops()  # handoff files any other worker can delete
+        if drops and self.cores:
+            next(iter(self.cores.values())).kv_tiers.queue_drops(drops)
         seqs, in_batch = take_all(core)
         by_request: dict[str, list[Sequence]] = defaultdict(list)
         for seq in seqs:
@@ -181,13 +185,17 @@ class Fleet:
             self.table.move(request_id, target)
         return moves
 
-    def begin_handoff(self, request_id: str) -> list[Sequence]:
+    def begin_handoff(self, request_id: str, partial: bool = False) -> list[Sequence]:
         """A prefilled request leaves its prefill worker as in a preemption and waits in transit;
-        returns its sequences ([] if it is gone or already in transit)."""
+        returns its sequences ([] if it is gone or already in transit). ``partial``: the worker
+        has a handoff area, and saves each prompt's partial last block there too."""
         entry = self.table.get(request_id)
         if entry is None or request_id in self.in_transit or entry.worker_id not in self.cores:
             return []
         core = self.cores[entry.worker_id]
+        for seq in core._unfinished(request_id) if partial else []:
+            if seq.status is SequenceStatus.RUNNING:
+                core.kv_tiers.queue_partial_save(seq, core.block_manager.block_tables[seq.seq_id])
         seqs = detach(core, request_id)
         if seqs:
             self.in_transit[request_id] = (seqs, core)
@@ -203,7 +211,7 @@ class Fleet:
         assert entry is not None
         target = self._pick_target(seqs, exclude=entry.worker_id)
         if target is None:
-            self._fail(seqs, "no decode worker to hand it to", moves)
+            self._fail(seqs, "no decode worker to hand it to", moves, source)
             return moves
         self._attach(seqs, source, target, False, moves)
         self.table.move(request_id, target)
@@ -250,13 +258,21 @@ class Fleet:
         attach(target, seqs, same_chain, suspect)
         moves.moved[target_id].extend(seqs)
 
-    def _fail(self, seqs: list[Sequence], why: str, moves: Moves) -> None:
-        self._end(seqs, FinishReason.ERROR)
+    def _fail(
+        self, seqs: list[Sequence], why: str, moves: Moves, source: WorkerScheduler | None = None
+    ) -> None:
+        self._end(seqs, FinishReason.ERROR, source)
         moves.failed.extend((seq, why) for seq in seqs)
 
-    def _end(self, seqs: list[Sequence], reason: FinishReason) -> None:
-        """Finish sequences no core holds (lost or in transit)."""
+    def _end(self, seqs: list[Sequence], reason: FinishReason, source: WorkerScheduler | None = None) -> None:
+        """Finish sequences no core holds (lost or in transit). A handoff's partial block that no
+        plan will load is dropped by ``source`` (the prefill worker: after its write) if it is
+        still driven, else by any worker (the area is shared; what none drops is swept)."""
+        live = list(self.cores.values())
+        dropper = source if source in live else next(iter(live), None)
         for seq in seqs:
+            if dropper is not None:
+                dropper.kv_tiers.drop_partial(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
         self.finished(seqs)

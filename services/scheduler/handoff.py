@@ -1,17 +1,18 @@
 """P/D handoff in the scheduler service: a request prefilled on a prefill worker moves, after its
-first token, to a decode worker once the prefill worker has written the blocks it saved to the
-shared store (G3).
+first token, to a decode worker once the prefill worker has written the blocks it saved: the
+prompt's full blocks to the shared store (G3), its partial last block to the handoff area.
 
-The prefill worker's next plan carries the saves of the prompt's full blocks and drops the
-sequence (``Fleet.begin_handoff``). The worker sends a KV event for each block file as soon as it
-is written (or found there already): the completion notice (``written``), heard here through
-``KVSync``. One kvcache lookup at the start counts blocks whose notice may have come before the
-wait began (saved by an earlier request). Once every
-block is written (or ``handoff_timeout_s`` passed), the request is attached to a decode worker
-(``Fleet.end_handoff``), whose admission plans them as G3 loads and computes only the partial last
-block and the first output token. NATS carries block hashes and notices; the KV itself goes
-through the store. A block that is not there after all is recomputed by the decode worker (a
-failed load), never read wrong.
+The prefill worker's next plan carries those saves and drops the sequence
+(``Fleet.begin_handoff``). The worker sends a KV event for each block file as soon as it is
+written (or found there already), and a notice for the partial block's file: the completion
+notices (``written``), heard here through ``KVSync``. One kvcache lookup at the start counts
+blocks whose notice may have come before the wait began (saved by an earlier request). Once all
+is written (or ``handoff_timeout_s`` passed: a partial block not written by then is dropped), the
+request is attached to a decode worker (``Fleet.end_handoff``), whose admission plans the full
+blocks as G3 loads and the partial one from the handoff area, and computes only the first output
+token's KV. NATS carries block hashes, keys and notices; the KV itself goes through the store. A
+block that is not there after all is recomputed by the decode worker (a failed load), never read
+wrong.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ from services.scheduler.step_loop import WorkerHandle
 log = logging.getLogger(__name__)
 
 CHECK_S = 0.1  # how often a wait for the notices looks whether the request is still in transit
+
+
+def num_leading_written(seq: Sequence, unwritten: set[bytes]) -> int:
+    """The leading blocks of those ``seq`` saved that are not ``unwritten``: the decode worker loads these."""
+    chain = seq.block_hashes[: seq.num_saved_blocks]
+    return next((i for i, h in enumerate(chain) if h in unwritten), len(chain))
 
 
 @dataclass(slots=True)
@@ -89,15 +96,20 @@ class Handoffs:
 
     async def _hand_off(self, request_id: str) -> None:
         worker_id = self.fleet.worker_of(request_id)
-        seqs = self.fleet.begin_handoff(request_id)
+        source = self.workers.get(worker_id) if worker_id is not None else None
+        partial = source is not None and source.load.has_handoff_area
+        seqs = self.fleet.begin_handoff(request_id, partial)
         if worker_id is None or not seqs:
             return
-        source = self.workers.get(worker_id)
         if source is not None:
             source.wake.set()  # its next plan saves the blocks and drops the sequence
         started = time.monotonic()
         fingerprint = source.core.kv_tiers.model_fingerprint if source is not None else ""
-        num_listed = await self._wait_stored(seqs[0], worker_id, fingerprint)
+        head = seqs[0]
+        unwritten = await self._wait_written(head, worker_id, fingerprint)
+        num_listed = num_leading_written(head, unwritten)
+        if source is not None and head.partial_key in unwritten:
+            source.core.kv_tiers.drop_partial(head)  # not written in time: recomputed instead
         moves = self.fleet.end_handoff(request_id)
         self.on_moves(moves, f"request {request_id} handed off by worker {worker_id}")
         if moves.moved:
@@ -105,18 +117,19 @@ class Handoffs:
             metrics.HANDOFF_SECONDS.observe(time.monotonic() - started)
             log.info(
                 "handed %s from %s to %s (%d of %d blocks in the store)",
-                *(request_id, worker_id, next(iter(moves.moved)), num_listed, seqs[0].num_saved_blocks),
+                *(request_id, worker_id, next(iter(moves.moved)), num_listed, head.num_saved_blocks),
             )
 
-    async def _wait_stored(self, seq: Sequence, worker_id: str, fingerprint: str) -> int:
-        """How many leading blocks of those ``seq`` saved are in the store, once all of them are,
-        the request left transit (cancelled), or the bound passed (then the decode worker
-        recomputes what is missing)."""
+    async def _wait_written(self, seq: Sequence, worker_id: str, fingerprint: str) -> set[bytes]:
+        """What of ``seq``'s saves (its full blocks' hashes, its partial block's key) is not
+        written yet, once all of it is, the request left transit (cancelled), or the bound passed
+        (then the decode worker recomputes what is missing)."""
         chain = seq.block_hashes[: seq.num_saved_blocks]
-        if not chain:
-            return 0
-        wait = self._waits[seq.request_id] = WriteWait(worker_id, set(chain))  # before the lookup:
-        # a notice meanwhile counts
+        if not chain and not seq.partial_key:
+            return set()
+        # The wait starts before the lookup: a notice meanwhile counts.
+        awaited = set(chain) | ({seq.partial_key} if seq.partial_key else set())
+        wait = self._waits[seq.request_id] = WriteWait(worker_id, awaited)
         deadline = time.monotonic() + self.timeout_s
         try:
             num_held = await self.kv.lookup(chain, fingerprint, seq.retention_class)
@@ -129,4 +142,4 @@ class Handoffs:
                     await asyncio.wait_for(wait.done.wait(), min(CHECK_S, left_s))
         finally:
             del self._waits[seq.request_id]
-        return next((i for i, h in enumerate(chain) if h in wait.unwritten), len(chain))
+        return wait.unwritten

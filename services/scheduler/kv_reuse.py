@@ -28,7 +28,8 @@ class KVReuse:
     def reuse_prefix(self, seq: Sequence, parent: Sequence | None, plan: Plan) -> int | None:
         """Start ``seq`` on KV that exists: choice 0's (``parent``'s) prompt blocks, else the
         longest hit of the prefix cache, extended by the blocks G2 / G3 hold after it (a load in
-        ``plan``). Returns the tokens the tiers held, or None when they were not asked."""
+        ``plan``), and by a P/D handoff's partial block after those. Returns the tokens of the
+        blocks the tiers held (full blocks only), or None when they were not asked."""
         self._share_prompt(seq, parent)
         if seq.num_computed_tokens or not self.limits.enable_prefix_caching:
             return None
@@ -38,10 +39,15 @@ class KVReuse:
         num_blocks = self.block_manager.match(seq.seq_id, block_hashes, max_blocks)
         load = self.kv_tiers.extend_hit(seq, num_blocks, max_blocks)
         if load is not None:
-            plan.kv_loads[seq.seq_id] = load
             num_blocks += len(load.tiers)
-        seq.num_computed_tokens = num_blocks * self.limits.block_size
-        return seq.num_computed_tokens
+        load = self.kv_tiers.extend_with_partial(seq, num_blocks, load)
+        num_hit_tokens = num_blocks * self.limits.block_size
+        seq.num_computed_tokens = num_hit_tokens
+        if load is not None:
+            plan.kv_loads[seq.seq_id] = load
+            if load.partial_key:  # a handoff's partial block: the whole prompt is computed
+                seq.num_computed_tokens = seq.num_prompt_tokens
+        return num_hit_tokens
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offer the cache ``seq``'s full blocks whose tokens are known and whose KV the plans

@@ -102,8 +102,8 @@ class KVSync:
             log.warning("kv events of %s: seq %d is past its dump", batch.publisher_id, batch.seq)
 
     def _notice_writes(self, batch: KVEvents) -> None:
-        """Pass on the G3 writes a message reports, whatever its place in the G2 stream (a
-        notice heard twice changes nothing)."""
+        """Pass on the G3 writes and handoff-area writes a message reports, whatever its place in
+        the G2 stream (a notice heard twice changes nothing)."""
         if self.on_store_written is None:
             return
         written: list[bytes] = []
@@ -111,6 +111,8 @@ class KVSync:
             if event.tier is CacheTier.STORE and event.stored:
                 with contextlib.suppress(ValueError):  # malformed: no notice (the wait is bounded)
                     written.extend(split_hashes(event.block_hashes))
+        with contextlib.suppress(ValueError):
+            written.extend(split_hashes(batch.handoff_keys))  # partial blocks in the handoff area
         if written:
             self.on_store_written(batch.publisher_id, written)
 

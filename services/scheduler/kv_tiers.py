@@ -12,6 +12,10 @@ Admission: after the G1 hit of n1 blocks, the consecutive blocks j = n1.. that G
 are among the sequence's stored ones (never the block holding its last token) count as computed;
 its NewSequence carries them as a ``KVLoad``, G2 preferred over G3.
 
+P/D handoff: a prefilled request leaving its prefill worker saves its partial last prompt block
+(no chained hash: never a tier's) to the handoff area under a key of its own; the decode worker's
+admission loads it after the prompt's full blocks, or the file is dropped (``drop_partial``).
+
 Store points (DeepSeek's: the end of the user input and the end of the model output, so that the
 next turn of a conversation hits): a sequence's full prompt blocks are queued for saving when the
 plan that computes its last prompt token is made, and all its full blocks whose KV the plans made
@@ -32,16 +36,20 @@ only the KV of tokens the save counts as computed). A plan that carries only sav
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from libs.protocol.codec import pack_tokens, unpack_tokens
 from libs.protocol.kv_messages import (
+    HASH_NUM_BYTES,
     CacheTier,
     KVEvent,
     KVLoad,
     KVSave,
+    PartialSave,
     RemovalReason,
     TierCounter,
     join_hashes,
@@ -71,6 +79,9 @@ class TierStats:
     num_loaded_host_blocks: int = 0  # worker-reported
     num_loaded_store_blocks: int = 0
     num_failed_load_blocks: int = 0  # planned loads the worker recomputed instead
+    num_partial_saves: int = 0  # P/D handoffs' partial blocks sent to the handoff area
+    num_loaded_partial_blocks: int = 0  # worker-reported: read back from it by a decode worker
+    num_failed_partial_blocks: int = 0  # ... or recomputed instead
 
     def counters(self) -> dict[tuple[str, str], float]:
         """(name, label) -> value."""
@@ -81,6 +92,9 @@ class TierStats:
             ("loaded_blocks", "G2"): self.num_loaded_host_blocks,
             ("loaded_blocks", "G3"): self.num_loaded_store_blocks,
             ("failed_load_blocks", "all"): self.num_failed_load_blocks,
+            ("partial_saves", "all"): self.num_partial_saves,
+            ("loaded_partial_blocks", "all"): self.num_loaded_partial_blocks,
+            ("failed_partial_blocks", "all"): self.num_failed_partial_blocks,
         }
         for tier, tokens in self.num_hit_tokens.items():
             out["hit_tokens", TIER_LABELS[tier]] = tokens
@@ -107,6 +121,8 @@ class KVTiers:
         self.enabled = limits.enable_prefix_caching and limits.enable_kv_tiers
         self._host: set[bytes] = set()  # hashes the worker's G2 holds, as its events last said
         self._pending_saves: list[tuple[str, KVSave]] = []  # (seq id, save) for the next plan
+        self._pending_partials: list[PartialSave] = []  # handoffs' partial blocks, for the next plan
+        self._pending_drops: list[bytes] = []  # handoff-area keys to delete, for the next plan
         self.stats = TierStats()
 
     @property
@@ -204,7 +220,7 @@ class KVTiers:
 
     @property
     def has_pending_saves(self) -> bool:
-        return bool(self._pending_saves)
+        return bool(self._pending_saves or self._pending_partials or self._pending_drops)
 
     def queue_save(self, seq: Sequence, block_table: Seq[int], num_blocks: int) -> None:
         """Save ``seq``'s first ``num_blocks`` full blocks (their KV computed by plans made so far)
@@ -233,13 +249,67 @@ class KVTiers:
             saved[save.retention_class] = saved.get(save.retention_class, 0) + num_blocks
         return saves
 
+    # --- P/D handoff: the partial last prompt block ------------------------------------------
+
+    def queue_partial_save(self, seq: Sequence, block_table: Seq[int]) -> bool:
+        """Save ``seq``'s partial last prompt block to the handoff area in the next plan, under a
+        key of its own (``seq.partial_key``); False when there is none (a prompt of whole blocks)
+        or its KV is not computed. Queued with the full blocks' saves, before the sequence's
+        blocks are freed: see the module's note on why that is safe."""
+        num_full, num_left = divmod(seq.num_prompt_tokens, self.block_size)
+        if not self.enabled or not num_left or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return False
+        seq.partial_key = secrets.token_bytes(HASH_NUM_BYTES)  # one handoff's, never reused
+        self._pending_partials.append(PartialSave(block_table[num_full], seq.partial_key))
+        self.stats.num_partial_saves += 1
+        return True
+
+    def extend_with_partial(self, seq: Sequence, num_blocks: int, load: KVLoad | None) -> KVLoad | None:
+        """Admission of a handed-off ``seq`` whose first ``num_blocks`` blocks count as computed:
+        when they are the prompt's full blocks, its partial block comes from the handoff area
+        (the load carries its key, and ``seq.num_computed_tokens`` should cover the prompt); else
+        it is recomputed and its file dropped. Returns the load to plan."""
+        if not seq.partial_key:
+            return load
+        if num_blocks != seq.num_prompt_tokens // self.block_size or not self.enabled:
+            self.drop_partial(seq)
+            return load
+        if load is None:
+            return KVLoad(num_blocks, b"", b"", partial_key=seq.partial_key)
+        return dataclasses.replace(load, partial_key=seq.partial_key)
+
+    def drop_partial(self, seq: Sequence) -> None:
+        """No plan will load ``seq``'s partial block: its file goes with this worker's next plan."""
+        if seq.partial_key:
+            self.queue_drops([seq.partial_key])
+            seq.partial_key = b""
+
+    def queue_drops(self, keys: Iterable[bytes]) -> None:
+        self._pending_drops.extend(keys)
+
+    def take_drops(self) -> list[bytes]:
+        """The drops not sent yet: a worker that is lost hands them to another (the area is shared)."""
+        drops, self._pending_drops = self._pending_drops, []
+        return drops
+
+    def take_handoff(self) -> tuple[tuple[PartialSave, ...], bytes]:
+        """The partial saves and the drops for the plan being made."""
+        partials, self._pending_partials = tuple(self._pending_partials), []
+        return partials, b"".join(self.take_drops())
+
+    def record_partial_loads(self, num_loaded: int, num_failed: int) -> None:
+        self.stats.num_loaded_partial_blocks += num_loaded
+        self.stats.num_failed_partial_blocks += num_failed
+
     def discard_saves_of(self, seq: Sequence) -> None:
         """``seq`` failed: the KV of its queued saves may never have been written."""
         self._pending_saves = [(seq_id, s) for seq_id, s in self._pending_saves if seq_id != seq.seq_id]
 
     def discard_saves(self) -> None:
-        """The worker is gone, and its blocks with it."""
+        """The worker is gone, and its blocks with it (take its drops first: see ``take_drops``)."""
         self._pending_saves = []
+        self._pending_partials = []
+        self._pending_drops = []
 
     def counters(self) -> dict[tuple[str, str], float]:
         """This core's counters, (name, label) -> value, for KVCacheStats."""
@@ -256,6 +326,10 @@ class KVTiers:
         num_done = stats.num_loaded_host_blocks + stats.num_loaded_store_blocks + stats.num_failed_load_blocks
         assert num_done <= sum(stats.num_planned_blocks.values()), "more loads than planned"
         assert self.enabled or not (self._host or self._pending_saves), "tiers off, yet in use"
+        assert all(0 <= p.block_id < num_blocks for p in self._pending_partials), (
+            "a partial save names no block"
+        )
+        assert all(len(k) == HASH_NUM_BYTES for k in self._pending_drops), "a drop's key has the wrong size"
         for _, save in self._pending_saves:
             block_ids, block_hashes = unpack_tokens(save.block_ids), split_hashes(save.block_hashes)
             assert len(block_ids) == len(block_hashes) > 0, "a save's ids and hashes differ"

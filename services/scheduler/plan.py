@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from libs.protocol.codec import pack_tokens
-from libs.protocol.kv_messages import KVLoad, KVSave
+from libs.protocol.kv_messages import KVLoad, KVSave, PartialSave
 from libs.protocol.messages import NewSequence, SchedulerOutput
 from services.scheduler.sequence import Sequence
 
@@ -30,6 +30,7 @@ class Plan:
         finished_seq_ids: tuple[str, ...],
         scheduler_id: str,
         kv_saves: tuple[KVSave, ...] = (),
+        handoff: tuple[tuple[PartialSave, ...], bytes] = ((), b""),
     ) -> SchedulerOutput:
         new_seqs: list[NewSequence] = []
         seq_ids: list[str] = []
@@ -64,4 +65,6 @@ class Plan:
             finished_seq_ids=finished_seq_ids,
             scheduler_id=scheduler_id,
             kv_saves=kv_saves,
+            partial_saves=handoff[0],
+            handoff_drops=handoff[1],
         )

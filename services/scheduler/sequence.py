@@ -59,6 +59,9 @@ class Sequence:
     cached_step: int = 0  # the step whose plan admitted it first: the loads num_cached_tokens counts
     num_stored_blocks: int = 0  # leading blocks of its prompt chain in G3 when it was submitted
     num_saved_blocks: int = 0  # leading full blocks already sent to the worker in saves
+    # handed off: the handoff area holds its partial last prompt block under this key, until a
+    # decode worker's admission plans its load (or drops it); b"": none
+    partial_key: bytes = b""
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks, grown lazily
     unsent_logprobs: list[Logprobs] = field(default_factory=list)
     stop_token_ids: frozenset[int] = field(init=False)  # EOS unless ignore_eos, plus the request's

@@ -125,6 +125,7 @@ class StepLoop:
         failed_loads = dict(zip(result.failed_load_seq_ids, result.failed_load_num_blocks, strict=True))
         num_host, num_store = result.num_loaded_host_blocks, result.num_loaded_store_blocks
         core.record_loads(result.step_id, num_host, num_store, failed_loads)
+        core.kv_tiers.record_partial_loads(result.num_loaded_partial_blocks, result.num_failed_partial_blocks)
         metrics.STEPS.inc()
         failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
         metrics.count_failed(failed.values())

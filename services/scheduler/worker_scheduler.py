@@ -152,6 +152,7 @@ class WorkerScheduler:
     def schedule(self) -> SchedulerOutput:
         plan = Plan(next(self._step_ids), self.limits.max_num_batched_tokens)
         kv_saves = self.kv_tiers.take_saves()  # queued before this plan: earlier plans computed them
+        handoff = self.kv_tiers.take_handoff()
         for decoding in (True, False):
             for seq in list(self._running):
                 if plan.budget == 0:
@@ -163,7 +164,7 @@ class WorkerScheduler:
             self._admit_waiting(plan)
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         tables = self.block_manager.block_tables
-        return plan.to_output(self.seqs, tables, finished, self.scheduler_id, kv_saves)
+        return plan.to_output(self.seqs, tables, finished, self.scheduler_id, kv_saves, handoff)
 
     def next_plan(self, num_in_flight: int, max_in_flight: int) -> SchedulerOutput | None:
         """The plan to send now, or None: then the caller waits for its oldest result in flight
@@ -176,7 +177,8 @@ class WorkerScheduler:
         if num_in_flight >= max_in_flight or not self.has_work():
             return None
         plan = self.schedule()
-        return plan if plan.num_scheduled_seqs or plan.finished_seq_ids or plan.kv_saves else None
+        work = plan.num_scheduled_seqs or plan.finished_seq_ids or plan.kv_saves or plan.partial_saves
+        return plan if work or plan.handoff_drops else None
 
     def postprocess(
         self,
@@ -325,6 +327,9 @@ class WorkerScheduler:
             if seq.num_preemptions == seq.num_pauses == seq.num_moves == 0:
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                 seq.cached_step = plan.step_id
+        load = plan.kv_loads.get(seq.seq_id)
+        if load is not None and load.partial_key:
+            seq.partial_key = b""  # the worker deletes the file once read
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self._running, seq, key=lambda s: s.order)
         plan.new_seq_ids.add(seq.seq_id)
@@ -380,6 +385,7 @@ class WorkerScheduler:
             self._finished_since_plan.append(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
             self._dequeue(seq)
+        self.kv_tiers.drop_partial(seq)  # handed off here, never admitted: no plan loads it
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]

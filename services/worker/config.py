@@ -64,6 +64,17 @@ class Config:
             "help": "shared KV block store directory (G3): '' = <cache dir>/kv-store, 'none' turns G3 off"
         },
     )
+    handoff_dir: str = field(
+        default="",
+        metadata={
+            "help": "P/D handoffs' partial last prompt blocks, a directory the prefill and decode workers"
+            " share: '' = <kv store>/.handoff (none with G3 off); host shared memory (/dev/shm/...) when"
+            " they share a machine"
+        },
+    )
+    handoff_max_age_s: float = field(
+        default=600.0, metadata={"help": "a handoff file no worker loaded is deleted once this old"}
+    )
     retention_classes: str = field(
         default=DEFAULT_RETENTION_SPEC,
         metadata={"help": "G3 retention classes, name=ttl[:priority],... (ttl: 90s, 30m, 12h, 3d)"},
@@ -103,6 +114,7 @@ class Config:
             "load_interval_s",
             "orphan_timeout_s",
             "max_step_s",
+            "handoff_max_age_s",
         )
         for key in positive:
             if getattr(self, key) <= 0:

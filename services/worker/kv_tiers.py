@@ -49,6 +49,8 @@ class LoadResult:
     num_host_blocks: int  # the first blocks, filled from G2 or G3 in table order
     num_store_blocks: int
     num_failed_blocks: int  # the rest, from the first block that could not be filled: recomputed
+    num_partial_blocks: int = 0  # a P/D handoff's partial block, from the handoff area (kv_transfer)
+    num_failed_partial_blocks: int = 0  # ... or recomputed instead
 
     @property
     def num_loaded_blocks(self) -> int:

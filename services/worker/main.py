@@ -26,6 +26,7 @@ from libs.recipe.tokenizer import Tokenizer
 from services.worker import metrics
 from services.worker.config import Config
 from services.worker.grammar import DEFAULT_BACKEND, Grammars
+from services.worker.handoff_area import HANDOFF_DIR_NAME, HandoffArea
 from services.worker.host_cache import HostCache
 from services.worker.kv_cache import KVLayout
 from services.worker.kv_store import KVStore, dtype_name, kv_fingerprint
@@ -81,6 +82,21 @@ def build_kv_tiers(
     return KVTiers(host, store) if host is not None or store is not None else None
 
 
+def build_handoff_area(
+    config: Config, cache_dir: str, fingerprint: str, layout: KVLayout, dtype: torch.dtype
+) -> HandoffArea | None:
+    """The handoff area at ``handoff_dir``, else under the G3 store; None when neither is set."""
+    store_root = kv_store_root(config.kv_store_path, cache_dir)
+    root = Path(config.handoff_dir).expanduser() if config.handoff_dir else None
+    if root is None and store_root is not None:
+        root = store_root / HANDOFF_DIR_NAME
+    if root is None:
+        return None
+    block_layout = BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, config.block_size)
+    log.info("P/D handoff area: %s", root)
+    return HandoffArea(root, fingerprint, block_layout, dtype, max_age_s=config.handoff_max_age_s)
+
+
 @dataclass(frozen=True, slots=True)
 class Worker:
     runner: ModelRunner
@@ -107,8 +123,16 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
     weights = config.dtype if config.dtype in ("int8", "int4") else dtype_name(dtype)  # "auto" resolved
     fingerprint = kv_fingerprint(path, weights, dtype, shape.layout)
     kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.layout, dtype)
+    handoff = build_handoff_area(config, cache_dir, fingerprint, shape.layout, dtype)
     runner = ModelRunner(
-        model, shape, num_blocks, config.block_size, dtype, grammars=grammars, kv_tiers=kv_tiers
+        model,
+        shape,
+        num_blocks,
+        config.block_size,
+        dtype,
+        grammars=grammars,
+        kv_tiers=kv_tiers,
+        handoff=handoff,
     )
     return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint)
 
@@ -132,6 +156,8 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         await bus.close()
         if worker.runner.kv_tiers is not None:
             await asyncio.to_thread(worker.runner.kv_tiers.close)  # the queued G3 writes finish
+        if worker.runner.transfer.handoff is not None:
+            await asyncio.to_thread(worker.runner.transfer.handoff.close)
         worker.runner.grammars.close()  # kills the grammar compiler processes
 
 

@@ -6,10 +6,11 @@ runner lays the step out flat (rows with several tokens first, then single-token
 attention backend wants), runs the model once, and samples for the rows whose computed tokens
 reach the end of what they know: a prefill's last chunk, or a decode.
 
-With KV tiers (``kv_tiers``), a plan's ``kv_saves`` are copied out first, before anything in the
-step can overwrite a freed page, then new sequences' ``kv_load`` blocks are filled from G2 / G3.
-A block that cannot be filled is recomputed in this same forward with every block after it: its
-row starts earlier and computes more tokens, and ends where the plan said.
+With KV tiers (``kv_tiers``) and a handoff area, a plan's saves are copied out first, before
+anything in the step can overwrite a freed page, then new sequences' ``kv_load`` blocks are filled
+from G2 / G3 and the handoff area (``KVTransfer``). A block that cannot be filled is recomputed in
+this same forward with every block after it: its row starts earlier and computes more tokens, and
+ends where the plan said.
 
 One bad sequence fails alone (``failed_seq_ids``): a new one whose tokens the model cannot take
 is refused before the step, a row whose logits are not finite samples nothing, and a forward that
@@ -32,13 +33,15 @@ from libs.kernels.paged_attention import PagedAttentionMetadata, make_attention_
 from libs.models.attention import AttentionFn
 from libs.models.config import LlamaConfig
 from libs.protocol.codec import pack_tokens, unpack_tokens
-from libs.protocol.kv_messages import HASH_NUM_BYTES, split_hashes
+from libs.protocol.kv_messages import KVLoad
 from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, SchedulerOutput
 from services.worker.grammar import Grammars, MaskJob, MaskResult, SequenceGrammar
+from services.worker.handoff_area import HandoffArea
 from services.worker.kv_cache import KVCache, KVLayout, StepAttention
 from services.worker.kv_tiers import KVTiers, LoadResult
+from services.worker.kv_transfer import KVTransfer
 from services.worker.row_isolation import PlanError as PlanError  # re-exported: callers import it here
-from services.worker.row_isolation import drop_non_finite, forward_isolating, kept_mask, without_blocks
+from services.worker.row_isolation import drop_non_finite, forward_isolating, kept_mask
 from services.worker.sampler import GrammarMask, Sampler
 from services.worker.sequence_state import SequenceState, input_error
 
@@ -107,6 +110,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         grammars: Grammars | None = None,
         kv_tiers: KVTiers | None = None,
+        handoff: HandoffArea | None = None,
     ) -> None:
         self.model = model
         self.shape = shape
@@ -127,6 +131,7 @@ class ModelRunner:
         self.grammars = grammars if grammars is not None else Grammars(None)
         self._masks: MaskJob | None = None  # made on the first constrained step
         self.kv_tiers = kv_tiers  # None: no G2 / G3; a plan's loads are all recomputed
+        self.transfer = KVTransfer(self.kv_cache, kv_tiers, handoff)
 
     @property
     def num_running_seqs(self) -> int:
@@ -145,7 +150,7 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
             self.failed_seq_ids.discard(seq_id)
             self._unwritten.pop(seq_id, None)
-        self._save(plan, unwritten)
+        self.transfer.save(plan, unwritten)
         rows: list[_Row] = []
         loads: dict[str, LoadResult] = {}
         failed: dict[str, str] = {}  # seq_id -> why it cannot go on: dropped after the step
@@ -154,7 +159,7 @@ class ModelRunner:
             if row is None:
                 continue
             if new.kv_load is not None:
-                row, loads[new.seq_id] = self._load(row, new.kv_load.first_block, new.kv_load.block_hashes)
+                row, loads[new.seq_id] = self._load(row, new.kv_load)
             rows.append(self._recompute_unwritten(row, unwritten))
         rows += self._held_rows(plan)
         for row in rows:
@@ -174,6 +179,8 @@ class ModelRunner:
             num_loaded_host_blocks=sum(r.num_host_blocks for r in loads.values()),
             num_loaded_store_blocks=sum(r.num_store_blocks for r in loads.values()),
             num_failed_load_blocks=sum(r.num_failed_blocks for r in loads.values()),
+            num_loaded_partial_blocks=sum(r.num_partial_blocks for r in loads.values()),
+            num_failed_partial_blocks=sum(r.num_failed_partial_blocks for r in loads.values()),
             failed_load_seq_ids=tuple(seq_id for seq_id, r in loads.items() if r.num_failed_blocks),
             failed_load_num_blocks=tuple(r.num_failed_blocks for r in loads.values() if r.num_failed_blocks),
         )
@@ -183,37 +190,10 @@ class ModelRunner:
         if self.kv_tiers is not None:
             self.kv_tiers.prefetch(plan)
 
-    def _save(self, plan: SchedulerOutput, unwritten: set[int]) -> None:
-        for save in plan.kv_saves:
-            block_ids = unpack_tokens(save.block_ids)
-            self._check_blocks("kv_saves", block_ids)
-            if len(save.block_hashes) != HASH_NUM_BYTES * len(block_ids):
-                raise PlanError(f"kv_saves: {len(block_ids)} blocks, {len(save.block_hashes)} hash bytes")
-            if unwritten.intersection(block_ids):
-                save = without_blocks(save, block_ids, unwritten)
-            if self.kv_tiers is not None and save.block_ids:
-                self.kv_tiers.save(self.kv_cache, save)
-
-    def _load(self, row: _Row, first_block: int, hashes: bytes) -> tuple[_Row, LoadResult]:
+    def _load(self, row: _Row, load: KVLoad) -> tuple[_Row, LoadResult]:
         """Fill the row's loaded blocks; if only some load, the row starts at the first that did not."""
         state = row.state
-        try:
-            block_hashes = split_hashes(hashes)
-        except ValueError as e:
-            raise PlanError(f"{state.seq_id}: kv_load: {e}") from None
-        end = first_block + len(block_hashes)
-        if first_block < 0 or end * self.block_size > min(
-            state.num_computed_tokens, len(state.block_table) * self.block_size
-        ):
-            raise PlanError(f"{state.seq_id}: kv_load of blocks {first_block}..{end} beyond its computed KV")
-        block_ids = state.block_table[first_block:end]
-        if self.kv_tiers is not None:
-            loaded = self.kv_tiers.load(self.kv_cache, block_ids, block_hashes)
-        else:
-            loaded = LoadResult(0, 0, len(block_hashes))
-        if not loaded.num_failed_blocks:
-            return row, loaded
-        restart = (first_block + loaded.num_loaded_blocks) * self.block_size
+        restart, loaded = self.transfer.load(state.seq_id, state.block_table, state.num_computed_tokens, load)
         num_recomputed = state.num_computed_tokens - restart
         state.num_computed_tokens = restart
         return _Row(state, row.num_tokens + num_recomputed), loaded

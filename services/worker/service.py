@@ -16,7 +16,8 @@ it holds nothing, ``drain_timeout_s`` passes or the stop is hurried. Only then d
 
 With KV tiers it also publishes their events (``KVEvents``, seq +1 per message, the first one
 saying this worker's G2 starts empty), answers ``KVDumpRequest`` with its G2 content without
-waiting for a running step, and publishes ``KVCacheStats`` with each periodic load report.
+waiting for a running step, and publishes ``KVCacheStats`` with each periodic load report. With a
+handoff area, the same messages carry the notices of its finished writes, and it sweeps the area.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ from libs.protocol.messages import MemberInfo, MemberKind, ModelRunnerOutput, Sc
 from libs.protocol.subjects import Subjects
 from services.worker import metrics
 from services.worker.config import Config
+from services.worker.handoff_area import HandoffArea
 from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
 # How often a drain looks at what is held: steps end and orphans are dropped in other tasks.
 DRAIN_POLL_S = 0.05
+SWEEP_MAX_S = 60.0  # the longest between two sweeps of the handoff area
 
 
 class WorkerService:
@@ -84,12 +87,14 @@ class WorkerService:
 
     async def run(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)]
-        tiers = self.runner.kv_tiers
+        tiers, handoff = self.runner.kv_tiers, self.runner.transfer.handoff
+        await self.publish_kv_events()  # seq 1: this worker's G2 starts empty
+        loop = asyncio.get_running_loop()
         if tiers is not None:
-            await self.publish_kv_events()  # seq 1: this worker's G2 starts empty
             subs.append(await self.bus.subscribe(self.subjects.kv_dump(self.config.worker_id), self.on_dump))
-            loop = asyncio.get_running_loop()
             tiers.on_written = lambda: self._wake_soon(loop)
+        if handoff is not None:
+            handoff.on_done = lambda: self._wake_soon(loop)
         log.info("worker %s ready (max_num_seqs=%d)", self.config.worker_id, self.config.max_num_seqs)
         # Set once the drain is over: the heartbeat and load reports (with their orphan checks)
         # go on while draining, then the worker leaves the members bucket.
@@ -98,6 +103,8 @@ class WorkerService:
             tg.create_task(announce(self.bus, self.subjects.members_bucket, self.member_info, leaving))
             tg.create_task(self._report_load(leaving))
             tg.create_task(self._publish_written(leaving))
+            if handoff is not None:
+                tg.create_task(self._sweep_handoffs(handoff, leaving))
             await stop.wait()
             await self.drain(stop)
             leaving.set()
@@ -230,6 +237,7 @@ class WorkerService:
             owner=self.owner,
             model_fingerprint=self.model_fingerprint,
             has_kv_store=self.runner.kv_tiers is not None and self.runner.kv_tiers.store is not None,
+            has_handoff_area=self.runner.transfer.handoff is not None,
             draining=self.draining,
             role=self.config.role,
         )
@@ -238,19 +246,27 @@ class WorkerService:
         await self.bus.publish(self.subjects.load(self.config.worker_id), encode(self.load()))
 
     async def publish_kv_events(self) -> None:
-        """The tiers' events since the last message, if any (the first message always goes)."""
-        tiers = self.runner.kv_tiers
-        if tiers is None:
+        """The tiers' events and the handoff area's notices since the last message, if any (the
+        first message always goes)."""
+        tiers, handoff = self.runner.kv_tiers, self.runner.transfer.handoff
+        if tiers is None and handoff is None:
             return
         async with self._publishing_kv:
             # Drained and numbered with no await in between: on_dump relies on it.
-            events = tiers.drain_events()
+            events = tiers.drain_events() if tiers is not None else []
+            keys = handoff.drain_done() if handoff is not None else []
             if self.kv_seq == 0:
                 events.insert(0, KVEvent(CacheTier.HOST, False, b"", RemovalReason.CLEARED))
-            if not events:
+            if not events and not keys:
                 return
             self.kv_seq += 1
-            message = KVEvents(self.config.worker_id, self.kv_seq, tuple(events), self.model_fingerprint)
+            message = KVEvents(
+                self.config.worker_id,
+                self.kv_seq,
+                tuple(events),
+                self.model_fingerprint,
+                handoff_keys=join_hashes(keys),
+            )
             await self.bus.publish(self.subjects.kv_events, encode(message))
 
     async def on_dump(self, msg: Message) -> None:
@@ -336,7 +352,7 @@ class WorkerService:
         return self.draining or now - self._owner_absent_since >= MEMBER_TTL_S
 
     def _wake_soon(self, loop: asyncio.AbstractEventLoop) -> None:
-        """From the store's writer thread: a G3 write's event is in the outbox."""
+        """From a writer thread: a G3 write's event, or a handoff write's notice, waits to go."""
         with contextlib.suppress(RuntimeError):  # the loop closed (shutting down): nobody waits
             loop.call_soon_threadsafe(self._written.set)
 
@@ -350,6 +366,19 @@ class WorkerService:
                 await self.publish_kv_events()
             except Exception as exc:  # the next notice or load report sends them
                 log.warning("publishing kv events failed: %r", exc)
+
+    async def _sweep_handoffs(self, handoff: HandoffArea, stop: asyncio.Event) -> None:
+        """Collect handoff files nobody loaded or dropped, now and then (at start too: a worker
+        that died may have left some)."""
+        while not stop.is_set():
+            try:
+                num_deleted = await asyncio.to_thread(handoff.sweep)
+                if num_deleted:
+                    log.info("handoff area: %d stale files deleted", num_deleted)
+            except OSError as exc:
+                log.warning("handoff sweep failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(SWEEP_MAX_S, handoff.max_age_s / 2))
 
     async def _report_load(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

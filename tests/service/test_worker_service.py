@@ -5,7 +5,9 @@ fingerprint."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,12 +28,14 @@ from libs.protocol.kv_messages import (
     KVEvents,
     KVLoad,
     KVSave,
+    PartialSave,
     RemovalReason,
     join_hashes,
 )
 from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput, WorkerLoad
 from libs.protocol.subjects import Subjects
 from services.worker.config import Config
+from services.worker.handoff_area import HANDOFF_DIR_NAME, HandoffArea
 from services.worker.host_cache import HostCache
 from services.worker.kv_store import KVStore
 from services.worker.kv_tiers import KVTiers
@@ -108,7 +112,8 @@ def make_tiered_service(bus: InMemoryBus, root: Path) -> WorkerService:
     store = KVStore(
         root, FP, BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, 4), torch.float32
     )
-    runner = ModelRunner(model, shape, 16, 4, torch.float32, kv_tiers=KVTiers(host, store))
+    handoff = HandoffArea(root / HANDOFF_DIR_NAME, FP, store.layout, torch.float32, max_age_s=100)
+    runner = ModelRunner(model, shape, 16, 4, torch.float32, kv_tiers=KVTiers(host, store), handoff=handoff)
     config = Config(worker_id="w1", load_interval_s=3600, drain_timeout_s=0)
     return WorkerService(config, bus, runner, max_model_len=64, model_name="tiny", model_fingerprint=FP)
 
@@ -246,6 +251,37 @@ async def test_a_finished_g3_write_is_announced_at_once(tmp_path: Path) -> None:
     await asyncio.wait_for(task, 5)
     assert service.runner.kv_tiers is not None
     service.runner.kv_tiers.close()
+    await bus.close()
+
+
+async def test_a_partial_block_s_write_is_announced_and_a_stale_file_swept(tmp_path: Path) -> None:
+    """A handoff's partial block (page 2 holds PROMPT's 9th token) goes to the handoff area, and
+    its notice out in a KV events message at once; a file older than the area's bound, left by a
+    worker that died, is deleted when the worker starts."""
+    stale = tmp_path / HANDOFF_DIR_NAME / FP / f"{'ab' * 32}.kvb"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"left by a dead worker")
+    os.utime(stale, (time.time() - 1000, time.time() - 1000))
+    bus = InMemoryBus()
+    service, events, stop, task = await running_with_a_sequence(bus, tmp_path)
+    assert service.load().has_handoff_area
+    key = bytes(range(32))
+    plan = SchedulerOutput(
+        2, finished_seq_ids=("a",), partial_saves=(PartialSave(2, key),), scheduler_id="s1"
+    )
+    assert not (await step(bus, encode(plan))).error
+    await until(lambda: any(m.handoff_keys == key for m in events))
+    handoff = service.runner.transfer.handoff
+    assert handoff is not None and handoff.path(key).is_file() and not stale.exists()
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    drop = SchedulerOutput(3, handoff_drops=key, scheduler_id="s1")
+    assert not (await step(bus, encode(drop))).error
+    await until(lambda: not handoff.path(key).exists())
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert service.runner.kv_tiers is not None
+    service.runner.kv_tiers.close()
+    handoff.close()
     await bus.close()
 
 

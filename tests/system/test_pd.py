@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation over real processes (nats-server, SmolLM2 in fp32): a long
 uncached prompt is prefilled on a `--role prefill` worker, which samples and streams the first
 token, and decoded on a `--role decode` worker that loads the prompt's full blocks from the shared
-store. The text equals colocated serving, and the decode worker computed only the partial last
-block and the first token itself: its G3 loads cover every full prompt block, none failed. A
-client that leaves during the remote prefill leaves no block held on either worker.
+store and the partial last block from the handoff area. The text equals colocated serving, and
+the decode worker computed only the first output token's KV itself: its G3 loads cover every
+full prompt block and its handoff load the partial one, none failed, and the handoff file is gone
+once loaded. A client that leaves during the remote prefill leaves no block held on either worker
+and no handoff file.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from libs.bus.nats_server import free_port
 from libs.kvstore.block_file import TEMP_FILE_SUFFIX
+from services.worker.handoff_area import HANDOFF_DIR_NAME
 from tests.system.faults import MODEL, InFlight
 from tests.system.kv_metrics import scheduler_kv_stat
 from tests.system.stack import Stack
@@ -77,6 +80,8 @@ def test_a_long_prompt_is_prefilled_on_one_worker_and_decoded_on_another_with_th
     for i, question in enumerate(QUESTIONS):
         loaded = kv_counter(stack, "loaded_blocks", "G3")
         failed = kv_counter(stack, "failed_load_blocks", "all")
+        partial = kv_counter(stack, "loaded_partial_blocks", "all")
+        failed_partial = kv_counter(stack, "failed_partial_blocks", "all")
         # A tenant of its own each: nothing of the prompt is cached anywhere, so it goes P/D.
         auth = {"Authorization": f"Bearer pd-{i}"}
         stream = InFlight(stack.base_url, "chat", body(question), 120, headers=auth)
@@ -84,13 +89,26 @@ def test_a_long_prompt_is_prefilled_on_one_worker_and_decoded_on_another_with_th
         assert end.kind == "completed", end
         assert stream.state.text == colocated[question]["choices"][0]["message"]["content"]
         num_prompt = colocated[question]["usage"]["prompt_tokens"]
+        assert num_prompt % BLOCK_SIZE, "the prompt must end in a partial block"
         deadline = time.monotonic() + 10  # the scheduler publishes its counters every 0.2 s
-        while kv_counter(stack, "loaded_blocks", "G3") - loaded < num_prompt // BLOCK_SIZE:
+        while (
+            kv_counter(stack, "loaded_blocks", "G3") - loaded < num_prompt // BLOCK_SIZE
+            or kv_counter(stack, "loaded_partial_blocks", "all") - partial < 1
+        ):
             assert time.monotonic() < deadline, "the decode worker did not load the prompt's blocks"
             time.sleep(0.1)
+        assert kv_counter(stack, "loaded_blocks", "G3") - loaded == num_prompt // BLOCK_SIZE
+        assert kv_counter(stack, "loaded_partial_blocks", "all") - partial == 1
         assert kv_counter(stack, "failed_load_blocks", "all") == failed
+        assert kv_counter(stack, "failed_partial_blocks", "all") == failed_partial
+        assert handoff_files(stack) == []  # deleted once loaded
     log = stack.log.read_text()
     assert log.count(f"from {PREFILL} to {stack.worker_id}") >= len(QUESTIONS), log[-3000:]
+
+
+def handoff_files(stack: Stack) -> list[Path]:
+    area = stack.kv_store / HANDOFF_DIR_NAME
+    return [p for p in area.rglob("*") if p.is_file()] if area.exists() else []
 
 
 def scheduler_gauges(name: str) -> dict[str, float]:
@@ -106,8 +124,8 @@ def scheduler_gauges(name: str) -> dict[str, float]:
 
 def test_a_cancel_during_the_remote_prefill_frees_the_blocks_on_both_workers(stack: Stack) -> None:
     """A long prompt goes to the prefill worker; its client leaves while it is computed there.
-    Both workers' free KV blocks come back to what they were, and the store holds no partial
-    file (the handoff carries full blocks only, through the store)."""
+    Both workers' free KV blocks come back to what they were, and neither the store nor the
+    handoff area holds a file of it."""
     workers = {stack.worker_id, PREFILL}
     baseline = scheduler_gauges("deepinfer_num_free_kv_blocks")
     assert set(baseline) == workers, baseline
@@ -139,6 +157,7 @@ def test_a_cancel_during_the_remote_prefill_frees_the_blocks_on_both_workers(sta
         assert time.monotonic() < deadline, (free, baseline)
         time.sleep(0.1)
     assert not [p for p in stack.kv_store.rglob("*") if p.name.endswith(TEMP_FILE_SUFFIX)]
+    assert handoff_files(stack) == []
     assert "cancelled" in stack.log.read_text()
 
 

@@ -11,6 +11,10 @@ Lower tiers: a plan's saves copy blocks (their slots' values) into a host memory
 sequence's load copies them back, and a block found in neither is recomputed (written with the
 right values) with every block after it, as the real worker must. So a save of a block whose KV
 is not (or no longer) what its hash says shows up as wrong KV when a later sequence loads it.
+
+Handoff area: a plan's partial saves copy a page under its key (``handoff``, shared like the
+store); a load's partial block is copied back after its full blocks, and popped (the file is
+deleted once read), or recomputed when it is not there; a plan's drops pop their keys.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from libs.protocol.codec import pack_tokens, unpack_tokens
-from libs.protocol.kv_messages import KVLoad, KVSave, split_hashes
+from libs.protocol.kv_messages import KVLoad, KVSave, PartialSave, split_hashes
 from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput
 
 VOCAB = 50
@@ -72,6 +76,8 @@ class FakeWorker:
         self.host: OrderedDict[bytes, BlockKV] = OrderedDict()  # G2, least recently used first
         self.host_capacity = host_capacity
         self.store: dict[bytes, BlockKV] = {}  # G3
+        self.handoff: dict[bytes, BlockKV] = {}  # the handoff area: key -> page
+        self.num_partial_loads = [0, 0]  # partial blocks loaded, recomputed instead
         self.host_events: list[HostEvent] = []  # not yet taken by the scheduler
         self.saves: list[KVSave] = []  # every save run, in order
         self.last_loads = (0, 0, 0)  # the last step's blocks loaded from G2, from G3, recomputed
@@ -105,12 +111,31 @@ class FakeWorker:
                 self.host_events.append((False, [evicted]))
         self.saves.append(save)
 
+    def _save_partial(self, partial: PartialSave) -> None:
+        slots = range(partial.block_id * self.block_size, (partial.block_id + 1) * self.block_size)
+        content = tuple(self.kv.get(slot) for slot in slots)
+        assert content[0] is not None, f"saving partial block {partial.block_id}, never written"
+        self.handoff[partial.key] = content
+
+    def _load_partial(self, state: _State, load: KVLoad) -> None:
+        """The page after the loaded full blocks, from the handoff area, or recomputed."""
+        page = load.first_block + len(split_hashes(load.block_hashes))
+        start = page * self.block_size
+        assert start < state.num_computed < start + self.block_size, "a partial block that ends nothing"
+        content = self.handoff.pop(load.partial_key, None)
+        self.num_partial_loads[content is None] += 1
+        for p in range(start, state.num_computed):
+            value = content[p - start] if content is not None else hash(tuple(state.tokens[: p + 1]))
+            self.kv[self._slot(state, p)] = value  # type: ignore[assignment]
+
     def _load(self, state: _State, load: KVLoad) -> tuple[int, int, int]:
         """Fill the loaded blocks from G2 or G3; from the first one in neither, recompute."""
         block_hashes = split_hashes(load.block_hashes)
-        assert len(load.tiers) == len(block_hashes) > 0
+        assert len(load.tiers) == len(block_hashes) and (block_hashes or load.partial_key)
         end = (load.first_block + len(block_hashes)) * self.block_size
         assert end <= state.num_computed, "loading blocks past the computed tokens"
+        if load.partial_key:
+            end = state.num_computed  # a failed block recomputes the partial one too
         num_host = num_store = 0
         for i, block_hash in enumerate(block_hashes):
             content = self.host.get(block_hash) or self.store.get(block_hash)
@@ -118,6 +143,9 @@ class FakeWorker:
                 start = (load.first_block + i) * self.block_size
                 for p in range(start, end):  # recompute: this block and every one after it
                     self.kv[self._slot(state, p)] = hash(tuple(state.tokens[: p + 1]))
+                if load.partial_key:
+                    self.handoff.pop(load.partial_key, None)  # after a gap: dropped
+                    self.num_partial_loads[1] += 1
                 return num_host, num_store, len(block_hashes) - i
             if block_hash in self.host:
                 self.host.move_to_end(block_hash)
@@ -128,6 +156,8 @@ class FakeWorker:
             for k, value in enumerate(content):
                 assert value is not None
                 self.kv[block_id * self.block_size + k] = value
+        if load.partial_key:
+            self._load_partial(state, load)
         return num_host, num_store, 0
 
     def _slot(self, state: _State, position: int) -> int:
@@ -138,6 +168,10 @@ class FakeWorker:
             self.seqs.pop(seq_id, None)
         for save in plan.kv_saves:  # before the forward, which may overwrite a freed block
             self._save(save)
+        for partial in plan.partial_saves:
+            self._save_partial(partial)
+        for key in split_hashes(plan.handoff_drops):
+            self.handoff.pop(key, None)
         loads = [0, 0, 0]
         failed: dict[str, int] = {}
         rows: list[tuple[str, int]] = []

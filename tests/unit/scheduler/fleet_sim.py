@@ -31,6 +31,7 @@ class FleetSim:
         self.fleet = Fleet(migration_limit)
         self.drivers: dict[str, Driver] = {}
         self.store: dict[bytes, tuple[int | None, ...]] = {}  # G3, shared by every worker
+        self.handoff: dict[bytes, tuple[int | None, ...]] = {}  # the handoff area, shared too
         self.max_in_flight = max_in_flight
         self.outputs: dict[str, list[int]] = {}  # seq id -> tokens, of sequences that finished
         self.failed: dict[str, str] = {}  # seq id -> why it was not moved
@@ -42,6 +43,7 @@ class FleetSim:
         core = WorkerScheduler(limits(num_blocks), "s1", FINGERPRINT)
         worker = FakeWorker(BLOCK_SIZE)
         worker.store = self.store
+        worker.handoff = self.handoff
         self.drivers[worker_id] = Driver(core, worker, self.max_in_flight)
         self.fleet.add_worker(worker_id, core, role)
         return worker_id
@@ -79,13 +81,19 @@ class FleetSim:
         """The whole handoff at once: the prefill worker's next plans save and drop it, then
         the request lands on a decode worker."""
         worker_id = self.fleet.worker_of(request_id)
-        assert worker_id is not None and self.fleet.begin_handoff(request_id)
+        assert worker_id is not None and self.fleet.begin_handoff(request_id, partial=True)
         while self.drivers[worker_id].sched.has_work() or self.drivers[worker_id].in_flight:
             self.step(worker_id)  # the saves reach the store before the decode worker loads
         return self.land(request_id)
 
     def land(self, request_id: str) -> Moves:
-        """A request in transit goes to a decode worker (or fails with no decode worker)."""
+        """A request in transit goes to a decode worker (or fails with no decode worker). As in
+        the service, a partial block not written yet (the wait's bound passed) is dropped by its
+        prefill worker, after its write, and recomputed instead."""
+        seqs, source = self.fleet.in_transit.get(request_id, ([], None))
+        for seq in seqs:
+            if source is not None and seq.partial_key not in self.handoff:
+                source.kv_tiers.drop_partial(seq)
         moves = self.fleet.end_handoff(request_id)
         self.failed.update((seq.seq_id, why) for seq, why in moves.failed)
         return moves
@@ -96,6 +104,20 @@ class FleetSim:
     def run(self) -> None:
         """Every worker until nothing is left to do anywhere."""
         while any(d.sched.has_work() or d.in_flight for d in self.drivers.values()):
+            for worker_id in list(self.drivers):
+                self.step(worker_id)
+                self.fleet.check_integrity()
+
+    def settle(self) -> None:
+        """``run``, handing off every request whose remote prefill is done as the service would
+        (a prefill worker holding only those has work no plan can do)."""
+        while True:
+            for request_id in self.prefilled():
+                self.fleet.begin_handoff(request_id, partial=True)
+            for request_id in sorted(self.fleet.in_transit):
+                self.land(request_id)
+            if not any(d.sched.has_work() or d.in_flight for d in self.drivers.values()):
+                return
             for worker_id in list(self.drivers):
                 self.step(worker_id)
                 self.fleet.check_integrity()

@@ -163,7 +163,8 @@ def test_a_request_resubmitted_with_crashes_is_a_suspect_and_fails_at_the_crash_
 def test_random_submits_cancels_drains_crashes_and_joins_keep_the_table_whole(seed: int) -> None:
     """Submits (new, and resubmits going on from tokens already out), cancels, handoffs, drains,
     crashes, departures and joins in random order: the table stays whole after every event, and
-    every request ends with the reference output, fails with a reason, or was cancelled."""
+    every request ends with the reference output, fails with a reason, or was cancelled, and no
+    handoff file outlives its request."""
     rng = random.Random(seed)
     sim = FleetSim(migration_limit=rng.choice([1, 3]), max_in_flight=rng.choice([1, 2]))
     for _ in range(3):
@@ -198,36 +199,32 @@ def test_random_submits_cancels_drains_crashes_and_joins_keep_the_table_whole(se
             with contextlib.suppress(QueueFull):
                 sim.submit(seq, rng.choice(decoders), outputs)
                 prompts[request_id] = (prompt, max_tokens)
-        elif kind < 0.27 and sim.prefilled():
-            sim.fleet.begin_handoff(rng.choice(sim.prefilled()))
-        elif kind < 0.29 and sim.fleet.in_transit:
+        elif kind < 0.30 and sim.prefilled():
+            sim.fleet.begin_handoff(rng.choice(sim.prefilled()), partial=rng.random() < 0.8)
+        elif kind < 0.32 and sim.fleet.in_transit:
             sim.land(rng.choice(sorted(sim.fleet.in_transit)))
-        elif kind < 0.3 and prompts:
+        elif kind < 0.33 and prompts:
             request_id = rng.choice(sorted(prompts))
             cancelled.update(s.request_id for s in sim.fleet.cancel(request_id)[1])
-        elif kind < 0.33 and len(sim.drivers) > 1:
+        elif kind < 0.36 and len(sim.drivers) > 1:
             sim.lose(rng.choice(sorted(sim.drivers)), rng.choice([WorkerLoss.CRASHED, WorkerLoss.LEFT]))
-        elif kind < 0.35 and sim.drivers:
+        elif kind < 0.38 and sim.drivers:
             sim.drain(rng.choice(sorted(sim.drivers)))
-        elif kind < 0.38 and len(sim.drivers) < 5:
+        elif kind < 0.41 and len(sim.drivers) < 5:
             sim.join(num_blocks=rng.choice([24, 48]))
         elif sim.drivers:
             sim.step(rng.choice(sorted(sim.drivers)))
         sim.fleet.check_integrity()
-    while sim.fleet.in_transit or sim.prefilled():  # every handoff lands
-        for request_id in sim.prefilled():
-            sim.fleet.begin_handoff(request_id)
-        for request_id in sorted(sim.fleet.in_transit):
-            sim.land(request_id)
-        sim.run()
+    sim.settle()  # every handoff lands
     for worker_id in list(sim.fleet.draining):  # drained empty: they leave
         if not sim.fleet.table.requests_on(worker_id) and len(sim.drivers) > 1:
-            sim.run()
+            sim.settle()
             sim.lose(worker_id, WorkerLoss.LEFT)
     sim.fleet.draining.clear()
-    sim.run()
+    sim.settle()
     sim.fleet.check_integrity()
     assert len(sim.fleet.table) == 0
+    assert sim.handoff == {}  # every handoff file was loaded (and deleted) or dropped
     for seq_id, tokens in sim.outputs.items():
         request_id = seq_id.split("#")[0]
         if request_id not in cancelled:
@@ -259,8 +256,47 @@ def test_a_prefilled_request_is_handed_to_a_decode_worker_which_loads_its_prompt
             if plan.new_seqs:
                 num_computed = plan.new_seqs[0].num_scheduled_tokens
     assert sim.outputs == {"r": want(prompt)}
-    # It loaded every full prompt block and computed the partial last one and the first token.
-    assert num_store_loads == len(prompt) // 4 and num_computed == len(prompt) % 4 + 1
+    # It loaded every full prompt block and the partial last one from the handoff area (deleted
+    # once read), and computed only the first output token's KV.
+    assert num_store_loads == len(prompt) // 4 and num_computed == 1
+    assert sim.drivers[decode].worker.num_partial_loads == [1, 0] and sim.handoff == {}
+
+
+def prefilled_on(sim: FleetSim, prefill: str, request_id: str, prompt: list[int]) -> Sequence:
+    seq = make_seq(request_id, prompt)
+    seq.handoff = True
+    sim.submit(seq, prefill)
+    while request_id not in sim.prefilled():
+        steps(sim, prefill, 1)
+    return seq
+
+
+def test_a_handoff_whose_full_blocks_did_not_all_load_drops_its_partial_block() -> None:
+    """A full block missing from the store: the decode worker recomputes from it, its partial
+    block included (the file is dropped); a cancel in transit drops the file through the prefill
+    worker, after its write."""
+    sim = FleetSim()
+    prefill, decode = sim.join(role="prefill"), sim.join(role="decode")
+    prompt = [(7 * i) % 40 + 3 for i in range(30)]
+    seq = prefilled_on(sim, prefill, "r", prompt)
+    assert sim.fleet.begin_handoff("r", partial=True)
+    steps(sim, prefill, 2)  # the saves run there
+    key = seq.partial_key
+    assert key in sim.handoff
+    del sim.store[seq.block_hashes[3]]  # and it left G2 with its worker: block 3.. recomputed
+    sim.drivers[prefill].worker.host.clear()
+    sim.land("r")
+    sim.run()
+    assert sim.outputs["r"] == want(prompt) and sim.handoff == {}
+    # planned after the full blocks; past the gap the worker recomputes it and drops the file
+    assert sim.drivers[decode].worker.num_partial_loads == [0, 1]
+    other = prefilled_on(sim, prefill, "c", [(3 * i) % 40 + 3 for i in range(30)])
+    assert sim.fleet.begin_handoff("c", partial=True) and other.partial_key
+    steps(sim, prefill, 1)
+    assert other.partial_key in sim.handoff
+    sim.fleet.cancel("c")
+    sim.run()
+    assert sim.handoff == {} and len(sim.fleet.table) == 0
 
 
 def test_a_cancel_in_transit_ends_the_request_and_a_lost_prefill_worker_hands_nothing() -> None:
