@@ -59,6 +59,7 @@ log = logging.getLogger("deepinfer.serve")
 
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL, for each service
 INTERRUPT_TIMEOUT_S = 3.0  # the same after Ctrl-C: the whole stack is gone within 5 s
+SHARED_MEMORY = "/dev/shm"  # host shared memory (tmpfs) on Linux
 SERVICE_CONFIGS: dict[str, type] = {
     "worker": WorkerConfig,
     "scheduler": SchedulerConfig,
@@ -279,6 +280,17 @@ def extra_schedulers(scheduler: SchedulerConfig, num_schedulers: int) -> dict[st
     }
 
 
+def shared_memory_handoff(worker: WorkerConfig, roles: list[str]) -> tempfile.TemporaryDirectory[str] | None:
+    """With prefill workers and no ``--handoff-dir``, a fresh handoff area in host shared memory
+    (``/dev/shm``, where there is one): every worker of this stack shares the machine, so the
+    partial blocks of P/D handoffs need not touch the store's disk. Removed when serve stops."""
+    if "prefill" not in roles or worker.handoff_dir or not os.path.isdir(SHARED_MEMORY):
+        return None
+    area = tempfile.TemporaryDirectory(prefix="deepinfer-handoff-", dir=SHARED_MEMORY)
+    log.info("P/D handoff area in host shared memory: %s", area.name)
+    return area
+
+
 def _spread_metrics_ports(configs: dict[str, Any]) -> dict[str, Any]:
     """One ``--metrics-port`` reaches every service that has the field (and serve itself): on one
     host they cannot all bind it, so the first takes the port itself and each next one, in the
@@ -302,6 +314,9 @@ def main(args: argparse.Namespace) -> None:
     nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
     setup_logging(config.log_level, "serve")
     roles = config.worker_roles(configs["worker"].role)
+    handoff = shared_memory_handoff(configs["worker"], roles)
+    if handoff is not None:
+        configs["worker"] = dataclasses.replace(configs["worker"], handoff_dir=handoff.name)
     configs["worker"] = dataclasses.replace(configs["worker"], role=roles[0])
     extra = extra_workers(configs["worker"], len(roles), roles)
     replicas = extra_schedulers(configs["scheduler"], config.num_schedulers)
@@ -340,5 +355,7 @@ def main(args: argparse.Namespace) -> None:
             nats.stop()
         if store is not None:
             store.cleanup()
+        if handoff is not None:
+            handoff.cleanup()
         log.info("stopped")
     sys.exit(exit_code)

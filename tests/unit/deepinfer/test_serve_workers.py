@@ -4,6 +4,7 @@ error naming its key, and every worker process runs the worker command."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,6 +77,20 @@ def test_a_pd_topology_gives_prefill_workers_then_decode_workers_their_roles() -
     extra = serve.extra_workers(WorkerConfig(worker_id="w", role=roles[0]), len(roles), roles)
     assert [(c.worker_id, c.role) for c in extra.values()] == [("w-1", "decode"), ("w-2", "decode")]
     assert serve.Config(num_workers=2).worker_roles("both") == ["both", "both"]
+
+
+def test_a_pd_stack_puts_its_handoff_area_in_host_shared_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve, "SHARED_MEMORY", str(tmp_path))
+    area = serve.shared_memory_handoff(WorkerConfig(), ["prefill", "decode"])
+    assert area is not None and Path(area.name).parent == tmp_path and Path(area.name).is_dir()
+    area.cleanup()
+    assert not Path(area.name).exists()
+    assert serve.shared_memory_handoff(WorkerConfig(), ["both", "both"]) is None  # no handoffs
+    assert serve.shared_memory_handoff(WorkerConfig(handoff_dir="/x"), ["prefill", "decode"]) is None
+    monkeypatch.setattr(serve, "SHARED_MEMORY", str(tmp_path / "none"))
+    assert serve.shared_memory_handoff(WorkerConfig(), ["prefill", "decode"]) is None
 
 
 @pytest.mark.parametrize(
