@@ -8,10 +8,16 @@ measured in the same run, and the ratio.
 Part routing: an agent multi-turn workload, --sessions sessions x --turns turns run concurrently,
 each turn resending the whole conversation so far (its own system prompt of tool descriptions, the
 previous tool results and answers) plus a new tool result, greedy, --reply-tokens at most per
-answer. It runs against a fresh `deepinfer serve --num-workers W --num-schedulers S` once with
-`--routing round_robin` (the baseline: any replica, then its workers in turn) and once with
-`--routing kv` (the gateway's router picks replica and worker); G3 off unless --g3 (then a fresh
-store each). Per stack:
+answer; between an answer and the next turn the agent's tool runs for a seeded random time (mean
+--tool-latency-s; without it, sessions in lock-step whose count is a multiple of the workers'
+would meet their own worker again under round robin, an accident of timing). It runs against a
+fresh `deepinfer serve --num-workers W --num-schedulers S` once with `--routing round_robin` (the
+baseline: any replica, then its workers in turn) and once with `--routing kv` (the gateway's
+router picks replica and worker); G3 off unless --g3 (then a fresh store each). Each worker's G1
+is sized to the workload (--kv-cache-gb 0): CACHE_SHARE x its fair share of the sessions' longest
+contexts, and G2 is off (--host-cache-gb -1): every conversation fits in the fleet's cache only if
+each stays on one worker, the regime routing is for (where any worker holds every conversation,
+a random pick hits as well and the ratio says nothing). Per stack:
 - hit rate: cached prompt tokens / prompt tokens summed over every request, from each response's
   usage (G1+G2, and G3 with --g3); beside it the per-tier rates from the gateway's /metrics
   (``deepinfer_kv_hit_tokens`` / ``deepinfer_kv_query_tokens`` of kind=scheduler, the change
@@ -41,6 +47,7 @@ import argparse
 import asyncio
 import math
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -61,6 +68,9 @@ from throughput import fmt_ratio, load_average, print_table, running_serve, stre
 
 from deepinfer.settings import resolve_cache_dir
 from libs.bus.nats_server import EmbeddedNatsServer
+from libs.models.gguf_metadata import read_gguf_config
+from libs.models.registry import resolve_model_path
+from libs.recipe.tokenizer import Tokenizer
 
 PARTS = ("routing", "migration", "pd")
 ROUTINGS = ("round_robin", "kv")  # the baseline first
@@ -69,6 +79,8 @@ TARGET_TTFT_P50 = 0.4  # kv / round_robin, at most
 STATS_INTERVAL_S = 0.5  # the schedulers' KV stats period: /metrics is this fresh
 READY_LISTEN_S = 30.0  # longest wait for every worker's load report
 NUM_TOOLS = 12  # per session's system prompt: ~300 tokens
+CACHE_SHARE = 1.1  # each worker's G1, in its fair share of the sessions' longest contexts
+TEMPLATE_TOKENS = 8  # a chat template's tokens around one message, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +102,7 @@ class Options:
     cache_dir: str
     num_schedulers: int = 1
     pd: PDOptions | None = None  # the pd part's own
+    tool_latency_s: float = 1.0  # mean wait between an answer and the next turn (uniform, seeded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +167,10 @@ class Reply:
 
 async def run_session(http: httpx.AsyncClient, opts: Options, session: int, result: RoutingResult) -> None:
     messages = [{"role": "system", "content": system_prompt(session)}]
+    tool_latency = random.Random(session)  # the same waits for both stacks
     for turn in range(opts.num_turns):
+        if turn:  # the agent runs the tool its answer named
+            await asyncio.sleep(tool_latency.uniform(0, 2 * opts.tool_latency_s))
         messages.append({"role": "user", "content": tool_result(session, turn)})
         body = {"model": opts.model, "messages": messages, "max_tokens": opts.reply_tokens, "temperature": 0}
         reply = Reply()
@@ -190,6 +206,35 @@ def tier_rates(before: dict[tuple[str, str], float], after: dict[tuple[str, str]
     return {tier: delta(("hit_tokens", tier)) / queried for tier in tiers} if queried > 0 else {}
 
 
+def longest_context_tokens(opts: Options, tokenizer: Tokenizer) -> int:
+    """The tokens of a session's last turn with every reply at its longest (a bound: the chat
+    template's few tokens per message are covered by ``TEMPLATE_TOKENS``)."""
+    longest = 0
+    for session in range(opts.num_sessions):
+        texts = [system_prompt(session), *(tool_result(session, t) for t in range(opts.num_turns))]
+        num_tokens = sum(len(tokenizer.encode_plain(t)) for t in texts)
+        num_tokens += (opts.num_turns - 1) * opts.reply_tokens + (2 * opts.num_turns + 1) * TEMPLATE_TOKENS
+        longest = max(longest, num_tokens)
+    return longest
+
+
+def workload_kv_cache_gb(opts: Options) -> float:
+    """Each worker's G1 for the routing part: ``CACHE_SHARE`` x its fair share of the sessions'
+    longest contexts. Every conversation fits in the fleet's cache only if each stays on one
+    worker: the regime routing is for (where any worker holds every conversation, a random pick
+    hits as well, and the ratio says nothing)."""
+    path = resolve_model_path(opts.model)
+    config = read_gguf_config(path)
+    tokenizer = Tokenizer.from_gguf(path, Path(opts.cache_dir))
+    sessions_per_worker = math.ceil(opts.num_sessions / opts.num_workers)
+    num_tokens = CACHE_SHARE * sessions_per_worker * longest_context_tokens(opts, tokenizer)
+    element_size = 4 if opts.dtype == "float32" else 2
+    bytes_per_token = (
+        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size
+    )
+    return round(num_tokens * bytes_per_token / 2**30, 4)
+
+
 def serve_flags(opts: Options, routing: str, nats_url: str, store: Path | None) -> dict[str, str]:
     return {
         "--nats-url": nats_url,
@@ -206,6 +251,12 @@ def serve_flags(opts: Options, routing: str, nats_url: str, store: Path | None) 
         "--cache-dir": opts.cache_dir,
         "--log-level": "warning",
     }
+
+
+def routing_sizes(opts: Options) -> Options:
+    """The routing part's cache sizes: as given, else G1 sized to the workload and G2 off."""
+    kv_cache_gb = opts.kv_cache_gb or workload_kv_cache_gb(opts)
+    return replace(opts, kv_cache_gb=kv_cache_gb, host_cache_gb=max(opts.host_cache_gb, 0.0))
 
 
 async def run_routing(opts: Options, routing: str, tmp: Path) -> RoutingResult:
@@ -253,6 +304,7 @@ def report_routing(opts: Options, results: dict[str, RoutingResult], summary: li
         )  # fmt: skip
     g3 = "on (a fresh store per stack)" if opts.g3 else "off"
     workload = f"{opts.num_sessions} sessions x {opts.num_turns} turns"
+    workload += f", G1 {opts.kv_cache_gb:.3g} GB and G2 {opts.host_cache_gb:.3g} GB per worker"
     print_table(
         f"routing: {opts.num_workers} workers, {opts.num_schedulers} scheduler(s), {workload}, G3 {g3}",
         ["routing", "requests", "hit rate", "/metrics by tier", "TTFT p50 ms", "TTFT p99 ms",
@@ -307,14 +359,28 @@ def parse_args() -> Options:
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--reply-tokens", type=int, default=32, help="most tokens per answer")
+    parser.add_argument(
+        "--tool-latency-s", type=float, default=1.0, help="mean seconds an agent's tool runs between turns"
+    )
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--streams", type=int, default=3, help="streams per migration round")
     parser.add_argument("--stream-tokens", type=int, default=128, help="tokens per migration stream")
     parser.add_argument("--g3", action="store_true", help="G3 on, a fresh temporary store per stack")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="each worker's KV pages (G1)")
-    parser.add_argument("--host-cache-gb", type=float, default=1.0, help="each worker's host memory (G2)")
+    parser.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=0.0,
+        help=f"each worker's KV pages (G1); 0: routing part {CACHE_SHARE}x its share of the sessions' "
+        "contexts, other parts 1.0",
+    )
+    parser.add_argument(
+        "--host-cache-gb",
+        type=float,
+        default=-1.0,
+        help="each worker's host memory (G2); -1: routing part 0, others 1.0",
+    )
     parser.add_argument("--cache-dir", default="", help="converted-weights cache (default: the stack's)")
     parser.add_argument("--pd-streams", type=int, default=16, help="pd part: streams decoding")
     parser.add_argument("--pd-stream-tokens", type=int, default=2048, help="pd part: most tokens per stream")
@@ -335,11 +401,11 @@ def parse_args() -> Options:
         EMBEDDED, args.dtype, cache_dir, args.pd_streams, args.pd_stream_tokens, args.pd_long,
         args.pd_long_tokens, args.pd_long_every_s, kv_cache_gb=1.5,
     )  # fmt: skip
-    opts = replace(opts, pd=pd)
+    opts = replace(opts, pd=pd, tool_latency_s=args.tool_latency_s)
     if args.quick:
         opts = replace(
             opts, num_workers=2, num_schedulers=2, num_sessions=2, num_turns=2, reply_tokens=8, kills=2,
-            num_streams=2, stream_tokens=48, kv_cache_gb=0.25, host_cache_gb=0.25,
+            tool_latency_s=0.1, num_streams=2, stream_tokens=48, kv_cache_gb=0.25, host_cache_gb=0.25,
             pd=replace(pd, num_streams=4, stream_tokens=512, num_long=1, long_tokens=1200, kv_cache_gb=0.5),
         )  # fmt: skip
     return opts
@@ -347,7 +413,11 @@ def parse_args() -> Options:
 
 def migration_options(opts: Options, tmp: Path) -> MigrationOptions:
     worker_args: tuple[str, ...] = ("--dtype", opts.dtype, "--num-threads", str(opts.threads))
-    worker_args += ("--kv-cache-gb", str(opts.kv_cache_gb), "--host-cache-gb", str(opts.host_cache_gb))
+    kv_cache_gb, host_cache_gb = (
+        opts.kv_cache_gb or 1.0,
+        1.0 if opts.host_cache_gb < 0 else opts.host_cache_gb,
+    )
+    worker_args += ("--kv-cache-gb", str(kv_cache_gb), "--host-cache-gb", str(host_cache_gb))
     return MigrationOptions(
         opts.model, opts.cache_dir, opts.kills, opts.num_streams, opts.stream_tokens, worker_args,
         tmp / "kv-store-migration" if opts.g3 else None,
@@ -363,16 +433,17 @@ async def main_async(opts: Options, tmp: Path) -> list[str]:
     summary: list[list[str]] = []
     problems: list[str] = []
     if "routing" in opts.parts:
+        routing_opts = routing_sizes(opts)
         results: dict[str, RoutingResult] = {}
         for routing in ROUTINGS:
             progress(f"routing part: {routing} stack")
             try:
-                results[routing] = await run_routing(opts, routing, tmp)
+                results[routing] = await run_routing(routing_opts, routing, tmp)
             except RuntimeError as exc:
                 problems.append(f"{routing} stack: {exc}")
                 continue
             problems += results[routing].errors
-        report_routing(opts, results, summary)
+        report_routing(routing_opts, results, summary)
     if "migration" in opts.parts:
         progress("migration part")
         migration = await run_migration(migration_options(opts, tmp), tmp / "migration.log", progress)

@@ -271,7 +271,8 @@ class KVTiers:
         it is recomputed and its file dropped. Returns the load to plan."""
         if not seq.partial_key:
             return load
-        if num_blocks != seq.num_prompt_tokens // self.block_size or not self.enabled:
+        at_prompt_end = num_blocks == seq.num_prompt_tokens // self.block_size
+        if not (at_prompt_end and seq.num_output_tokens and self.enabled):  # (it samples after it)
             self.drop_partial(seq)
             return load
         if load is None:
