@@ -30,7 +30,7 @@ from tests.system.test_worker_drain import wait_workers
 SECOND, THIRD, FOURTH, FIFTH = "worker-test-2", "worker-test-3", "worker-test-4", "worker-test-5"
 REPLICA = "scheduler-test-2"
 Workers = tuple[Stack, dict[str, subprocess.Popen[bytes]]]  # the stack and its live workers
-MAX_TOKENS = 48
+MAX_TOKENS = 96  # long enough that the streams outlive a worker's start (the drain test)
 STREAM_DEADLINE_S = 180.0
 TOPICS = ("lighthouses", "tides", "the moon's phases")
 CONTEXT = " ".join(f"Note {i}: the keeper logs the weather, the ships and the lamp." for i in range(24))
