@@ -111,7 +111,7 @@ async def test_a_resumed_stream_moves_when_its_scheduler_dies(scene: Scene) -> N
         replay = await resumer.replay(record)
         assert resumer.num_in_flight == 1
         await scene.kill_first()
-        second = await scene.join(ScriptedScheduler(bus, scheduler_id="s2"))
+        second = await scene.join(ScriptedScheduler(bus, scheduler_id="s2"), resumer)
         await until(lambda: bool(second.submitted), timeout_s=15)
         (req,) = second.submitted
         assert (req.gateway_id, req.num_moves) == ("gw1", 1)
@@ -140,7 +140,7 @@ async def test_after_a_resume_elsewhere_only_the_resumer_moves_the_request(scene
         replay = await resumer.replay(stored, on_leave="never")
         await until(lambda: "r1" not in service.migrations.movers)  # gw1 heard the claim
         await scene.kill_first()
-        second = await scene.join(ScriptedScheduler(bus, scheduler_id="s2"))
+        second = await scene.join(ScriptedScheduler(bus, scheduler_id="s2"), resumer)
         await until(lambda: bool(second.submitted), timeout_s=15)
         await second.emit(out([6], 2, FinishReason.LENGTH))
         for stream in (live, replay):
@@ -221,7 +221,7 @@ async def test_a_replay_tells_an_old_hand_back_from_a_new_one_at_the_same_schedu
     resumer = make_gateway(bus, "gw2")
     await resumer.start()
     try:
-        second = await scene.join(ScriptedScheduler(bus, scheduler_id="s2"))
+        second = await scene.join(ScriptedScheduler(bus, scheduler_id="s2"), resumer)
         replay = await resumer.replay(record)
         await until(lambda: resumer.num_in_flight == 1 and len(replay._pending.received[0]) == 2)
         assert second.submitted == [] and scene.first.submitted == []

@@ -43,12 +43,13 @@ class Scene:
     first: ScriptedScheduler
     beats: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
-    async def join(self, scheduler: ScriptedScheduler) -> ScriptedScheduler:
-        """Another scheduler, live in the gateway's view when this returns."""
+    async def join(self, scheduler: ScriptedScheduler, *others: GatewayService) -> ScriptedScheduler:
+        """Another scheduler, live in the gateway's view (and in the ``others``') when this returns."""
         await scheduler.start()
         sid = scheduler.scheduler_id
         self.beats[sid] = await heartbeat(self.bus, lambda: MemberInfo(MemberKind.SCHEDULER, sid))
-        await until(lambda: sid in {m.member_id for m in self.service.members.live(MemberKind.SCHEDULER)})
+        for gateway in (self.service, *others):
+            await until(lambda g=gateway: sid in {m.member_id for m in g.members.live(MemberKind.SCHEDULER)})
         return scheduler
 
     async def kill_first(self) -> None:
