@@ -48,7 +48,6 @@ import asyncio
 import math
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -57,10 +56,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fleet_migration import MigrationOptions, MigrationResult, run_migration
+from fleet_migration import MigrationOptions, report_migration, run_migration
 from fleet_pd import PDOptions, report_pd, run_pd
 from fleet_report import ms, percentile, ratio, target_row
 from fleet_stack import PlanTap, worker_loads
+from fleet_workload import CACHE_SHARE, kv_cache_gb, system_prompt, tool_result
 from prometheus_client.parser import text_string_to_metric_families
 from prompts import bench_prompts
 from random_model import EMBEDDED
@@ -68,9 +68,6 @@ from throughput import fmt_ratio, load_average, print_table, running_serve, stre
 
 from deepinfer.settings import resolve_cache_dir
 from libs.bus.nats_server import EmbeddedNatsServer
-from libs.models.gguf_metadata import read_gguf_config
-from libs.models.registry import resolve_model_path
-from libs.recipe.tokenizer import Tokenizer
 
 PARTS = ("routing", "migration", "pd")
 ROUTINGS = ("round_robin", "kv")  # the baseline first
@@ -78,9 +75,6 @@ TARGET_HIT_RATE = 3.0  # kv / round_robin, at least
 TARGET_TTFT_P50 = 0.4  # kv / round_robin, at most
 STATS_INTERVAL_S = 0.5  # the schedulers' KV stats period: /metrics is this fresh
 READY_LISTEN_S = 30.0  # longest wait for every worker's load report
-NUM_TOOLS = 12  # per session's system prompt: ~300 tokens
-CACHE_SHARE = 1.1  # each worker's G1, in its fair share of the sessions' longest contexts
-TEMPLATE_TOKENS = 8  # a chat template's tokens around one message, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,20 +135,6 @@ class RoutingResult:
 # --- part routing ------------------------------------------------------------------------------
 
 
-def system_prompt(session: int) -> str:
-    """Each session its own tools: sessions share no prompt blocks, as agents on different tasks."""
-    tools = " ".join(
-        f"Tool {i}: {name}_{session}_{i}(query: string, limit: integer) returns the rows of kind {i}."
-        for i, name in enumerate(["search", "fetch", "lookup", "list"] * (NUM_TOOLS // 4))
-    )
-    return f"You are agent number {session}, working on project {session * 7919 % 10007}. {tools}"
-
-
-def tool_result(session: int, turn: int) -> str:
-    rows = ", ".join(f'{{"id": {session * 1000 + turn * 10 + i}, "value": "item {i}"}}' for i in range(6))
-    return f"Tool result: [{rows}]. Summarize these rows in one sentence, then name the next tool."
-
-
 @dataclass(slots=True)
 class Reply:
     """An answer's content, from its stream's deltas."""
@@ -206,33 +186,12 @@ def tier_rates(before: dict[tuple[str, str], float], after: dict[tuple[str, str]
     return {tier: delta(("hit_tokens", tier)) / queried for tier in tiers} if queried > 0 else {}
 
 
-def longest_context_tokens(opts: Options, tokenizer: Tokenizer) -> int:
-    """The tokens of a session's last turn with every reply at its longest (a bound: the chat
-    template's few tokens per message are covered by ``TEMPLATE_TOKENS``)."""
-    longest = 0
-    for session in range(opts.num_sessions):
-        texts = [system_prompt(session), *(tool_result(session, t) for t in range(opts.num_turns))]
-        num_tokens = sum(len(tokenizer.encode_plain(t)) for t in texts)
-        num_tokens += (opts.num_turns - 1) * opts.reply_tokens + (2 * opts.num_turns + 1) * TEMPLATE_TOKENS
-        longest = max(longest, num_tokens)
-    return longest
-
-
 def workload_kv_cache_gb(opts: Options) -> float:
-    """Each worker's G1 for the routing part: ``CACHE_SHARE`` x its fair share of the sessions'
-    longest contexts. Every conversation fits in the fleet's cache only if each stays on one
-    worker: the regime routing is for (where any worker holds every conversation, a random pick
-    hits as well, and the ratio says nothing)."""
-    path = resolve_model_path(opts.model)
-    config = read_gguf_config(path)
-    tokenizer = Tokenizer.from_gguf(path, Path(opts.cache_dir))
-    sessions_per_worker = math.ceil(opts.num_sessions / opts.num_workers)
-    num_tokens = CACHE_SHARE * sessions_per_worker * longest_context_tokens(opts, tokenizer)
-    element_size = 4 if opts.dtype == "float32" else 2
-    bytes_per_token = (
-        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size
-    )
-    return round(num_tokens * bytes_per_token / 2**30, 4)
+    """Each worker's G1 for the routing part (see fleet_workload.kv_cache_gb)."""
+    return kv_cache_gb(
+        opts.model, opts.cache_dir, opts.dtype, opts.num_workers, opts.num_sessions, opts.num_turns,
+        opts.reply_tokens,
+    )  # fmt: skip
 
 
 def serve_flags(opts: Options, routing: str, nats_url: str, store: Path | None) -> dict[str, str]:
@@ -323,24 +282,6 @@ def report_routing(opts: Options, results: dict[str, RoutingResult], summary: li
     summary.append(target_row("kv/round_robin hit rate", hit, TARGET_HIT_RATE, at_least=True))
     summary.append(target_row("kv/round_robin TTFT p50", ttft, TARGET_TTFT_P50, at_least=False))
     summary.append(["kv/round_robin max/min spread", "-", fmt_ratio(spread), "-"])
-
-
-def report_migration(opts: Options, result: MigrationResult, summary: list[list[str]]) -> None:
-    for line in result.rounds:
-        print(f"  {line}")
-    p50 = statistics.median(result.next_token_s) if result.next_token_s else None
-    worst = max(result.next_token_s) if result.next_token_s else None
-    itl = statistics.median(result.itl_before_s) if result.itl_before_s else None
-    rows = [[str(len(result.rounds)), str(len(result.next_token_s)), ms(p50), ms(worst), ms(itl)]]
-    print_table(
-        f"migration: 2 workers, {opts.num_streams} streams x {opts.stream_tokens} tokens per round, "
-        f"G3 {'on' if opts.g3 else 'off'}",
-        ["kills", "moved streams", "kill->next token p50 ms", "max ms", "ITL before (baseline) ms"],
-        rows,
-    )
-    value = ratio(p50, itl)
-    print(f"ratio migration kill->next token p50 / ITL before: {fmt_ratio(value)} (reported)")
-    summary.append(["kill->next token p50 / ITL before", "-", fmt_ratio(value), "-"])
 
 
 # --- main --------------------------------------------------------------------------------------
@@ -446,9 +387,10 @@ async def main_async(opts: Options, tmp: Path) -> list[str]:
         report_routing(routing_opts, results, summary)
     if "migration" in opts.parts:
         progress("migration part")
-        migration = await run_migration(migration_options(opts, tmp), tmp / "migration.log", progress)
+        migration_opts = migration_options(opts, tmp)
+        migration = await run_migration(migration_opts, tmp / "migration.log", progress)
         problems += migration.errors
-        report_migration(opts, migration, summary)
+        report_migration(migration_opts, migration, summary)
     if "pd" in opts.parts and opts.pd is not None:
         pd = await run_pd(opts.pd, tmp, progress)
         problems += [e for r in pd.values() for e in r.errors]

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from fleet_report import ms, ratio
 from fleet_stack import PlanTap, ProcessFleet, wait_driven, worker_loads
 from prompts import bench_prompts
-from throughput import log_tail, stream_chat
+from throughput import fmt_ratio, log_tail, print_table, stream_chat
 
 from deepinfer.serve import ChildExited, wait_healthy
 from libs.bus.nats_server import EmbeddedNatsServer
@@ -194,3 +195,21 @@ async def _run_rounds(
             replacement = f"fleet-worker-{kill + 2}"
             fleet.add_worker(replacement)
             await wait_driven(fleet.nats.url, replacement, READY_TIMEOUT_S)
+
+
+def report_migration(opts: MigrationOptions, result: MigrationResult, summary: list[list[str]]) -> None:
+    for line in result.rounds:
+        print(f"  {line}")
+    p50 = statistics.median(result.next_token_s) if result.next_token_s else None
+    worst = max(result.next_token_s) if result.next_token_s else None
+    itl = statistics.median(result.itl_before_s) if result.itl_before_s else None
+    rows = [[str(len(result.rounds)), str(len(result.next_token_s)), ms(p50), ms(worst), ms(itl)]]
+    print_table(
+        f"migration: 2 workers, {opts.num_streams} streams x {opts.max_tokens} tokens per round, "
+        f"G3 {'on' if opts.kv_store is not None else 'off'}",
+        ["kills", "moved streams", "kill->next token p50 ms", "max ms", "ITL before (baseline) ms"],
+        rows,
+    )
+    value = ratio(p50, itl)
+    print(f"ratio migration kill->next token p50 / ITL before: {fmt_ratio(value)} (reported)")
+    summary.append(["kill->next token p50 / ITL before", "-", fmt_ratio(value), "-"])
