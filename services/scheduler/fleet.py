@@ -157,8 +157,9 @@ class Fleet:
         self.roles.pop(worker_id, None)
         self.draining.discard(worker_id)
         drops = core.kv_tiers.take_drops()  # handoff files any other worker can delete
-        if drops and self.cores:
-            next(iter(self.cores.values())).kv_tiers.queue_drops(drops)
+        dropper = self._dropper()
+        if drops and dropper is not None:
+            dropper.kv_tiers.queue_drops(drops)
         seqs, in_batch = take_all(core)
         by_request: dict[str, list[Sequence]] = defaultdict(list)
         for seq in seqs:
@@ -268,14 +269,19 @@ class Fleet:
         """Finish sequences no core holds (lost or in transit). A handoff's partial block that no
         plan will load is dropped by ``source`` (the prefill worker: after its write) if it is
         still driven, else by any worker (the area is shared; what none drops is swept)."""
-        live = list(self.cores.values())
-        dropper = source if source in live else next(iter(live), None)
+        dropper = self._dropper(source)
         for seq in seqs:
             if dropper is not None:
                 dropper.kv_tiers.drop_partial(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
         self.finished(seqs)
+
+    def _dropper(self, preferred: WorkerScheduler | None = None) -> WorkerScheduler | None:
+        """The core whose next plan deletes handoff files: ``preferred`` while it is driven (its
+        worker deletes after its own writes), else any (the area is shared); None with none."""
+        cores = list(self.cores.values())
+        return preferred if preferred in cores else next(iter(cores), None)
 
     def check_integrity(self) -> None:
         """The table and the cores agree: each request's sequences are on the worker it names."""
