@@ -78,8 +78,9 @@ class Config:
     handoff_timeout_s: float = field(
         default=2.0,
         metadata={
-            "help": "P/D: longest a prefilled request waits for the shared store to list its blocks "
-            "before its decode worker is given it anyway (a block not there yet is recomputed)"
+            "help": "P/D: longest a prefilled request waits for the next write notice of its blocks "
+            "(the prefill worker stalled or died) before its decode worker is given it with those "
+            "written so far (it computes the rest)"
         },
     )
     migration_limit: int = field(

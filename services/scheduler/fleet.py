@@ -202,8 +202,10 @@ class Fleet:
             self.in_transit[request_id] = (seqs, core)
         return seqs
 
-    def end_handoff(self, request_id: str) -> Moves:
-        """Attach a request in transit to the best decode worker (nothing if it was cancelled)."""
+    def end_handoff(self, request_id: str, num_stored_blocks: int | None = None) -> Moves:
+        """Attach a request in transit to the best decode worker (nothing if it was cancelled).
+        ``num_stored_blocks``: the leading blocks of its prompt seen written to the shared store;
+        only these are planned as loads (a load that fails is recomputed in one step, unchunked)."""
         moves = Moves()
         if request_id not in self.in_transit:
             return moves
@@ -215,6 +217,9 @@ class Fleet:
             self._fail(seqs, "no decode worker to hand it to", moves, source)
             return moves
         self._attach(seqs, source, target, False, moves)
+        if num_stored_blocks is not None:
+            for seq in seqs:  # (a target that hashes otherwise has 0 already)
+                seq.num_stored_blocks = min(seq.num_stored_blocks, num_stored_blocks)
         self.table.move(request_id, target)
         return moves
 

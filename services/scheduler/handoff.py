@@ -7,12 +7,17 @@ The prefill worker's next plan carries those saves and drops the sequence
 written (or found there already), and a notice for the partial block's file: the completion
 notices (``written``), heard here through ``KVSync``. One kvcache lookup at the start counts
 blocks whose notice may have come before the wait began (saved by an earlier request). Once all
-is written (or ``handoff_timeout_s`` passed: a partial block not written by then is dropped), the
-request is attached to a decode worker (``Fleet.end_handoff``), whose admission plans the full
-blocks as G3 loads and the partial one from the handoff area, and computes only the first output
-token's KV. NATS carries block hashes, keys and notices; the KV itself goes through the store. A
-block that is not there after all is recomputed by the decode worker (a failed load), never read
-wrong.
+is written, the request is attached to a decode worker (``Fleet.end_handoff``), whose admission
+plans the full blocks as G3 loads and the partial one from the handoff area, and computes only the
+first output token's KV. NATS carries block hashes, keys and notices; the KV itself goes through
+the store.
+
+The wait has no total bound, only one on silence: it gives up once ``handoff_timeout_s`` passes
+without a notice (the prefill worker stalled or died). A prefill worker busy with the next prompt
+writes a long prompt's blocks slowly, and waiting costs this one request a late second token,
+while giving up early would make the decode worker recompute the rest, stalling every stream on
+it. On giving up, the decode worker is told only of the leading blocks written: it computes the
+rest in chunks, as any prefill, and a partial block not written is dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class WriteWait:
     worker_id: str
     unwritten: set[bytes]
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    progress_at: float = field(default_factory=time.monotonic)  # the last notice that wrote some
 
 
 class Handoffs:
@@ -71,7 +77,10 @@ class Handoffs:
         """A worker's notice: these blocks are in the store now."""
         for wait in self._waits.values():
             if wait.worker_id == worker_id and wait.unwritten:
+                num_unwritten = len(wait.unwritten)
                 wait.unwritten.difference_update(block_hashes)
+                if len(wait.unwritten) < num_unwritten:
+                    wait.progress_at = time.monotonic()
                 if not wait.unwritten:
                     wait.done.set()
 
@@ -110,7 +119,7 @@ class Handoffs:
         num_listed = num_leading_written(head, unwritten)
         if source is not None and head.partial_key in unwritten:
             source.core.kv_tiers.drop_partial(head)  # not written in time: recomputed instead
-        moves = self.fleet.end_handoff(request_id)
+        moves = self.fleet.end_handoff(request_id, num_listed)
         self.on_moves(moves, f"request {request_id} handed off by worker {worker_id}")
         if moves.moved:
             metrics.HANDOFFS.inc()
@@ -122,20 +131,19 @@ class Handoffs:
 
     async def _wait_written(self, seq: Sequence, worker_id: str, fingerprint: str) -> set[bytes]:
         """What of ``seq``'s saves (its full blocks' hashes, its partial block's key) is not
-        written yet, once all of it is, the request left transit (cancelled), or the bound passed
-        (then the decode worker recomputes what is missing)."""
+        written yet, once all of it is, the request left transit (cancelled), or no notice came
+        for ``timeout_s`` (then the decode worker computes what is missing)."""
         chain = seq.block_hashes[: seq.num_saved_blocks]
         if not chain and not seq.partial_key:
             return set()
         # The wait starts before the lookup: a notice meanwhile counts.
         awaited = set(chain) | ({seq.partial_key} if seq.partial_key else set())
         wait = self._waits[seq.request_id] = WriteWait(worker_id, awaited)
-        deadline = time.monotonic() + self.timeout_s
         try:
             num_held = await self.kv.lookup(chain, fingerprint, seq.retention_class)
             self.written(worker_id, chain[:num_held])  # held already: no notice comes for those
             while not wait.done.is_set() and seq.request_id in self.fleet.in_transit:
-                left_s = deadline - time.monotonic()
+                left_s = wait.progress_at + self.timeout_s - time.monotonic()
                 if left_s <= 0:
                     break
                 with contextlib.suppress(TimeoutError):

@@ -328,6 +328,12 @@ class WorkerScheduler:
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                 seq.cached_step = plan.step_id
         load = plan.kv_loads.get(seq.seq_id)
+        if load is not None and seq.num_saved_blocks >= load.first_block:
+            # The loaded blocks are in the tiers (the worker puts a G3 hit in G2 as it loads it):
+            # saving them again would copy them all out of G1 in the next step, for nothing. (One
+            # the worker failed to load and recomputed is then not saved by this sequence: a rare
+            # fault, and the next sequence to compute it saves it.)
+            seq.num_saved_blocks = max(seq.num_saved_blocks, load.first_block + len(load.tiers))
         if load is not None and load.partial_key:
             seq.partial_key = b""  # the worker deletes the file once read
         seq.status = SequenceStatus.RUNNING

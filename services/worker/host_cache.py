@@ -103,7 +103,10 @@ class HostCache:
             slots.append(slot)
             stored.append(block_hash)
         if rows:
-            source = payloads.index_select(0, torch.tensor(rows, dtype=torch.long, device=payloads.device))
+            source = payloads  # every row: a fresh copy of them would cost page faults, for nothing
+            if len(rows) < len(payloads):
+                index = torch.tensor(rows, dtype=torch.long, device=payloads.device)
+                source = payloads.index_select(0, index)
             self.pool.index_copy_(0, torch.tensor(slots, dtype=torch.long), source.to("cpu"))
         self.num_stored_blocks += len(stored)
         self.num_evicted_blocks += len(evicted)

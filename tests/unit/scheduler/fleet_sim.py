@@ -86,15 +86,16 @@ class FleetSim:
             self.step(worker_id)  # the saves reach the store before the decode worker loads
         return self.land(request_id)
 
-    def land(self, request_id: str) -> Moves:
+    def land(self, request_id: str, num_stored_blocks: int | None = None) -> Moves:
         """A request in transit goes to a decode worker (or fails with no decode worker). As in
         the service, a partial block not written yet (the wait's bound passed) is dropped by its
-        prefill worker, after its write, and recomputed instead."""
+        prefill worker, after its write, and recomputed instead; ``num_stored_blocks``: the
+        leading blocks the wait saw written."""
         seqs, source = self.fleet.in_transit.get(request_id, ([], None))
         for seq in seqs:
             if source is not None and seq.partial_key not in self.handoff:
                 source.kv_tiers.drop_partial(seq)
-        moves = self.fleet.end_handoff(request_id)
+        moves = self.fleet.end_handoff(request_id, num_stored_blocks)
         self.failed.update((seq.seq_id, why) for seq, why in moves.failed)
         return moves
 

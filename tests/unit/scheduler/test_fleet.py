@@ -299,6 +299,36 @@ def test_a_handoff_whose_full_blocks_did_not_all_load_drops_its_partial_block() 
     assert sim.handoff == {} and len(sim.fleet.table) == 0
 
 
+def test_a_handoff_given_up_loads_only_the_blocks_written_and_prefills_the_rest_in_chunks() -> None:
+    """The wait saw 2 of 7 full blocks written (then silence): the decode worker is planned loads
+    of those 2 only, never a load that fails (which it would recompute in one unchunked step),
+    and prefills the rest in chunks of the batch budget."""
+    sim = FleetSim()
+    prefill, decode = sim.join(role="prefill"), sim.join(role="decode")
+    prompt = [(11 * i) % 40 + 3 for i in range(30)]  # 7 full blocks of 4, and 2 tokens
+    seq = prefilled_on(sim, prefill, "r", prompt)
+    assert sim.fleet.begin_handoff("r", partial=True)
+    steps(sim, prefill, 1)  # the saves run there; as far as the wait saw, only 2 were written
+    for block_hash in seq.block_hashes[2:7]:
+        del sim.store[block_hash]
+    sim.drivers[prefill].worker.host.clear()
+    sim.land("r", num_stored_blocks=2)
+    driver = sim.drivers[decode]
+    num_store_loads = num_failed = 0
+    scheduled: list[int] = []
+    while driver.sched.has_work() or driver.in_flight:
+        plan_count = len(driver.plans)
+        steps(sim, decode, 1)
+        num_store_loads += driver.worker.last_loads[1]
+        num_failed += driver.worker.last_loads[2]
+        for plan in driver.plans[plan_count:]:
+            scheduled += [n.num_scheduled_tokens for n in plan.new_seqs]
+    assert sim.outputs["r"] == want(prompt) and sim.handoff == {}
+    assert (num_store_loads, num_failed) == (2, 0)
+    assert scheduled and max(scheduled) <= 16  # the first chunk, at most the batch budget
+    sim.fleet.check_integrity()
+
+
 def test_a_cancel_in_transit_ends_the_request_and_a_lost_prefill_worker_hands_nothing() -> None:
     sim = FleetSim()
     prefill, decode = sim.join(role="prefill"), sim.join(role="decode")

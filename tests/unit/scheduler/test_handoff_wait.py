@@ -1,8 +1,9 @@
 """A P/D handoff waits for the prefill worker's completion notices (its KV events of finished G3
 writes and handoff-area writes), not for a poll of the store's index: blocks the store held
 already count from one lookup; the wait ends once every saved block and the partial block are
-written, when the request leaves transit (cancelled), or at the bound, and then says what is not
-written (the leading full blocks before it are loaded)."""
+written, when the request leaves transit (cancelled), or after the bound passes with no notice
+(slow writes that keep coming are waited for), and then says what is not written (the leading
+full blocks before it are loaded)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,20 @@ async def test_at_the_bound_it_counts_the_leading_blocks_written() -> None:
     await asyncio.sleep(0.05)
     hand.written("p1", [CHAIN[2], CHAIN[3]])  # block 1 never comes: the decode worker computes 1..3
     assert await wait == 1
+
+
+async def test_writes_that_keep_coming_are_waited_for_past_the_bound() -> None:
+    """The bound is on silence: a prefill worker writing slowly (busy with the next prompt) is
+    waited for, so its decode worker never recomputes blocks that were about to be there."""
+    hand, _ = handoffs(num_held=0, timeout_s=0.3)
+    started = time.monotonic()
+    wait = asyncio.create_task(num_loadable(hand, saved_seq(), 5))
+    for block_hash in CHAIN:
+        await asyncio.sleep(0.2)
+        assert not wait.done()
+        hand.written("p1", [block_hash])
+    assert await asyncio.wait_for(wait, 1) == 4
+    assert time.monotonic() - started >= 0.8  # past the 0.3 s bound, in total
 
 
 async def test_a_cancel_in_transit_ends_the_wait() -> None:

@@ -129,6 +129,23 @@ def test_loaded_blocks_enter_g1_from_the_next_plan() -> None:
     assert sched.kv_tiers.stats.num_hit_tokens[CacheTier.DEVICE] == 8
 
 
+def test_blocks_loaded_from_g3_are_not_saved_again() -> None:
+    """G3 hits reach G2 as the worker loads them; saving them once more would copy them out of G1
+    a second time (a P/D handoff's whole prompt). Only the blocks computed here are saved."""
+    prompt = [*TEXT[:8], 1]
+    worker = warm_worker(prompt)
+    worker.clear_host()  # only G3 has the blocks
+    sched = make_scheduler()
+    driver = Driver(sched, worker, events=False)  # (no HOST event tells the scheduler of the G2 copy)
+    longer = [*prompt, *TEXT[9:13]]  # 3 full blocks, and 1 token
+    new = driver.serve(make_seq("a", longer, max_tokens=4, num_stored_blocks=2))
+    assert new.kv_load is not None and tiers_of(new) == [CacheTier.STORE, CacheTier.STORE]
+    saved = [h for plan in driver.plans for save in plan.kv_saves for h in split_hashes(save.block_hashes)]
+    # prompt block 2 at the prompt's end, block 3 (with the output) at the finish; 0 and 1 never
+    assert len(saved) == 2 and saved[0] == chain(longer)[2]
+    sched.check_integrity()
+
+
 def test_a_stale_hint_is_recomputed_by_the_worker() -> None:
     sched = make_scheduler()
     sched.note_host_blocks(stored=chain(TEXT[:8]))  # the worker's G2 lost them since

@@ -33,8 +33,9 @@ from libs.protocol.kv_messages import CacheTier, KVEvent, KVLoad, KVSave, Remova
 from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput
 from services.worker.config import Config
 from services.worker.host_cache import HostCache
+from services.worker.kv_cache import KVCache
 from services.worker.kv_store import KVStore
-from services.worker.kv_tiers import EventOutbox, KVTiers
+from services.worker.kv_tiers import STAGING_MAX_BLOCKS, EventOutbox, KVTiers
 from services.worker.main import build_kv_tiers, kv_store_root
 from services.worker.model_runner import ModelRunner, ModelShape, PlanError
 from tests.tiny_models import TINY_LLAMA
@@ -248,6 +249,31 @@ def test_a_bad_g3_block_is_reported_deleted_and_recomputed_with_the_rest(
     assert tiers.dump() == HASHES[:1]  # only the sound block reached G2
     assert sum(tiers.failed_load_blocks.values()) == 2
     tiers.close()
+
+
+def test_a_long_g3_load_goes_through_the_staging_buffer_whole_and_g2_keeps_its_head(tmp_path: Path) -> None:
+    """More blocks than one staging chunk, G2 smaller than the load: every page gets its own
+    block exactly, and G2 keeps the chain's first blocks (a later chunk never evicts them)."""
+    num_blocks = STAGING_MAX_BLOCKS + 6
+    source = KVCache(SHAPE.layout, num_blocks, BLOCK_SIZE, torch.float32)
+    for pages in (*source.k, *source.v):
+        pages.normal_()
+    hashes = hash_blocks(list(range(num_blocks * BLOCK_SIZE)), BLOCK_SIZE, FP)
+    writer = KVTiers(None, make_store(tmp_path))
+    writer.save(source, KVSave(pack_tokens(list(range(num_blocks))), join_hashes(hashes)))
+    writer.flush()
+    num_host_blocks = STAGING_MAX_BLOCKS + 2
+    reader = KVTiers(make_host(num_host_blocks), make_store(tmp_path))
+    target = KVCache(SHAPE.layout, 2 * num_blocks, BLOCK_SIZE, torch.float32)
+    pages = list(range(2 * num_blocks - 1, num_blocks - 1, -1))  # other pages, in another order
+    result = reader.load(target, pages, hashes)
+    assert (result.num_store_blocks, result.num_failed_blocks) == (num_blocks, 0)
+    assert torch.equal(target.gather_blocks(pages), source.gather_blocks(range(num_blocks)))
+    assert reader.host is not None
+    assert [h in reader.host for h in hashes] == [True] * num_host_blocks + [False] * 4
+    reader.check_integrity()
+    writer.close()
+    reader.close()
 
 
 def test_without_tiers_every_load_is_recomputed(model: LlamaForCausalLM, cold: Run) -> None:
