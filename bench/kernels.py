@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from libs.kernels import paged_attention
 from libs.kernels.activation import silu_and_mul, silu_and_mul_reference
 from libs.kernels.paged_attention import (
     PagedAttentionMetadata,
@@ -211,6 +212,30 @@ def bench_attention(g: torch.Generator) -> None:
         meta, _ = attention_step([1] * 32, decode_contexts, dtype, g)
         t = best_per_call({"plan": partial(backend.plan, meta)})["plan"]
         print(f"{'  its plan()':<22} {'once per step':<28} {_name(dtype):<9} {'':>10} {t * 1e6:>10.1f}")
+        bench_decode_groups(dtype, g)
+
+
+def bench_decode_groups(dtype: torch.dtype, g: torch.Generator) -> None:
+    """16 short decodes beside one 4k-token row (a P/D handoff's first decode steps): decode rows
+    grouped by length (the backend's rule) against one group padded to the longest row (the
+    baseline: DECODE_GROUP_SLACK_TOKENS unbounded)."""
+    contexts = [*torch.randint(32, 257, (16,), generator=g).tolist(), 4000]
+    meta, (q, k, v, k_cache, v_cache) = attention_step([1] * 17, contexts, dtype, g)
+    backends: dict[str, Callable[[], object]] = {}
+    for name, slack in (("one group", 1 << 30), ("grouped", paged_attention.DECODE_GROUP_SLACK_TOKENS)):
+        backend = make_attention_backend(torch.device("cpu"), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
+        saved, paged_attention.DECODE_GROUP_SLACK_TOKENS = paged_attention.DECODE_GROUP_SLACK_TOKENS, slack
+        try:
+            backend.plan(meta)
+        finally:
+            paged_attention.DECODE_GROUP_SLACK_TOKENS = saved
+        backends[name] = partial(backend.forward, q, k, v, k_cache, v_cache)
+    t = best_per_call(backends)
+    print(
+        f"{'paged_attention':<22} {'16 decodes + 1 at 4000':<28} {_name(dtype):<9}"
+        f" {t['one group'] * 1e6:>10.1f} {t['grouped'] * 1e6:>10.1f} {t['grouped'] / t['one group']:>6.2f}"
+        "  (one padded group vs grouped by length)"
+    )
 
 
 def main() -> None:

@@ -168,6 +168,22 @@ def make_attention_backend(
     return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
 
 
+def decode_groups(padded_lens: list[int]) -> list[list[int]]:
+    """Decode rows (by their padded lengths in tokens) in groups that share one SDPA: from the
+    shortest up, a row joins the current group while it is at most twice the group's shortest
+    plus DECODE_GROUP_SLACK_TOKENS. Each group lists row indices in ascending order; one group
+    when every row fits (the usual step)."""
+    order = sorted(range(len(padded_lens)), key=lambda i: padded_lens[i])
+    groups: list[list[int]] = []
+    bound = -1
+    for i in order:
+        if padded_lens[i] > bound:
+            groups.append([])
+            bound = 2 * padded_lens[i] + DECODE_GROUP_SLACK_TOKENS
+        groups[-1].append(i)
+    return [sorted(g) for g in groups]
+
+
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Store the step's new k/v ([num_tokens, num_kv_heads, head_dim]) at their flat cache slots."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -208,20 +224,28 @@ class _PrefillRow:
     mask: Tensor | None  # [query_len, padded_len] additive (0 / -inf), padded_len = blocks * block_size
 
 
+# Decode rows of similar length share one padded SDPA: a row joins the group of the shortest rows
+# while its length stays within 2x theirs plus this slack (in tokens). Padding every row to the
+# longest one made a batch of short streams beside one 4k-token row cost 20x its keys' work.
+DECODE_GROUP_SLACK_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class _DecodeBatch:
     start: int  # first decode token = num_prefill_tokens
     num_rows: int
-    kv_index: Tensor  # gather index (see _kv_index) over every decode row's pages, padded
+    kv_index: Tensor  # gather index (see _kv_index) over the group's rows' pages, padded
     mask: Tensor  # [num_rows, 1, 1, padded_len] additive (0 / -inf)
+    token_index: Tensor | None  # the group's rows in the step's flat batch; None: every decode row
 
 
 class TorchAttentionBackend:
     """The CPU backend: plain torch, SDPA's fused CPU kernel, no per-token Python work.
 
-    Decode rows are ONE batched SDPA: each row's keys are gathered and padded to the longest row;
-    padded keys read real, finite cache slots and are masked out, and no row is fully masked
-    (seq_len >= 1), so padding never yields NaN. The query group of a KV head is folded into SDPA's
+    Decode rows are batched SDPAs, one per group of rows of similar length (most steps: one):
+    each row's keys are gathered and padded to the group's longest row; padded keys read real,
+    finite cache slots and are masked out, and no row is fully masked (seq_len >= 1), so padding
+    never yields NaN. The query group of a KV head is folded into SDPA's
     query-length dim ([rows, kv_heads, group, head_dim]): decode has no causal structure, so this
     is exact, and it avoids SDPA's slower grouped-query route. Prefill rows (few, compute-bound)
     loop: a row without context attends over its own new k/v with `is_causal`; a row with context
@@ -239,7 +263,7 @@ class TorchAttentionBackend:
         self.scale = head_dim**-0.5
         self._meta: PagedAttentionMetadata | None = None
         self._prefills: list[_PrefillRow] = []
-        self._decode: _DecodeBatch | None = None
+        self._decodes: list[_DecodeBatch] = []
         self._k_buf = torch.empty(0, head_dim, dtype=dtype)  # [gathered vectors, head_dim]
         self._v_buf = torch.empty(0, head_dim, dtype=dtype)
 
@@ -264,15 +288,20 @@ class TorchAttentionBackend:
             mask = self._additive(key_pos[None, :] <= query_pos[:, None])
             kv_index = self._kv_index(tables[row : row + 1], padded_len, block_size)
             self._prefills.append(_PrefillRow(start, end, kv_index, mask))
-        self._decode = None
-        num_decodes = meta.num_seqs - meta.num_prefills
-        if num_decodes > 0:
-            padded_len = max(num_pages[meta.num_prefills :]) * block_size
-            kv_index = self._kv_index(tables[meta.num_prefills :], padded_len, block_size)
-            seq_lens = meta.seq_lens[meta.num_prefills :].to(device=device, dtype=torch.long)
+        first = meta.num_prefills
+        groups = decode_groups([n * block_size for n in num_pages[first:]])
+        self._decodes = []
+        for group in groups:
+            rows = [first + i for i in group]
+            padded_len = max(num_pages[r] for r in rows) * block_size
+            index = torch.tensor(rows, device=device)
+            kv_index = self._kv_index(tables[index], padded_len, block_size)
+            seq_lens = meta.seq_lens[rows].to(device=device, dtype=torch.long)
             valid = torch.arange(padded_len, device=device)[None, :] < seq_lens[:, None]
-            mask = self._additive(valid).view(num_decodes, 1, 1, padded_len)
-            self._decode = _DecodeBatch(meta.num_prefill_tokens, num_decodes, kv_index, mask)
+            mask = self._additive(valid).view(len(rows), 1, 1, padded_len)
+            # Decode row r's token sits at num_prefill_tokens + (r - num_prefills) in the flat batch.
+            tokens = None if len(groups) == 1 else index + (meta.num_prefill_tokens - first)
+            self._decodes.append(_DecodeBatch(meta.num_prefill_tokens, len(rows), kv_index, mask, tokens))
         self._reserve_buffers(device)
         self._meta = meta
 
@@ -288,8 +317,12 @@ class TorchAttentionBackend:
         v_vectors = v_cache.view(-1, self.head_dim)
         for row in self._prefills:
             out[row.start : row.end] = self._prefill_row(row, q, k, v, k_vectors, v_vectors)
-        if self._decode is not None:
-            out[self._decode.start :] = self._decode_rows(self._decode, q, k_vectors, v_vectors)
+        for batch in self._decodes:
+            if batch.token_index is None:
+                out[batch.start :] = self._decode_rows(batch, q[batch.start :], k_vectors, v_vectors)
+            else:
+                queries = q.index_select(0, batch.token_index)
+                out[batch.token_index] = self._decode_rows(batch, queries, k_vectors, v_vectors)
         return out
 
     def _prefill_row(
@@ -315,10 +348,11 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1)
 
     def _decode_rows(self, batch: _DecodeBatch, q: Tensor, k_vectors: Tensor, v_vectors: Tensor) -> Tensor:
-        """All decode rows' outputs at once, [num_rows, num_heads, head_dim]."""
+        """One group's decode rows' outputs at once (``q``: their queries, [num_rows, num_heads,
+        head_dim]), [num_rows, num_heads, head_dim]."""
         group = self.num_heads // self.num_kv_heads
         # [num_rows, num_kv_heads, group, head_dim]: query head h = kv_head * group + g.
-        queries = q[batch.start :].reshape(batch.num_rows, self.num_kv_heads, group, self.head_dim)
+        queries = q.reshape(batch.num_rows, self.num_kv_heads, group, self.head_dim)
         keys = self._gather(k_vectors, batch.kv_index, batch.num_rows, self._k_buf)  # [rows, kv, padded, d]
         values = self._gather(v_vectors, batch.kv_index, batch.num_rows, self._v_buf)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=self.scale)
@@ -345,8 +379,7 @@ class TorchAttentionBackend:
     def _reserve_buffers(self, device: torch.device) -> None:
         """Grow the gather buffers to the step's largest gather (one prefill row's, or the decodes')."""
         indices = [r.kv_index for r in self._prefills if r.kv_index is not None]
-        if self._decode is not None:
-            indices.append(self._decode.kv_index)
+        indices += [batch.kv_index for batch in self._decodes]
         size = max((int(i.numel()) for i in indices), default=0)
         if self._k_buf.device == device and self._k_buf.shape[0] >= size:
             return

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from libs.kernels.paged_attention import (
+    DECODE_GROUP_SLACK_TOKENS,
     PagedAttentionMetadata,
     TorchAttentionBackend,
+    decode_groups,
     make_attention_backend,
     paged_attention_reference,
 )
@@ -138,6 +140,8 @@ CASES: dict[str, list[Row]] = {
     "single_decode": [(1, 40)],
     "only_prefill": [(12, 0), (6, 20), (2, 1)],
     "only_decode": [(1, 0), (1, 5), (1, 100), (1, 63)],
+    # several decode groups (lengths far apart), rows of one group not adjacent in the batch
+    "decodes_far_apart": [(5, 30), (1, 2), (1, 1200), (1, 9), (1, 3000), (1, 40), (1, 1100)],
     "prefill_without_context": [(33, 0)],
 }
 
@@ -168,6 +172,15 @@ def test_cpu_backend_matches_reference_bf16(block_size: int) -> None:
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
     assert (out.float() - expected.float()).abs().mean() < 3e-3
+
+
+def test_decode_rows_group_by_length_within_twice_the_shortest_plus_slack() -> None:
+    slack = DECODE_GROUP_SLACK_TOKENS
+    assert decode_groups([]) == []
+    assert decode_groups([16, 64, 32]) == [[0, 1, 2]]  # the usual step: one group, in order
+    lens = [16, 4000, 48, 2 * 48 + slack + 16, 4096]
+    assert decode_groups(lens) == [[0, 2], [3], [1, 4]]
+    assert decode_groups([2 * 16 + slack, 16]) == [[0, 1]]  # the bound itself still fits
 
 
 def test_cache_written_at_slots_and_nowhere_else() -> None:
