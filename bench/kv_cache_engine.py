@@ -26,7 +26,7 @@ import torch
 from random_model import EMBEDDED, gguf_path, model_config, random_model
 
 from deepinfer.settings import resolve_cache_dir
-from libs.kvstore.block_file import KVLayout as BlockLayout
+from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.retention import RetentionPolicy
 from libs.models.gguf_metadata import read_gguf_config
 from libs.protocol.codec import pack_tokens

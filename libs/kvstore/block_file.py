@@ -81,7 +81,7 @@ class BlockFileError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class KVLayout:
+class BlockLayout:
     """Shape of one block's KV; the payload packing for a layout is the caller's contract."""
 
     num_layers: int
@@ -96,7 +96,7 @@ class BlockMeta:
 
     block_hash: bytes
     fingerprint: str
-    layout: KVLayout
+    layout: BlockLayout
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     retention_class: str
     stored_at: float
@@ -125,7 +125,7 @@ class Expectation:
 
     block_hash: bytes
     fingerprint: str
-    layout: KVLayout
+    layout: BlockLayout
     dtype: str
 
 
@@ -216,7 +216,7 @@ def _decode_fields(path: Path, header: bytes, version: int) -> BlockFileHeader:
     meta = BlockMeta(
         block_hash=block_hash,
         fingerprint=texts[0],
-        layout=KVLayout(num_layers, num_kv_heads, head_dim, block_size),
+        layout=BlockLayout(num_layers, num_kv_heads, head_dim, block_size),
         dtype=texts[1],
         retention_class=texts[2],
         stored_at=values[7],

@@ -9,7 +9,7 @@ blocks the plans made so far compute enter the cache; store points queue saves t
 from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.kv_tiers import KVTiers
+from services.scheduler.kv_tiers import TierPlanner
 from services.scheduler.limits import Limits
 from services.scheduler.plan import Plan
 from services.scheduler.prefix_cache import BlockHasher
@@ -18,7 +18,7 @@ from services.scheduler.sequence import Sequence, SequenceStatus
 
 class KVReuse:
     def __init__(
-        self, limits: Limits, block_manager: BlockManager, hasher: BlockHasher, kv_tiers: KVTiers
+        self, limits: Limits, block_manager: BlockManager, hasher: BlockHasher, kv_tiers: TierPlanner
     ) -> None:
         self.limits = limits
         self.block_manager = block_manager

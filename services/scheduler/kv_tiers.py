@@ -109,8 +109,9 @@ def to_counters(values: dict[tuple[str, str], float]) -> tuple[TierCounter, ...]
     return tuple(TierCounter(name, label, value) for (name, label), value in sorted(values.items()))
 
 
-class KVTiers:
-    """One worker's G2 view, pending saves and tier counters, next to its BlockManager."""
+class TierPlanner:
+    """One worker's G2 view, pending saves and tier counters, next to its BlockManager: it plans
+    the loads and saves that the worker's ``KVTiers`` carries out."""
 
     def __init__(self, limits: Limits, hasher: BlockHasher, prefix_cache: PrefixCache) -> None:
         self.block_size = limits.block_size

@@ -20,7 +20,7 @@ from libs.protocol.messages import SubmitReply, SubmitRequest, SubmitStatus
 from services.scheduler.config import Config
 from services.scheduler.fleet import Fleet
 from services.scheduler.kv_sync import KVSync
-from services.scheduler.kv_tiers import KVTiers
+from services.scheduler.kv_tiers import TierPlanner
 from services.scheduler.outputs import OutputPublisher
 from services.scheduler.router import WorkerState, pick_in_turn, pick_prefill_worker, pick_worker
 from services.scheduler.sequence import Sequence
@@ -182,9 +182,9 @@ class Placement:
             num_uncached, queues, self.config.pd_min_uncached_tokens, self.config.pd_max_prefill_queue
         )
 
-    def _worker_tiers(self) -> dict[ChainKind, KVTiers]:
+    def _worker_tiers(self) -> dict[ChainKind, TierPlanner]:
         """One worker's tiers per kind of chain (they hash alike), read on the loop."""
-        tiers: dict[ChainKind, KVTiers] = {}
+        tiers: dict[ChainKind, TierPlanner] = {}
         for handle in self.workers.values():
             limits = handle.core.limits
             kind = ChainKind(
@@ -195,7 +195,7 @@ class Placement:
 
     @staticmethod
     def _hash_chains(
-        prompt: list[int], tenant: str, tiers: dict[ChainKind, KVTiers]
+        prompt: list[int], tenant: str, tiers: dict[ChainKind, TierPlanner]
     ) -> dict[ChainKind, list[bytes]]:
         """Each kind's chain of the prompt; pure, so it may run off the loop."""
         return {kind: t.prompt_chain(prompt, tenant) for kind, t in tiers.items()}

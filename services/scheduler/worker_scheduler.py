@@ -24,7 +24,7 @@ computes only the rest, always including its last token, whose logits it samples
 blocks enter the cache once the plans already made compute them, and stay cached after their
 owners finish or are preempted, until allocation evicts them (least recently used first).
 
-Lower tiers (G2 host memory, G3 shared store; ``KVTiers``): admission extends a G1 hit with the
+Lower tiers (G2 host memory, G3 shared store; ``TierPlanner``): admission extends a G1 hit with the
 blocks that follow in G2 or G3, which the worker loads before the forward; store points queue
 saves of full blocks that ride in the next plan (see kv_tiers on why that is safe).
 
@@ -48,7 +48,7 @@ from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput
 from services.scheduler import integrity, pausing
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_reuse import KVReuse
-from services.scheduler.kv_tiers import KVTiers
+from services.scheduler.kv_tiers import TierPlanner
 from services.scheduler.limits import Limits as Limits  # re-exported: callers import it from here
 from services.scheduler.plan import Plan
 from services.scheduler.prefix_cache import BlockHasher, PrefixCacheStats
@@ -61,7 +61,7 @@ class WorkerScheduler:
         self.scheduler_id = scheduler_id
         self.block_manager = BlockManager(limits.num_blocks, limits.block_size)
         self._hasher = BlockHasher(limits.block_size, model_fingerprint)
-        self.kv_tiers = KVTiers(limits, self._hasher, self.block_manager.prefix_cache)
+        self.kv_tiers = TierPlanner(limits, self._hasher, self.block_manager.prefix_cache)
         self.kv_reuse = KVReuse(limits, self.block_manager, self._hasher, self.kv_tiers)
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence: waiting, running or paused
         self._waiting: list[tuple[tuple[int, int, int], str]] = []  # heap of (order, seq_id)
@@ -97,7 +97,7 @@ class WorkerScheduler:
     def note_host_blocks(
         self, stored: Iterable[bytes] = (), removed: Iterable[bytes] = (), cleared: bool = False
     ) -> None:
-        """The worker's G2 (host memory) content changed; see ``KVTiers.note_host_blocks``."""
+        """The worker's G2 (host memory) content changed; see ``TierPlanner.note_host_blocks``."""
         self.kv_tiers.note_host_blocks(stored, removed, cleared)
 
     def add(self, seq: Sequence, outputs: list[list[int] | None] | None = None) -> list[Sequence]:

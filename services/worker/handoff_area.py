@@ -33,12 +33,12 @@ import torch
 from libs.kvstore.block_file import (
     BLOCK_FILE_SUFFIX,
     BlockFileError,
+    BlockLayout,
     BlockMeta,
     Expectation,
     read_block_file,
     write_block_file,
 )
-from libs.kvstore.block_file import KVLayout as BlockLayout
 from libs.kvstore.block_hash import block_hash_hex
 from services.worker.kv_store import dtype_name
 

@@ -41,6 +41,7 @@ from libs.kvstore.block_file import (
     BlockFileError,
     BlockFileFault,
     BlockFileHeader,
+    BlockLayout,
     BlockMeta,
     Expectation,
     block_path,
@@ -49,7 +50,6 @@ from libs.kvstore.block_file import (
     touch_block_file,
     write_block_file,
 )
-from libs.kvstore.block_file import KVLayout as BlockLayout
 from libs.kvstore.retention import RetentionClass, RetentionPolicy, UnknownRetentionClass
 from libs.models.registry import model_fingerprint
 from services.worker.kv_cache import KVLayout

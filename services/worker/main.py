@@ -17,7 +17,7 @@ from deepinfer.settings import build_config, kv_store_root, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
 from libs.grammar import grammar_vocab as token_bytes_vocab
 from libs.grammar import resolve_backend
-from libs.kvstore.block_file import KVLayout as BlockLayout
+from libs.kvstore.block_file import BlockLayout
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model

@@ -15,7 +15,7 @@ import torch
 
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
-from libs.kvstore.block_file import KVLayout as BlockLayout
+from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.block_hash import hash_blocks
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import decode, encode, pack_tokens

@@ -21,8 +21,8 @@ from libs.kvstore.block_file import (
     BlockFileError,
     BlockFileFault,
     BlockFileHeader,
+    BlockLayout,
     BlockMeta,
-    KVLayout,
     block_path,
     read_header,
     write_block_file,
@@ -43,7 +43,7 @@ from services.kvcache.store_scan import (
 
 POLICY = RetentionPolicy()
 FPS = ("model-a", "model-b")
-LAYOUT = KVLayout(2, 1, 4, 2)
+LAYOUT = BlockLayout(2, 1, 4, 2)
 DAY = 86_400.0
 NOW = 1_700_000_000.0
 

@@ -14,9 +14,9 @@ from libs.kvstore.block_file import (
     MAGIC,
     BlockFileError,
     BlockFileFault,
+    BlockLayout,
     BlockMeta,
     Expectation,
-    KVLayout,
     block_path,
     encode_header,
     payload_checksum,
@@ -28,7 +28,7 @@ from libs.kvstore.block_file import (
 from libs.kvstore.block_hash import block_hash_hex, hash_block
 
 FP = "smollm2-135m-q4_1"
-LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
+LAYOUT = BlockLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
 HASH = hash_block(None, list(range(16)), FP)
 PAYLOAD = bytes(range(256)) * 40
 META = BlockMeta(HASH, FP, LAYOUT, "bfloat16", "chat", stored_at=1_000.0, expires_at=1_000.0 + 7 * 86_400)

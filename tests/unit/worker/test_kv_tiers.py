@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from libs.kvstore.block_file import BlockMeta, KVLayout, block_path, write_block_file
+from libs.kvstore.block_file import BlockLayout, BlockMeta, block_path, write_block_file
 from libs.kvstore.block_hash import hash_blocks
 from libs.kvstore.retention import RetentionPolicy
 from libs.models.llama import LlamaForCausalLM
@@ -45,7 +45,7 @@ SHAPE = ModelShape.of(CONFIG)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
 FP = "tiny-0123456789abcdef"
-STORE_LAYOUT = KVLayout(CONFIG.num_hidden_layers, CONFIG.num_key_value_heads, CONFIG.head_dim, BLOCK_SIZE)
+STORE_LAYOUT = BlockLayout(CONFIG.num_hidden_layers, CONFIG.num_key_value_heads, CONFIG.head_dim, BLOCK_SIZE)
 PROMPT = [5, 9, 3, 7, 1, 2, 8, 11, 12, 13, 14, 15, 16, 17]  # 3 full blocks, then 2 tokens
 HASHES = hash_blocks(PROMPT, BLOCK_SIZE, FP)
 NUM_DECODES = 5
