@@ -78,9 +78,9 @@ class Config:
     handoff_timeout_s: float = field(
         default=2.0,
         metadata={
-            "help": "P/D: longest a prefilled request waits for the next write notice of its blocks "
-            "(the prefill worker stalled or died) before its decode worker is given it with those "
-            "written so far (it computes the rest)"
+            "help": "P/D: a prefilled request waits for its blocks' writes while its prefill worker "
+            "reports; silent this long (stalled or dead), or 10x this in all, its decode worker is "
+            "given it with the blocks written so far (it computes the rest)"
         },
     )
     migration_limit: int = field(

@@ -12,12 +12,14 @@ plans the full blocks as G3 loads and the partial one from the handoff area, and
 first output token's KV. NATS carries block hashes, keys and notices; the KV itself goes through
 the store.
 
-The wait has no total bound, only one on silence: it gives up once ``handoff_timeout_s`` passes
-without a notice (the prefill worker stalled or died). A prefill worker busy with the next prompt
-writes a long prompt's blocks slowly, and waiting costs this one request a late second token,
-while giving up early would make the decode worker recompute the rest, stalling every stream on
-it. On giving up, the decode worker is told only of the leading blocks written: it computes the
-rest in chunks, as any prefill, and a partial block not written is dropped.
+The wait lasts while the prefill worker lives: it gives up once the worker has been silent (no
+load report, which comes every step and every --load-interval-s) for ``handoff_timeout_s`` (it
+stalled, or died), or after MAX_WAIT_FACTOR x that in all (a write its store dropped, its queue
+full, sends no notice). A prefill worker busy with the next prompt writes a long prompt's blocks
+slowly, behind its earlier handoffs' on one writer thread; waiting costs this one request a late
+second token, while giving up early makes the decode worker recompute the rest, stalling every
+stream on it. On giving up, the decode worker is told only of the leading blocks written: it
+computes the rest in chunks, as any prefill, and a partial block not written is dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from services.scheduler.step_loop import WorkerHandle
 log = logging.getLogger(__name__)
 
 CHECK_S = 0.1  # how often a wait for the notices looks whether the request is still in transit
+MAX_WAIT_FACTOR = 10  # a live prefill worker's writes are waited for this x handoff_timeout_s at most
 
 
 def num_leading_written(seq: Sequence, unwritten: set[bytes]) -> int:
@@ -53,7 +56,6 @@ class WriteWait:
     worker_id: str
     unwritten: set[bytes]
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    progress_at: float = field(default_factory=time.monotonic)  # the last notice that wrote some
 
 
 class Handoffs:
@@ -77,10 +79,7 @@ class Handoffs:
         """A worker's notice: these blocks are in the store now."""
         for wait in self._waits.values():
             if wait.worker_id == worker_id and wait.unwritten:
-                num_unwritten = len(wait.unwritten)
                 wait.unwritten.difference_update(block_hashes)
-                if len(wait.unwritten) < num_unwritten:
-                    wait.progress_at = time.monotonic()
                 if not wait.unwritten:
                     wait.done.set()
 
@@ -131,19 +130,23 @@ class Handoffs:
 
     async def _wait_written(self, seq: Sequence, worker_id: str, fingerprint: str) -> set[bytes]:
         """What of ``seq``'s saves (its full blocks' hashes, its partial block's key) is not
-        written yet, once all of it is, the request left transit (cancelled), or no notice came
-        for ``timeout_s`` (then the decode worker computes what is missing)."""
+        written yet, once all of it is, the request left transit (cancelled), or the prefill
+        worker fell silent or the wait's cap passed (then the decode worker computes the rest)."""
         chain = seq.block_hashes[: seq.num_saved_blocks]
         if not chain and not seq.partial_key:
             return set()
         # The wait starts before the lookup: a notice meanwhile counts.
         awaited = set(chain) | ({seq.partial_key} if seq.partial_key else set())
         wait = self._waits[seq.request_id] = WriteWait(worker_id, awaited)
+        started = time.monotonic()
         try:
             num_held = await self.kv.lookup(chain, fingerprint, seq.retention_class)
             self.written(worker_id, chain[:num_held])  # held already: no notice comes for those
             while not wait.done.is_set() and seq.request_id in self.fleet.in_transit:
-                left_s = wait.progress_at + self.timeout_s - time.monotonic()
+                source = self.workers.get(worker_id)  # None once it is lost
+                heard = max(started, source.last_seen) if source is not None else started
+                end = min(heard + self.timeout_s, started + MAX_WAIT_FACTOR * self.timeout_s)
+                left_s = end - time.monotonic()
                 if left_s <= 0:
                     break
                 with contextlib.suppress(TimeoutError):

@@ -228,9 +228,31 @@ class TierPlanner:
         in the next plan, less those it saved before and those G2 holds."""
         if not self.enabled or num_blocks <= seq.num_saved_blocks:
             return
-        block_hashes = self._hasher.extend(seq, num_blocks)
-        wanted = [i for i in range(seq.num_saved_blocks, num_blocks) if block_hashes[i] not in self._host]
+        first, end = seq.loaded_blocks
+        wanted = [i for i in range(seq.num_saved_blocks, num_blocks) if not first <= i < end]
+        self._queue(seq, block_table, num_blocks, wanted)
         seq.num_saved_blocks = num_blocks
+
+    def recomputed(self, seq: Sequence, block_table: Seq[int], num_blocks: int) -> None:
+        """The worker failed to load the last ``num_blocks`` blocks of ``seq``'s admission load
+        and computed them (in the step that said so): they are no tier's, so they are saved like
+        computed ones, now if its saves have passed them already."""
+        first, end = seq.loaded_blocks
+        restart = max(first, end - num_blocks)
+        seq.loaded_blocks = (first, restart)
+        if self.enabled and seq.num_saved_blocks > restart:
+            # (G2's view said it held some of these, wrongly: the load failed; the worker dedups)
+            blocks = list(range(restart, min(end, seq.num_saved_blocks)))
+            self._queue(seq, block_table, end, blocks, skip_held=False)
+
+    def _queue(
+        self, seq: Sequence, block_table: Seq[int], num_blocks: int, wanted: list[int], skip_held: bool = True
+    ) -> None:
+        """A save of ``seq``'s blocks ``wanted`` (among its first ``num_blocks``), less those G2
+        holds (``skip_held``)."""
+        block_hashes = self._hasher.extend(seq, num_blocks)
+        if skip_held:
+            wanted = [i for i in wanted if block_hashes[i] not in self._host]
         if not wanted:
             return
         save = KVSave(

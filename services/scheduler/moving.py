@@ -87,6 +87,7 @@ def _reset(seq: Sequence, same_chain: bool) -> None:
         # costs a recompute, never wrong KV.
         seq.num_stored_blocks = max(seq.num_stored_blocks, seq.num_saved_blocks)
     seq.num_saved_blocks = 0
+    seq.loaded_blocks = (0, 0)
     if not same_chain:
         seq.block_hashes = []  # grown again lazily, with the target's hasher
         seq.num_stored_blocks = 0

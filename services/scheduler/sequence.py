@@ -59,6 +59,8 @@ class Sequence:
     cached_step: int = 0  # the step whose plan admitted it first: the loads num_cached_tokens counts
     num_stored_blocks: int = 0  # leading blocks of its prompt chain in G3 when it was submitted
     num_saved_blocks: int = 0  # leading full blocks already sent to the worker in saves
+    # [first, end) blocks its admission's load fills: in the tiers already, its saves skip them
+    loaded_blocks: tuple[int, int] = (0, 0)
     # handed off: the handoff area holds its partial last prompt block under this key, until a
     # decode worker's admission plans its load (or drops it); b"": none
     partial_key: bytes = b""

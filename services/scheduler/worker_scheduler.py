@@ -307,6 +307,9 @@ class WorkerScheduler:
         self.kv_tiers.record_loads(num_host_blocks, num_store_blocks, sum(failed.values()))
         for seq_id, num_blocks in failed.items():
             seq = self.seqs.get(seq_id)
+            table = self.block_manager.block_tables.get(seq_id)
+            if seq is not None and table is not None:
+                self.kv_tiers.recomputed(seq, table, num_blocks)
             if seq is not None and seq.cached_step == step_id:
                 seq.num_cached_tokens = max(0, seq.num_cached_tokens - num_blocks * self.limits.block_size)
 
@@ -328,12 +331,9 @@ class WorkerScheduler:
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                 seq.cached_step = plan.step_id
         load = plan.kv_loads.get(seq.seq_id)
-        if load is not None and seq.num_saved_blocks >= load.first_block:
-            # The loaded blocks are in the tiers (the worker puts a G3 hit in G2 as it loads it):
-            # saving them again would copy them all out of G1 in the next step, for nothing. (One
-            # the worker failed to load and recomputed is then not saved by this sequence: a rare
-            # fault, and the next sequence to compute it saves it.)
-            seq.num_saved_blocks = max(seq.num_saved_blocks, load.first_block + len(load.tiers))
+        # What it loads is in the tiers (the worker puts a G3 hit in G2 as it loads it): its saves
+        # skip these blocks, which would otherwise be copied out of G1 again in the next step.
+        seq.loaded_blocks = (load.first_block, load.first_block + len(load.tiers)) if load else (0, 0)
         if load is not None and load.partial_key:
             seq.partial_key = b""  # the worker deletes the file once read
         seq.status = SequenceStatus.RUNNING

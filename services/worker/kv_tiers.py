@@ -42,10 +42,11 @@ from services.worker.kv_cache import KVCache
 from services.worker.kv_store import KVStore, StoredBlock
 
 _STORE_OFF = "store off"  # failed-load label: not in G2, and no G3 to ask
-# G3 hits reach the device pages (and G2) this many blocks at a time, through one staging buffer
-# kept across loads: a fresh buffer per load costs more in page faults than the copy itself
-# (a 4k-token load of SmolLM2 in fp32, 180 MB: 0.12 s stacked fresh, 0.02 s into a kept buffer).
-STAGING_MAX_BLOCKS = 64
+# G3 hits reach the device pages (and G2) at most this many bytes at a time (and at least one
+# block), through one staging buffer kept across loads: a fresh buffer per load costs more in page
+# faults than the copy itself (a 4k-token load of SmolLM2 in fp32, 180 MB: 0.12 s stacked fresh,
+# 0.02 s into a kept buffer).
+STAGING_MAX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +94,7 @@ class KVTiers:
         self.num_loaded_store_blocks = 0
         self.failed_load_blocks: Counter[str] = Counter()  # by the first failure's reason
         self.read_faults: Counter[str] = Counter()  # by BlockFileFault value
-        self._staging: Tensor | None = None  # [<= STAGING_MAX_BLOCKS, *block_shape], step thread only
+        self._staging: Tensor | None = None  # [staging_blocks, *block_shape], step thread only
 
     @property
     def store_writable(self) -> bool:
@@ -198,9 +199,10 @@ class KVTiers:
             kv_cache.scatter_blocks([block_ids[i] for i in host_rows], payloads)
         # G3 hits into G2 too, as many as G2 holds from the head: chunk by chunk, so a later chunk
         # never evicts an earlier one (a chain is useless without its head).
-        num_to_host = self.host.num_blocks if self.host is not None else 0
-        for start in range(0, len(store_rows), STAGING_MAX_BLOCKS):
-            rows = store_rows[start : start + STAGING_MAX_BLOCKS]
+        num_to_host = self.host.num_blocks - len(host_rows) if self.host is not None else 0
+        chunk = self.staging_blocks(store_payloads[0]) if store_payloads else 1
+        for start in range(0, len(store_rows), chunk):
+            rows = store_rows[start : start + chunk]
             payloads = self._stage(store_payloads[start : start + len(rows)])
             kv_cache.scatter_blocks([block_ids[i] for i in rows], payloads)
             num_put = min(len(rows), num_to_host - start)
@@ -210,14 +212,19 @@ class KVTiers:
         self.num_loaded_store_blocks += len(store_rows)
         return LoadResult(len(host_rows), len(store_rows), len(block_hashes) - num_loaded)
 
+    @staticmethod
+    def staging_blocks(payload: Tensor) -> int:
+        """Blocks like ``payload`` that one staging chunk holds."""
+        return max(1, STAGING_MAX_BYTES // (payload.numel() * payload.element_size()))
+
     def _stage(self, payloads: list[Tensor]) -> Tensor:
-        """``payloads`` (``[*block_shape]`` each, at most STAGING_MAX_BLOCKS) stacked in the
+        """``payloads`` (``[*block_shape]`` each, at most ``staging_blocks``) stacked in the
         staging buffer: ``[n, *block_shape]``, valid until the next call."""
         first = payloads[0]
         staging = self._staging
         if staging is None or len(staging) < len(payloads) or staging.shape[1:] != first.shape:
             staging = torch.empty((len(payloads), *first.shape), dtype=first.dtype)
-            if len(payloads) == STAGING_MAX_BLOCKS:  # kept only at full size: smaller loads fit it
+            if len(payloads) == self.staging_blocks(first):  # kept at full size only: loads fit it
                 self._staging = staging
         return torch.stack(payloads, out=staging[: len(payloads)])
 

@@ -112,6 +112,9 @@ def test_a_prompt_in_the_store_is_loaded_and_g1_g2_g3_compose() -> None:
     stats = sched.kv_tiers.stats
     loaded = (stats.num_loaded_host_blocks, stats.num_loaded_store_blocks, stats.num_failed_load_blocks)
     assert loaded == (1, 1, 0)
+    # After a G1 hit too, the blocks it loaded are not saved again (its own computed ones are).
+    saves = [split_hashes(save.block_hashes) for plan in driver.plans[1:] for save in plan.kv_saves]
+    assert saves and not {h for save in saves for h in save} & set(chain(prompt)[1:3])
 
 
 def test_loaded_blocks_enter_g1_from_the_next_plan() -> None:
@@ -157,6 +160,10 @@ def test_a_stale_hint_is_recomputed_by_the_worker() -> None:
     assert (stats.num_failed_load_blocks, stats.num_planned_blocks[CacheTier.HOST]) == (2, 2)
     assert stats.num_hit_tokens[CacheTier.HOST] == 0  # planned, not served
     assert seq.num_cached_tokens == 0  # usage counts what came from a cache
+    # The recomputed blocks are in no tier: saved once, after the step that recomputed them.
+    saved = [h for plan in driver.plans for save in plan.kv_saves for h in split_hashes(save.block_hashes)]
+    assert saved == chain(TEXT[:8])
+    sched.check_integrity()
 
 
 def test_store_points_save_the_prompt_then_the_output_in_the_next_plan() -> None:
@@ -250,7 +257,7 @@ def test_a_plan_that_only_saves_is_sent() -> None:
 def test_saves_skip_blocks_host_memory_holds_and_tiers_can_be_off() -> None:
     sched = make_scheduler()
     sched.note_host_blocks(stored=chain(TEXT[:4]))  # block 0 (and the worker dedups G3 itself)
-    driver = Driver(sched, events=False)
+    driver = Driver(sched, warm_worker([*TEXT[:4], 1]), events=False)
     driver.serve(make_seq("a", TEXT[:9], max_tokens=1))
     (save,) = [s for p in driver.plans for s in p.kv_saves]
     assert split_hashes(save.block_hashes) == chain(TEXT[:8])[1:]

@@ -31,11 +31,12 @@ from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens, unpack_floats, unpack_tokens
 from libs.protocol.kv_messages import CacheTier, KVEvent, KVLoad, KVSave, RemovalReason, join_hashes
 from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput
+from services.worker import kv_tiers
 from services.worker.config import Config
 from services.worker.host_cache import HostCache
 from services.worker.kv_cache import KVCache
 from services.worker.kv_store import KVStore
-from services.worker.kv_tiers import STAGING_MAX_BLOCKS, EventOutbox, KVTiers
+from services.worker.kv_tiers import EventOutbox, KVTiers
 from services.worker.main import build_kv_tiers, kv_store_root
 from services.worker.model_runner import ModelRunner, ModelShape, PlanError
 from tests.tiny_models import TINY_LLAMA
@@ -251,10 +252,15 @@ def test_a_bad_g3_block_is_reported_deleted_and_recomputed_with_the_rest(
     tiers.close()
 
 
-def test_a_long_g3_load_goes_through_the_staging_buffer_whole_and_g2_keeps_its_head(tmp_path: Path) -> None:
+def test_a_long_g3_load_goes_through_the_staging_buffer_whole_and_g2_keeps_its_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """More blocks than one staging chunk, G2 smaller than the load: every page gets its own
     block exactly, and G2 keeps the chain's first blocks (a later chunk never evicts them)."""
-    num_blocks = STAGING_MAX_BLOCKS + 6
+    monkeypatch.setattr(kv_tiers, "STAGING_MAX_BYTES", 4 * BLOCK_NUM_BYTES)  # 4 blocks a chunk
+    chunk = KVTiers.staging_blocks(torch.empty(SHAPE.layout.block_shape(BLOCK_SIZE)))
+    assert chunk == 4
+    num_blocks = chunk + 6
     source = KVCache(SHAPE.layout, num_blocks, BLOCK_SIZE, torch.float32)
     for pages in (*source.k, *source.v):
         pages.normal_()
@@ -262,7 +268,7 @@ def test_a_long_g3_load_goes_through_the_staging_buffer_whole_and_g2_keeps_its_h
     writer = KVTiers(None, make_store(tmp_path))
     writer.save(source, KVSave(pack_tokens(list(range(num_blocks))), join_hashes(hashes)))
     writer.flush()
-    num_host_blocks = STAGING_MAX_BLOCKS + 2
+    num_host_blocks = chunk + 2
     reader = KVTiers(make_host(num_host_blocks), make_store(tmp_path))
     target = KVCache(SHAPE.layout, 2 * num_blocks, BLOCK_SIZE, torch.float32)
     pages = list(range(2 * num_blocks - 1, num_blocks - 1, -1))  # other pages, in another order
@@ -271,6 +277,8 @@ def test_a_long_g3_load_goes_through_the_staging_buffer_whole_and_g2_keeps_its_h
     assert torch.equal(target.gather_blocks(pages), source.gather_blocks(range(num_blocks)))
     assert reader.host is not None
     assert [h in reader.host for h in hashes] == [True] * num_host_blocks + [False] * 4
+    kept = reader.host.gather(hashes[:num_host_blocks])  # G2 holds each block's own KV
+    assert torch.equal(kept, source.gather_blocks(range(num_host_blocks)))
     reader.check_integrity()
     writer.close()
     reader.close()
