@@ -5,6 +5,10 @@ worker (P/D) against 2 colocated workers, both on a fresh `deepinfer serve` with
 prompts of about --pd-long-tokens tokens arrive --pd-long-every-s apart. The figure is the
 inter-token latency of the decoding streams (the gaps between their content deltas) from the
 first long prompt's arrival until the last one has its answer: p50 and p99, P/D over colocated.
+Both stacks route round robin: in the colocated one every worker then decodes half the streams and
+prefills half the long prompts, as colocation means. (With KV routing, the short streams' shared
+chat-template blocks, cached on the first worker to take one, drew every stream there, the long
+prompts went to the idle other worker, and the baseline became a disaggregated stack by accident.)
 Each worker is pinned to a core of its own (every thread of it, as taskset -a would, once serve is
 up), so the two workers do not share a core; the scheduler, gateway, kvcache and nats-server
 share both. On one machine this measures batching interference (a decode step waiting behind a
@@ -31,8 +35,8 @@ from throughput import fmt_ratio, print_table, running_serve, stream_chat
 
 TARGET_ITL_P99 = 0.5  # pd / colocated, at most
 TOPOLOGIES = {  # the baseline first
-    "colocated": {"--num-workers": "2"},
-    "pd": {"--prefill-workers": "1", "--decode-workers": "1"},
+    "colocated": {"--num-workers": "2", "--routing": "round_robin"},
+    "pd": {"--prefill-workers": "1", "--decode-workers": "1", "--routing": "round_robin"},
 }
 
 

@@ -4,8 +4,10 @@ holds it, through that worker's replica, even where every tie-break would pick t
 worker's kill -9 moves its streams to the other replica (its own has no other worker: it hands
 them back to the gateway); a scheduler's kill -9 moves its streams, a resumed one among them, to
 the other replica, and new requests meanwhile are served there, never refused. Fault-free texts
-are the reference (fp32 greedy). (That a worker's removals stop it being preferred, and gap ->
-dump, are the unit and service tests'.) The tests run in order on this module's stack.
+are the reference (fp32 greedy). A gateway started late meets the workers' event streams mid-way,
+asks for dumps, and finds there a prompt cached before it started. (That a worker's removals stop
+it being preferred, and a gap within a stream, are the unit and service tests'.) The tests run in
+order on this module's stack.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from libs.bus.nats_server import free_port
 from libs.protocol.messages import MemberKind
 from tests.system.faults import MODEL, InFlight
-from tests.system.stack import Stack, latest_loads, wait_member_id
+from tests.system.stack import Stack, latest_loads, wait_healthy, wait_member_id
 from tests.system.test_migration import next_tokens_s
 from tests.system.test_resume import Api, chat_text, drop_after, resume
 
@@ -50,22 +53,29 @@ def chat(stack: Stack, topic: str, max_tokens: int = 8) -> dict[str, Any]:
     return resp.json()  # type: ignore[no-any-return]
 
 
-def routes(stack: Stack) -> dict[str, float]:
-    """The gateway's ``deepinfer_router_routes_total`` per worker."""
-    text = httpx.get(f"{stack.root_url}/metrics", timeout=10).text
+def router_counts(root_url: str, family_name: str, label: str) -> dict[str, float]:
+    """A gateway's router counter ``family_name`` by ``label``."""
+    text = httpx.get(f"{root_url}/metrics", timeout=10).text
     return {
-        sample.labels["worker_id"]: sample.value
+        sample.labels[label]: sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "deepinfer_router_routes"
+        if family.name == family_name
         for sample in family.samples
     }
 
 
-def routed_to(stack: Stack, send: Any) -> str:
-    """The worker the router sent the request ``send()`` makes (it must send exactly one)."""
-    before = routes(stack)
+def routes(root_url: str) -> dict[str, float]:
+    """A gateway's ``deepinfer_router_routes_total`` per worker."""
+    return router_counts(root_url, "deepinfer_router_routes", "worker_id")
+
+
+def routed_to(stack: Stack, send: Any, root_url: str = "") -> str:
+    """The worker the router (of the gateway at ``root_url``, the stack's by default) sent the
+    request ``send()`` makes (it must send exactly one)."""
+    root_url = root_url or stack.root_url
+    before = routes(root_url)
     send()
-    after = routes(stack)
+    after = routes(root_url)
     (worker_id,) = [w for w in after if after[w] > before.get(w, 0)]
     assert sum(after.values()) == sum(before.values()) + 1
     return worker_id
@@ -134,6 +144,39 @@ def test_a_prompt_goes_back_to_the_worker_holding_it_through_its_replica(replica
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK_SIZE * 10
     log = stack.log.read_text()
     assert f"scheduler {REPLICA} ready" in log
+
+
+def test_a_gateway_started_late_asks_for_dumps_and_finds_a_prompt_held_before(replicas: Replicas) -> None:
+    """A gateway that joins after the prompts above were cached meets each worker's G1 stream
+    mid-way (a gap from its first event): it asks the publisher for a dump, and only the dump can
+    tell it that the second worker holds "storms" (cached there before it started); without it
+    both workers look empty and the tie-break picks the first."""
+    stack = replicas.stack
+    port = free_port()
+    late = stack.spawn_gateway(port)
+    root_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{root_url}/health", [late], stack.log, 120)
+        # A new question under the notes, through the stack's gateway: the second worker holds
+        # the notes, computes the question's blocks (more than one full block of new tokens) and
+        # its replica publishes them, the late gateway's first event of that stream.
+        question = (
+            "the herring runs that fill the northern bays each spring, and what the old net menders say"
+        )
+        assert routed_to(stack, lambda: chat(stack, question)) == SECOND
+        deadline = time.monotonic() + 30
+        while router_counts(root_url, "deepinfer_router_dumps", "outcome").get("applied", 0) < 1:
+            assert time.monotonic() < deadline, "the late gateway asked for no dump"
+            time.sleep(0.2)
+
+        def send() -> None:
+            resp = httpx.post(f"{root_url}/v1/chat/completions", json=body("storms"), timeout=300)
+            assert resp.status_code == 200, resp.text
+
+        assert routed_to(stack, send, root_url) == SECOND
+    finally:
+        late.terminate()
+        late.wait(30)
 
 
 def busiest(stack: Stack) -> str:
