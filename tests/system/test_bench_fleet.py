@@ -11,9 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = r"(\d+\.\d+x|infx)"
 RATIO_LINES = (
-    rf"^ratio kv/round_robin hit rate: {MEASURED} \(target >= 3\.0x\)$",
+    rf"^ratio kv/round_robin G1\+G2 hit rate: {MEASURED} \(target >= 3\.0x\)$",
     rf"^ratio kv/round_robin TTFT p50: {MEASURED} \(target <= 0\.4x\)$",
-    r"^ratio kv/round_robin computed max/min spread: (\d+\.\d+x|n/a) \(reported\)$",
+    r"^kv max/min prompt tokens computed per worker: (\d+\.\d+x|infx|n/a) \(target <= 1\.3x\)$",
     rf"^ratio migration kill->next token p50 / ITL before: {MEASURED} \(reported\)$",
     rf"^ratio pd/colocated decode ITL p99: {MEASURED} \(target <= 0\.5x\)$",
 )
