@@ -5,9 +5,9 @@ worker's kill -9 moves its streams to the other replica (its own has no other wo
 them back to the gateway); a scheduler's kill -9 moves its streams, a resumed one among them, to
 the other replica, and new requests meanwhile are served there, never refused. Fault-free texts
 are the reference (fp32 greedy). A gateway started late meets the workers' event streams mid-way,
-asks for dumps, and finds there a prompt cached before it started. (That a worker's removals stop
-it being preferred, and a gap within a stream, are the unit and service tests'.) The tests run in
-order on this module's stack.
+asks for dumps, and finds there a prompt cached before it started. Once the second worker has
+evicted a prompt it held, its BlockRemoved events stop the router preferring it. (A gap within a
+stream is the unit and service tests'.) The tests run in order on this module's stack.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from tests.system.test_migration import next_tokens_s
 from tests.system.test_resume import Api, chat_text, drop_after, resume
 
 SECOND = "worker-test-2"  # sorts after the stack's "worker-test": every tie goes to the first
+# A small G1 and no G2 on the second worker, so that a few prompts evict what it held (its
+# BlockRemoved events): 0.1 GB of SmolLM2's fp32 KV is about 140 blocks of 16 tokens.
+SECOND_ARGS = ("--kv-cache-gb", "0.1", "--host-cache-gb", "0")
 REPLICA = "scheduler-test-2"
 TOPICS = ("herons", "reefs", "fog")
 LONG = 48  # tokens per stream in the fault tests: long enough to be cut mid-way
@@ -113,7 +116,7 @@ def replicas(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         replica = stack.add_scheduler(REPLICA)
         asyncio.run(wait_member_id(stack.nats.url, MemberKind.SCHEDULER, REPLICA, 120))
         time.sleep(2.0)  # the first replica's view of the members has the second in it
-        replicas = Replicas(stack, replica, stack.add_worker(SECOND))
+        replicas = Replicas(stack, replica, stack.add_worker(SECOND, *SECOND_ARGS))
         seen = replicas.one_worker_each()
         assert seen[SECOND] == REPLICA, seen
         yield replicas
@@ -179,6 +182,50 @@ def test_a_gateway_started_late_asks_for_dumps_and_finds_a_prompt_held_before(re
         late.wait(30)
 
 
+def test_once_the_worker_evicts_a_prompt_the_router_stops_preferring_it(replicas: Replicas) -> None:
+    """A prompt computed on the second worker is found there (cached blocks counted); prompts
+    under the notes (held there too) then evict it, and after those BlockRemoved events the same
+    prompt counts no cached block and goes where the tie-break sends it, the first worker."""
+    stack = replicas.stack
+    blocks_of = router_counts_of(stack, "deepinfer_router_cached_blocks")
+    evicted = body(
+        "whales", notes=" ".join(f"Log {i}: the whale {i % 7} sang at depth {i * 3}." for i in range(40))
+    )
+    busy = InFlight(stack.base_url, "chat", body("bells", max_tokens=160, notes="Unrelated."), 300)
+    busy.wait_tokens(2, 120)
+    assert routed_to(stack, lambda: post(stack, evicted)) == SECOND  # by load: the first is busy
+    assert busy.result().kind == "completed"
+    before = blocks_of()
+    assert routed_to(stack, lambda: post(stack, evicted)) == SECOND  # held there
+    assert blocks_of() - before >= 20
+    num_blocks = asyncio.run(latest_loads(stack.nats.url))[SECOND].num_kv_blocks
+    i = 0
+    while i * 20 < 2 * num_blocks:  # each prompt brings ~20 blocks of its own: G1 turns over twice
+        filler = f"tide table {i}: " + " ".join(f"hour {h} level {(h * i) % 11}" for h in range(60))
+        assert routed_to(stack, lambda f=filler: chat(stack, f, 1)) == SECOND, i  # by the notes
+        i += 1
+    time.sleep(1.0)  # the scheduler publishes G1 events every 0.1 s
+    before = blocks_of()
+    assert routed_to(stack, lambda: post(stack, evicted)) == "worker-test"
+    assert blocks_of() == before
+
+
+def router_counts_of(stack: Stack, family_name: str) -> Any:
+    """A reader of the stack's gateway counter ``family_name`` (one without labels)."""
+
+    def read() -> float:
+        text = httpx.get(f"{stack.root_url}/metrics", timeout=10).text
+        families = [f for f in text_string_to_metric_families(text) if f.name == family_name]
+        return sum(sample.value for f in families for sample in f.samples if sample.name.endswith("_total"))
+
+    return read
+
+
+def post(stack: Stack, request: dict[str, Any]) -> None:
+    resp = httpx.post(f"{stack.base_url}/chat/completions", json=request, timeout=300)
+    assert resp.status_code == 200, resp.text
+
+
 def busiest(stack: Stack) -> str:
     running = {w: load.num_running_seqs for w, load in asyncio.run(latest_loads(stack.nats.url)).items()}
     worker_id = max(running, key=lambda w: running[w])
@@ -221,7 +268,7 @@ def test_kill_9_of_a_worker_moves_its_streams_to_the_other_replica(
     log = stack.log.read_text()
     assert f"worker {victim} lost" in log and "moved to scheduler" in log, log[-3000:]
     if victim == SECOND:
-        replicas.second = stack.add_worker(SECOND)
+        replicas.second = stack.add_worker(SECOND, *SECOND_ARGS)
     else:
         stack.spawn_worker()
     replicas.one_worker_each()
