@@ -30,7 +30,6 @@ from tests.system.stack import Stack
 from tests.system.test_worker_drain import wait_workers
 
 PREFILL = "worker-prefill"
-SCHEDULER_METRICS_PORT = free_port()
 BLOCK_SIZE = 16  # the workers' default
 STORY = " ".join(f"Day {i}: the keeper lit the lamp and counted {i + 3} ships." for i in range(20))
 QUESTIONS = ("How many ships on day 7?", "What did the keeper light?")
@@ -55,14 +54,22 @@ def kv_counter(stack: Stack, name: str, label: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def stack(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def scheduler_metrics_port() -> int:
+    """Taken when the stack starts, not at import: a port free then may be any process's later."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def stack(
+    model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory, scheduler_metrics_port: int
+) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("pd")
     running = Stack.start(
         model_cache_dir,
         tmp / "stack.log",
         kv_store=tmp / "kv-store",
         worker_args=("--role", "decode"),
-        scheduler_args=("--pd-min-uncached-tokens", "64", "--metrics-port", str(SCHEDULER_METRICS_PORT)),
+        scheduler_args=("--pd-min-uncached-tokens", "64", "--metrics-port", str(scheduler_metrics_port)),
     )
     try:
         yield running
@@ -111,9 +118,9 @@ def handoff_files(stack: Stack) -> list[Path]:
     return [p for p in area.rglob("*") if p.is_file()] if area.exists() else []
 
 
-def scheduler_gauges(name: str) -> dict[str, float]:
-    """The scheduler's gauge ``name`` per worker id, from its own /metrics."""
-    text = httpx.get(f"http://127.0.0.1:{SCHEDULER_METRICS_PORT}/metrics", timeout=10).text
+def scheduler_gauges(port: int, name: str) -> dict[str, float]:
+    """The scheduler's gauge ``name`` per worker id, from its own /metrics on ``port``."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     return {
         sample.labels["worker_id"]: sample.value
         for family in text_string_to_metric_families(text)
@@ -122,12 +129,14 @@ def scheduler_gauges(name: str) -> dict[str, float]:
     }
 
 
-def test_a_cancel_during_the_remote_prefill_frees_the_blocks_on_both_workers(stack: Stack) -> None:
+def test_a_cancel_during_the_remote_prefill_frees_the_blocks_on_both_workers(
+    stack: Stack, scheduler_metrics_port: int
+) -> None:
     """A long prompt goes to the prefill worker; its client leaves while it is computed there.
     Both workers' free KV blocks come back to what they were, and neither the store nor the
     handoff area holds a file of it."""
     workers = {stack.worker_id, PREFILL}
-    baseline = scheduler_gauges("deepinfer_num_free_kv_blocks")
+    baseline = scheduler_gauges(scheduler_metrics_port, "deepinfer_num_free_kv_blocks")
     assert set(baseline) == workers, baseline
     story = " ".join(f"Night {i}: the keeper wrote down {i * 7} waves and a gull." for i in range(150))
     messages = [{"role": "system", "content": story}, {"role": "user", "content": "Sum it up."}]
@@ -140,11 +149,13 @@ def test_a_cancel_during_the_remote_prefill_frees_the_blocks_on_both_workers(sta
                 http.post(f"{stack.base_url}/chat/completions", json=request, headers=headers)
             )
             deadline = time.monotonic() + 60
-            while scheduler_gauges("deepinfer_num_requests_running").get(PREFILL, 0) < 1:
+            while (
+                scheduler_gauges(scheduler_metrics_port, "deepinfer_num_requests_running").get(PREFILL, 0) < 1
+            ):
                 assert not call.done(), call.result().text
                 assert time.monotonic() < deadline, "the request never ran on the prefill worker"
                 await asyncio.sleep(0.05)
-            held = scheduler_gauges("deepinfer_num_free_kv_blocks")[PREFILL]
+            held = scheduler_gauges(scheduler_metrics_port, "deepinfer_num_free_kv_blocks")[PREFILL]
             call.cancel()  # the client leaves: its connection closes
             with contextlib.suppress(asyncio.CancelledError):
                 await call
@@ -153,7 +164,7 @@ def test_a_cancel_during_the_remote_prefill_frees_the_blocks_on_both_workers(sta
     held = asyncio.run(leave_during_prefill())
     assert held < baseline[PREFILL]  # the prompt's blocks were held there when the client left
     deadline = time.monotonic() + 15
-    while (free := scheduler_gauges("deepinfer_num_free_kv_blocks")) != baseline:
+    while (free := scheduler_gauges(scheduler_metrics_port, "deepinfer_num_free_kv_blocks")) != baseline:
         assert time.monotonic() < deadline, (free, baseline)
         time.sleep(0.1)
     assert not [p for p in stack.kv_store.rglob("*") if p.name.endswith(TEMP_FILE_SUFFIX)]

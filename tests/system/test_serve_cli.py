@@ -113,14 +113,20 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-METRICS_PORT = free_ports(4)  # worker, scheduler, kvcache, then serve's own
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+    """The first of serve's metrics ports: worker, scheduler, kvcache, then serve's own. Taken when
+    the stack starts, not at import: a port free then may be any process's by the time it runs."""
+    return free_ports(4)
 
 
 @pytest.fixture(scope="module")
-def running(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def running(
+    model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
+) -> Iterator[Serve]:
     """One stack for the fault tests below, which run in order; the last one stops it."""
     serve = Serve.start(
-        model_cache_dir, tmp_path_factory.mktemp("serve"), "--metrics-port", str(METRICS_PORT)
+        model_cache_dir, tmp_path_factory.mktemp("serve"), "--metrics-port", str(metrics_port)
     )
     try:
         serve.wait_until("/health 200", serve.healthy, READY_S)
@@ -129,7 +135,7 @@ def running(model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         serve.kill()
 
 
-def test_kill_9_worker_is_restarted_and_serves(running: Serve) -> None:
+def test_kill_9_worker_is_restarted_and_serves(running: Serve, metrics_port: int) -> None:
     assert running.answers()
     (worker,) = running.children("deepinfer worker")
     worker.kill()
@@ -144,9 +150,9 @@ def test_kill_9_worker_is_restarted_and_serves(running: Serve) -> None:
     # scheduler may hand it work before that: /health follows within a few seconds.
     running.wait_until("/health 200 again", running.healthy, 5)
     # Each service on its own port, serve's restart counter after them.
-    assert scrape(METRICS_PORT + 3)[("deepinfer_restarts_total", (("service", "worker"),))] == 1
-    assert scrape(METRICS_PORT)[("deepinfer_worker_step_seconds_count", ())] > 0  # the new worker's
-    assert ("deepinfer_steps_total", ()) in scrape(METRICS_PORT + 1)
+    assert scrape(metrics_port + 3)[("deepinfer_restarts_total", (("service", "worker"),))] == 1
+    assert scrape(metrics_port)[("deepinfer_worker_step_seconds_count", ())] > 0  # the new worker's
+    assert ("deepinfer_steps_total", ()) in scrape(metrics_port + 1)
 
 
 def test_kill_9_nats_server_is_restarted_on_its_port(running: Serve) -> None:
