@@ -11,14 +11,13 @@ previous tool results and answers) plus a new tool result (a file read: fleet_wo
 exactly --reply-tokens per answer; between an answer and the next turn the agent's tool runs for
 a seeded random time (mean --tool-latency-s; without it, sessions in lock-step whose count is a
 multiple of the workers' would meet their own worker again under round robin, an accident of
-timing). It runs against a
-fresh `deepinfer serve --num-workers W --num-schedulers S` once with `--routing round_robin` (the
-baseline: any replica, then its workers in turn) and once with `--routing kv` (the gateway's
-router picks replica and worker); G3 off unless --g3 (then a fresh store each). Each worker's G1
-is sized to the workload (--kv-cache-gb 0): CACHE_SHARE x its fair share of the sessions' longest
-contexts, and G2 is off (--host-cache-gb -1): every conversation fits in the fleet's cache only if
-each stays on one worker, the regime routing is for (where any worker holds every conversation,
-a random pick hits as well and the ratio says nothing). Per stack:
+timing). It runs against a fresh `deepinfer serve --num-workers W --num-schedulers S` once with
+`--routing round_robin` (the baseline: any replica, then its workers in turn) and once with
+`--routing kv` (the gateway's router picks replica and worker); G3 off unless --g3 (then a fresh
+store each). Each worker's G1 is sized to the workload (--kv-cache-gb 0): CACHE_SHARE x its fair
+share of the sessions' longest contexts, and G2 is off (--host-cache-gb -1): every conversation
+fits in the fleet's cache only if each stays on one worker, the regime routing is for (where any
+worker holds every conversation, a random pick hits as well and the ratio says nothing). Per stack:
 - hit rate: cached prompt tokens / prompt tokens summed over every request, from each response's
   usage (G1+G2, and G3 with --g3); beside it the per-tier rates from the gateway's /metrics
   (``deepinfer_kv_hit_tokens`` / ``deepinfer_kv_query_tokens`` of kind=scheduler, the change

@@ -56,14 +56,15 @@ def chat(stack: Stack, topic: str, max_tokens: int = 8) -> dict[str, Any]:
     return resp.json()  # type: ignore[no-any-return]
 
 
-def router_counts(root_url: str, family_name: str, label: str) -> dict[str, float]:
-    """A gateway's router counter ``family_name`` by ``label``."""
+def router_counts(root_url: str, family_name: str, label: str = "") -> dict[str, float]:
+    """A gateway's router counter ``family_name`` by ``label`` (one without labels: under "")."""
     text = httpx.get(f"{root_url}/metrics", timeout=10).text
     return {
-        sample.labels[label]: sample.value
+        sample.labels.get(label, ""): sample.value
         for family in text_string_to_metric_families(text)
         if family.name == family_name
         for sample in family.samples
+        if sample.name.endswith("_total")
     }
 
 
@@ -187,7 +188,6 @@ def test_once_the_worker_evicts_a_prompt_the_router_stops_preferring_it(replicas
     under the notes (held there too) then evict it, and after those BlockRemoved events the same
     prompt counts no cached block and goes where the tie-break sends it, the first worker."""
     stack = replicas.stack
-    blocks_of = router_counts_of(stack, "deepinfer_router_cached_blocks")
     evicted = body(
         "whales", notes=" ".join(f"Log {i}: the whale {i % 7} sang at depth {i * 3}." for i in range(40))
     )
@@ -195,9 +195,9 @@ def test_once_the_worker_evicts_a_prompt_the_router_stops_preferring_it(replicas
     busy.wait_tokens(2, 120)
     assert routed_to(stack, lambda: post(stack, evicted)) == SECOND  # by load: the first is busy
     assert busy.result().kind == "completed"
-    before = blocks_of()
+    before = blocks_of(stack)
     assert routed_to(stack, lambda: post(stack, evicted)) == SECOND  # held there
-    assert blocks_of() - before >= 20
+    assert blocks_of(stack) - before >= 20
     num_blocks = asyncio.run(latest_loads(stack.nats.url))[SECOND].num_kv_blocks
     i = 0
     while i * 20 < 2 * num_blocks:  # each prompt brings ~20 blocks of its own: G1 turns over twice
@@ -205,20 +205,14 @@ def test_once_the_worker_evicts_a_prompt_the_router_stops_preferring_it(replicas
         assert routed_to(stack, lambda f=filler: chat(stack, f, 1)) == SECOND, i  # by the notes
         i += 1
     time.sleep(1.0)  # the scheduler publishes G1 events every 0.1 s
-    before = blocks_of()
+    before = blocks_of(stack)
     assert routed_to(stack, lambda: post(stack, evicted)) == "worker-test"
-    assert blocks_of() == before
+    assert blocks_of(stack) == before
 
 
-def router_counts_of(stack: Stack, family_name: str) -> Any:
-    """A reader of the stack's gateway counter ``family_name`` (one without labels)."""
-
-    def read() -> float:
-        text = httpx.get(f"{stack.root_url}/metrics", timeout=10).text
-        families = [f for f in text_string_to_metric_families(text) if f.name == family_name]
-        return sum(sample.value for f in families for sample in f.samples if sample.name.endswith("_total"))
-
-    return read
+def blocks_of(stack: Stack) -> float:
+    """The prompt blocks the stack's gateway router has found cached, over every route so far."""
+    return router_counts(stack.root_url, "deepinfer_router_cached_blocks")[""]
 
 
 def post(stack: Stack, request: dict[str, Any]) -> None:
