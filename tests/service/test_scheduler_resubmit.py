@@ -95,10 +95,12 @@ async def test_a_resubmit_that_does_not_add_up_is_invalid() -> None:
         resubmit_of([whole[:2], whole[:2]], finished=(2,)),  # no such choice
         resubmit_of([whole, whole[:2]]),  # choice 0 has its max_tokens already
     ]
-    async with running(Config(scheduler_id="s1")) as (bus, _worker, _outputs):
+    async with running(Config(scheduler_id="s1")) as (bus, worker, _outputs):
         for req in bad:
             reply = await ask(bus, req)
             assert reply.status is SubmitStatus.INVALID and "bad resubmit" in reply.message, reply
+        worker.gate.clear()  # r2 stays live while its id is reused (on a busy machine it could finish)
         assert (await submit(bus, "r2", max_tokens=50)).status is SubmitStatus.ACCEPTED
         again = await submit(bus, "r2", max_tokens=50)
+        worker.gate.set()
         assert again.status is SubmitStatus.INVALID and "in use" in again.message
