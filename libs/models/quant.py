@@ -14,6 +14,7 @@ F.linear instead; the temporary is dropped after the call, memory stays quantize
 from __future__ import annotations
 
 import abc
+import functools
 from typing import ClassVar, Final
 
 import torch
@@ -193,13 +194,28 @@ class Int4Linear(_PackedLinear):
 def _unpack_int4(packed: Tensor) -> Tensor:
     """CPU int4 pack [N, K / 2] uint8 -> codes [N, K] uint8.
 
-    Rows come in blocks of 64; a block's bytes, read as [K, 32], hold row j of the block in the low
-    nibble and row 32 + j in the high nibble of column j.
+    Rows come in blocks of b (64 where torch's kernel uses AVX-512, 32 with AVX2 only); a block's
+    bytes, read as [K, b / 2], hold row j of the block in the low nibble and row b / 2 + j in the
+    high nibble of column j.
     """
     n, half_k = packed.shape
-    blocks = packed.view(n // _INT4_BLOCK_N, 2 * half_k, _INT4_BLOCK_N // 2)  # [N / 64, K, 32]
-    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=1)  # [N / 64, 2, K, 32]
+    block_n = _int4_pack_block_n()
+    blocks = packed.view(n // block_n, 2 * half_k, block_n // 2)  # [N / b, K, b / 2]
+    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=1)  # [N / b, 2, K, b / 2]
     return codes.transpose(2, 3).reshape(n, 2 * half_k)
+
+
+@functools.cache
+def _int4_pack_block_n() -> int:
+    """The row block of this build's CPU int4 pack, found by packing known codes once."""
+    codes = torch.arange(_INT4_BLOCK_N * 32, dtype=torch.int32).reshape(_INT4_BLOCK_N, 32) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    for block_n in (64, 32, 16):
+        blocks = packed.view(_INT4_BLOCK_N // block_n, 32, block_n // 2)
+        unpacked = torch.stack([blocks & 0xF, blocks >> 4], dim=1).transpose(2, 3).reshape(_INT4_BLOCK_N, 32)
+        if torch.equal(unpacked, codes.to(torch.uint8)):
+            return block_n
+    return _INT4_BLOCK_N  # unknown: from_weight's round-trip check then refuses loudly
 
 
 def quantize_model(model: LlamaForCausalLM, fmt: str, group_size: int = INT4_GROUP_SIZE) -> None:
