@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.settings import resolve_cache_dir
-from libs.models.attention import SingleSequenceCausalAttention, causal_attention
+from libs.kernels.attention import causal_attention
+from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from libs.models.quant import Int4Linear, Int8Linear
 from libs.models.registry import resolve_model_path

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from libs.models.attention import SingleSequenceCausalAttention, causal_attention
+from libs.kernels.attention import causal_attention
+from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.llama import LlamaForCausalLM
 from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
 

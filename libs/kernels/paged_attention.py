@@ -10,7 +10,7 @@ KV head h // (num_heads // num_kv_heads), with scale head_dim ** -0.5.
 Backends: `TorchAttentionBackend` here (the CPU path; plain torch, so it also serves fp32 on
 CUDA) and `FlashInferAttentionBackend` in paged_attention_flashinfer.py (CUDA, fp16/bf16).
 `paged_attention_reference` is the per-row loop both are tested against: it gathers each row's
-keys and runs the cacheless `libs.models.attention.causal_attention` over them.
+keys and runs the cacheless `libs.kernels.attention.causal_attention` over them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from libs.models.attention import causal_attention
+from libs.kernels.attention import causal_attention
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def paged_attention_reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata
 ) -> Tensor:
     """Row by row, in fp32: gather the row's keys and values by position, then the cacheless
-    causal attention of libs.models.attention (its last query aligned with the last key: the
+    causal attention of libs.kernels.attention (its last query aligned with the last key: the
     context-offset causal mask; KV head h // group serves query head h). The caches must already
     hold the step's new k/v.
 

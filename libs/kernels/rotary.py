@@ -14,6 +14,8 @@ once per step (`prepare_rotation`), it serves q and k of every layer.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,43 @@ def rope_cos_sin_cache(head_dim: int, max_positions: int, base: float, dtype: to
     positions = torch.arange(max_positions, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
+
+
+def yarn_cos_sin_cache(
+    rope_dim: int,
+    max_positions: int,
+    base: float,
+    factor: float,
+    original_max_positions: int,
+    beta_fast: float,
+    beta_slow: float,
+    attention_factor: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """rope_cos_sin_cache's layout for YaRN-scaled frequencies (DeepSeek-V3's long-context rope).
+
+    Pair i keeps its trained frequency f_i = base^(-2i/rope_dim) where it turns fast (fewer than
+    beta_slow..beta_fast rotations over original_max_positions matter for interpolation) and
+    takes f_i / factor where it turns slowly, with a linear ramp between the two correction
+    dimensions; cos and sin are then multiplied by attention_factor. The ramp bounds are floored
+    and ceiled, as DeepSeek's reference and transformers (truncate=True) do.
+    """
+    if rope_dim % 2 != 0:
+        raise ValueError(f"rotary dim must be even, got {rope_dim}")
+
+    def correction_dim(num_rotations: float) -> float:
+        turns = original_max_positions / (num_rotations * 2 * math.pi)
+        return rope_dim * math.log(turns) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high: float = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001  # a one-point ramp would divide by zero
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
+    inv_freq = extrapolation / factor * ramp + extrapolation * (1 - ramp)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor).to(dtype)
 
 
 def apply_rotary_interleaved_reference(x: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> Tensor:

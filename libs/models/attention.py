@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from libs.kernels.attention import causal_attention
+from libs.kernels.mla_attention import MLAWeights, mla_expanded_attention
 
 
 class AttentionFn(Protocol):
@@ -32,24 +33,26 @@ class SingleSequenceCausalAttention:
         return causal_attention(q, k, v)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal SDPA of q over k/v with grouped KV heads; the last q token aligns with the last key.
+class MLAAttentionFn(Protocol):
+    """Multi-head latent attention for one layer over a flat varlen batch of tokens.
 
-    q: [num_q, num_heads, head_dim]; k, v: [num_kv, num_kv_heads, head_dim] with num_kv >= num_q
-    (earlier keys are context, as in a cache). Returns [num_q, num_heads, head_dim].
+    q_nope: [num_tokens, num_heads, nope_dim]; q_pe: [num_tokens, num_heads, rope_dim] (roped);
+    latent: [num_tokens, kv_lora_rank] (normed); k_pe: [num_tokens, rope_dim] (roped, one head
+    shared by all); weights: the layer's kv_b_proj split per head and the softmax scale. Returns
+    [num_tokens, num_heads, v_dim]. The implementation owns the latent cache (it stores
+    [latent ; k_pe] per token) and picks the expanded or absorbed form per row.
     """
-    num_q, num_heads, _ = q.shape
-    num_kv, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    # Query head h reads KV head h // group (HF's repeat_kv order).
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, num_kv, head_dim]
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    q = q.transpose(0, 1)  # [num_heads, num_q, head_dim]
-    if num_q == num_kv:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:
-        # Query i sits at key position (num_kv - num_q + i): it sees keys up to and including that.
-        offset = num_kv - num_q
-        mask = torch.ones(num_q, num_kv, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.transpose(0, 1)  # [num_q, num_heads, head_dim]
+
+    def __call__(
+        self, layer_idx: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, weights: MLAWeights
+    ) -> Tensor: ...
+
+
+class SingleSequenceMLAAttention:
+    """MLAAttentionFn for ONE sequence given whole, with no cache: the expanded form, causal."""
+
+    def __call__(
+        self, layer_idx: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, weights: MLAWeights
+    ) -> Tensor:
+        del layer_idx  # no per-layer state
+        return mla_expanded_attention(q_nope, q_pe, latent, k_pe, weights)

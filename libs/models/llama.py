@@ -13,25 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from libs.kernels.activation import silu_and_mul
-from libs.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from libs.kernels.rotary import apply_rotary_qk, prepare_rotation, rope_cos_sin_cache
 from libs.models.attention import AttentionFn
 from libs.models.config import LlamaConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """(norm(x + residual), x + residual)."""
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+from libs.models.layers import GatedMLP, RMSNorm
 
 
 class LlamaAttention(nn.Module):
@@ -73,23 +58,6 @@ class LlamaAttention(nn.Module):
         return result
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device | None) -> None:
-        super().__init__()
-        # One fused projection; rows are [gate | up], the order silu_and_mul expects.
-        self.gate_up_proj: nn.Module = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device
-        )
-        self.down_proj: nn.Module = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate_up: Tensor = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
-        out: Tensor = self.down_proj(silu_and_mul(gate_up))
-        return out
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | None
@@ -98,7 +66,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(config, layer_idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, device)
 
     def forward(
         self,

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from libs.models.attention import SingleSequenceCausalAttention, causal_attention
+from libs.kernels.attention import causal_attention
+from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.config import LlamaConfig
 from libs.models.llama import LlamaForCausalLM
 from tests.tiny_models import TINY_LLAMA
