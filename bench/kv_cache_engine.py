@@ -34,6 +34,7 @@ from libs.protocol.kv_messages import KVSave, join_hashes
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
 from services.worker.config import Config
 from services.worker.host_cache import HostCache
+from services.worker.kv_cache import element_size
 from services.worker.kv_store import KVStore
 from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner, ModelShape
@@ -52,7 +53,9 @@ def make_runner(
     shape = ModelShape.of(config)
     num_blocks = -(-num_tokens // block_size) + 8
     if path is not None:
-        kv_cache_gb = num_blocks * shape.layout.bytes_per_block(block_size, torch_dtype) / 2**30
+        kv_cache_gb = (
+            num_blocks * shape.kv_spec.bytes_per_block(block_size, element_size(torch_dtype)) / 2**30
+        )
         worker = Config(model=str(path), dtype=dtype, kv_cache_gb=kv_cache_gb, block_size=block_size)
         from services.worker.main import build_runner  # the worker process's imports: CPU only
 
@@ -110,10 +113,10 @@ def engine_floor(
     prefill("warm-up", 0)  # first-call costs (allocator, kernel selection) out of the way
     out = {"cold": statistics.median(prefill(f"cold{i}", 0) for i in range(max(2, repeats // 2)))}
     out["G1"] = statistics.median(prefill(f"g1-{i}", num_cached) for i in range(repeats))
-    kv, layout = runner.kv_cache, runner.kv_cache.layout
-    block_layout = BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, block_size)
+    kv, kv_spec = runner.kv_cache, runner.kv_cache.kv_spec
+    block_layout = BlockLayout(kv_spec, block_size)
     hashes = [random.Random(i).randbytes(32) for i in range(num_blocks)]
-    host = HostCache(num_blocks, layout.block_shape(block_size), kv.dtype, pin_memory=on_cuda)
+    host = HostCache(num_blocks, kv_spec.block_shape(block_size), kv.dtype, pin_memory=on_cuda)
 
     def store() -> KVStore:
         return KVStore(tmp / "engine-store", "bench", block_layout, kv.dtype, RetentionPolicy())

@@ -35,7 +35,7 @@ from libs.models.quant import Int4Linear, Int8Linear
 from libs.models.registry import resolve_model_path
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
-from services.worker.main import load_model
+from services.worker.main import load_llama_model
 
 FORMATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # label -> --dtype
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -152,7 +152,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_gguf(path, cache_dir)
     assert tokenizer.chat_template is not None
     prompt = tokenizer.encode(render_chat(tokenizer.chat_template, QUESTION))
-    models = {fmt: load_model(path, cache_dir, dtype) for fmt, dtype in FORMATS.items()}
+    models = {fmt: load_llama_model(path, cache_dir, dtype) for fmt, dtype in FORMATS.items()}
     _, ref_logits = decode(models["fp32"], prompt, None, args.decode_tokens)
     feed = [int(step.argmax()) for step in ref_logits[:-1]]  # fp32's greedy tokens
 

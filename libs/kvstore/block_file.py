@@ -12,7 +12,7 @@ Layout (little-endian; ``header_len`` counts every byte before the payload):
     block_hash 32s | num_layers u32 | num_kv_heads u32 | head_dim u32
     | block_size u32 | payload_len u64 | payload_checksum 16s
     | stored_at f64 | expires_at f64                                        _FIXED
-    fingerprint, dtype, retention_class: each u16 length + utf-8
+    fingerprint, dtype, retention_class, kv_kind (version 3 on): each u16 length + utf-8
     header_crc u32: crc32 of every header byte before it
     payload (payload_len bytes; the caller packs tensors)
 
@@ -42,9 +42,10 @@ from typing import BinaryIO, Final
 import xxhash
 
 from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, block_hash_hex
+from libs.kvstore.kv_spec import MHA, KVSpec
 
 MAGIC: Final = b"DIKVBLK\x00"
-FORMAT_VERSION: Final = 2  # the one written; every version in _PAYLOAD_CHECKSUMS is read
+FORMAT_VERSION: Final = 3  # the one written; every version in _PAYLOAD_CHECKSUMS is read
 BLOCK_FILE_SUFFIX: Final = ".kvb"
 TEMP_FILE_SUFFIX: Final = ".tmp"
 MAX_HEADER_NUM_BYTES: Final = 4096  # a bigger header_len is corruption, not a long fingerprint
@@ -65,7 +66,7 @@ class BlockFileFault(enum.Enum):
     CORRUPT_HEADER = "corrupt header"  # header checksum or field encoding wrong, or trailing bytes
     CORRUPT_PAYLOAD = "corrupt payload"  # payload checksum wrong
     FOREIGN_MODEL = "foreign model"  # another model fingerprint
-    WRONG_LAYOUT = "wrong layout"  # num_layers / num_kv_heads / head_dim / block_size differ
+    WRONG_LAYOUT = "wrong layout"  # KV kind / num_layers / num_kv_heads / head_dim / block_size differ
     WRONG_DTYPE = "wrong dtype"
     WRONG_HASH = "wrong hash"  # a valid block, but not the one asked for
 
@@ -82,11 +83,10 @@ class BlockFileError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
-    """Shape of one block's KV; the payload packing for a layout is the caller's contract."""
+    """Shape of one block's KV: the model's KV spec and the tokens per block. The payload is
+    ``kv_spec.block_shape(block_size)`` packed by the caller."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    kv_spec: KVSpec
     block_size: int
 
 
@@ -145,7 +145,12 @@ def _xxh3_128(payload: Buffer) -> bytes:
 # 4k-token SmolLM2 prefix; 0.3 s for a Llama-3-8B one). It guards against corruption, not forgery
 # (whoever can write the store can write a valid file): a damaged payload passes with probability
 # ~2**-128, crc32's is 2**-32. 1: sha256's first 16 bytes, still read, so an upgrade keeps the store.
-_PAYLOAD_CHECKSUMS: Final[dict[int, Callable[[Buffer], bytes]]] = {1: _sha256_128, 2: _xxh3_128}
+# 3: the same payload checksum; the header adds the KV kind (a version 1 or 2 block is MHA).
+_PAYLOAD_CHECKSUMS: Final[dict[int, Callable[[Buffer], bytes]]] = {1: _sha256_128, 2: _xxh3_128, 3: _xxh3_128}
+
+
+def _num_strings(version: int) -> int:
+    return 4 if version >= 3 else 3
 
 
 def payload_checksum(payload: Buffer, version: int = FORMAT_VERSION) -> bytes:
@@ -175,19 +180,22 @@ def encode_header(meta: BlockMeta, payload_len: int, checksum: bytes, version: i
     (``version``: an older format's, to test that it is still read)."""
     if len(meta.block_hash) != BLOCK_HASH_NUM_BYTES:
         raise ValueError(f"block hash has {len(meta.block_hash)} bytes, expected {BLOCK_HASH_NUM_BYTES}")
-    lay = meta.layout
+    spec = meta.layout.kv_spec
     fixed = _FIXED.pack(
         meta.block_hash,
-        lay.num_layers,
-        lay.num_kv_heads,
-        lay.head_dim,
-        lay.block_size,
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        meta.layout.block_size,
         payload_len,
         checksum,
         meta.stored_at,
         meta.expires_at,
     )
-    strings = b"".join(_encode_str(s) for s in (meta.fingerprint, meta.dtype, meta.retention_class))
+    texts = [meta.fingerprint, meta.dtype, meta.retention_class, spec.kind][: _num_strings(version)]
+    if version < 3 and spec.kind != MHA:
+        raise ValueError(f"format version {version} holds only {MHA} blocks")
+    strings = b"".join(_encode_str(s) for s in texts)
     header_len = _PREFIX.size + len(fixed) + len(strings) + _CRC.size
     if header_len > MAX_HEADER_NUM_BYTES:
         raise ValueError(f"header of {header_len} bytes exceeds {MAX_HEADER_NUM_BYTES}")
@@ -201,7 +209,7 @@ def _decode_fields(path: Path, header: bytes, version: int) -> BlockFileHeader:
         values = _FIXED.unpack_from(header, _PREFIX.size)
         offset = _PREFIX.size + _FIXED.size
         texts: list[str] = []
-        for _ in range(3):
+        for _ in range(_num_strings(version)):
             (num_bytes,) = _STR_LEN.unpack_from(header, offset)
             offset += _STR_LEN.size
             if offset + num_bytes > len(header) - _CRC.size:
@@ -213,10 +221,15 @@ def _decode_fields(path: Path, header: bytes, version: int) -> BlockFileHeader:
     if offset != len(header) - _CRC.size:
         raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, "bytes after the last field")
     block_hash, num_layers, num_kv_heads, head_dim, block_size, payload_len, checksum = values[:7]
+    kind = texts[3] if version >= 3 else MHA
+    try:
+        spec = KVSpec(kind, num_layers, num_kv_heads, head_dim)
+    except ValueError as e:
+        raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, str(e)) from None
     meta = BlockMeta(
         block_hash=block_hash,
         fingerprint=texts[0],
-        layout=BlockLayout(num_layers, num_kv_heads, head_dim, block_size),
+        layout=BlockLayout(spec, block_size),
         dtype=texts[1],
         retention_class=texts[2],
         stored_at=values[7],
@@ -234,7 +247,8 @@ def _read_header_from(f: BinaryIO, path: Path) -> BlockFileHeader:
         raise BlockFileError(path, BlockFileFault.BAD_MAGIC, repr(magic))
     if version not in _PAYLOAD_CHECKSUMS:
         raise BlockFileError(path, BlockFileFault.BAD_VERSION, f"version {version}")
-    if not _PREFIX.size + _FIXED.size + 3 * _STR_LEN.size + _CRC.size <= header_len <= MAX_HEADER_NUM_BYTES:
+    min_len = _PREFIX.size + _FIXED.size + _num_strings(version) * _STR_LEN.size + _CRC.size
+    if not min_len <= header_len <= MAX_HEADER_NUM_BYTES:
         raise BlockFileError(path, BlockFileFault.CORRUPT_HEADER, f"header_len {header_len}")
     rest = f.read(header_len - _PREFIX.size)
     if len(rest) < header_len - _PREFIX.size:

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from libs.kvstore.kv_spec import KVSpec
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LlamaConfig:
@@ -56,6 +58,9 @@ class LlamaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def kv_spec(self) -> KVSpec:
+        return KVSpec.mha(self.num_hidden_layers, self.num_key_value_heads, self.head_dim)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LlamaConfig:

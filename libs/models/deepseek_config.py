@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from libs.kvstore.kv_spec import KVSpec
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class YarnScaling:
@@ -113,6 +115,10 @@ class DeepseekV3Config:
         if self.rope_scaling is not None and self.rope_scaling.mscale_all_dim:
             scale *= yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim) ** 2
         return scale
+
+    def kv_spec(self) -> KVSpec:
+        """One latent entry per token and main layer (the MTP modules' caches are the drafter's)."""
+        return KVSpec.mla(self.num_hidden_layers, self.kv_lora_rank, self.qk_rope_head_dim)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

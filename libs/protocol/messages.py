@@ -338,6 +338,9 @@ class WorkerLoad:
     # prefill: only prompts handed off to another worker after their first token; decode: no
     # long uncached prompt while a prefill worker is free; both: anything
     role: str = "both"
+    # what one token's KV costs on it, every layer (its model's KV spec and KV dtype): 23,040 for
+    # SmolLM2 in bf16, 70,272 for DeepSeek-V3's MLA latent; 0 from a worker older than the field
+    kv_bytes_per_token: int = 0
 
 
 def seq_id_of(request_id: str, index: int) -> str:

@@ -57,7 +57,8 @@ def _token_bytes(token: str) -> bytes:
 
 
 class Tokenizer:
-    """A GGUF model's tokenizer: encode/decode plus the ids and chat template the recipe needs."""
+    """A model's tokenizer (from a GGUF or an HF directory): encode/decode plus the ids and chat
+    template the recipe needs."""
 
     def __init__(
         self,
@@ -98,6 +99,43 @@ class Tokenizer:
         if cache_file is not None:
             _write_cache(cache_file, record)
         return cls._from_record(record)
+
+    @classmethod
+    def from_hf_dir(cls, directory: Path) -> Tokenizer:
+        """Build from an HF checkpoint directory: tokenizer.json, and tokenizer_config.json's BOS /
+        EOS spellings, add_bos_token and chat template (or chat_template.jinja)."""
+        directory = Path(directory)
+        try:
+            backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises its own untyped exceptions
+            raise ValueError(f"{directory / 'tokenizer.json'}: no usable tokenizer ({e})") from None
+        config_path = directory / "tokenizer_config.json"
+        try:
+            config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{config_path}: unreadable ({e})") from None
+        template = config.get("chat_template")
+        template_file = directory / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+
+        def token_id(field: str) -> int | None:
+            value = config.get(field)
+            spelling = value.get("content") if isinstance(value, dict) else value
+            if spelling is None:
+                return None
+            found = backend.token_to_id(spelling)
+            if found is None:
+                raise ValueError(f"{config_path}: {field} {spelling!r} is not in tokenizer.json")
+            return int(found)
+
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            add_bos=bool(config.get("add_bos_token", False)),
+            chat_template=template if isinstance(template, str) else None,
+        )
 
     @classmethod
     def _from_record(cls, record: dict[str, Any]) -> Tokenizer:

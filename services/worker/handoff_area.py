@@ -65,7 +65,7 @@ class HandoffArea:
         self.dtype = dtype
         self.max_age_s = max_age_s
         self._clock = clock
-        self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.block_shape = layout.kv_spec.block_shape(layout.block_size)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-handoff")
         self._lock = threading.Lock()
         self._done: list[bytes] = []  # keys whose write finished (or failed), not yet drained

@@ -1,4 +1,5 @@
-"""The worker's physical KV pages and the per-step AttentionFn that reads and writes them."""
+"""The worker's physical KV pages, laid out by the model's KVSpec, and the per-step attention
+functions that read and write them (one per KV kind)."""
 
 from __future__ import annotations
 
@@ -8,27 +9,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from libs.kernels.mla_attention import MLAWeights, PagedMLABackend
 from libs.kernels.paged_attention import AttentionBackend
+from libs.kvstore.kv_spec import KVSpec
 
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
-
-    def block_shape(self, block_size: int) -> tuple[int, int, int, int, int]:
-        """Shape of one block's payload, the unit G2 holds and G3 stores:
-        ``[num_layers, 2 (key, value), block_size, num_kv_heads, head_dim]``."""
-        return (self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class KVCache:
-    """Per layer, key and value pages: ``[num_blocks, block_size, num_kv_heads, head_dim]`` each.
+    """Per plane and layer, one page tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``:
+    ``planes[0]`` the keys and ``planes[1]`` the values (MHA), or ``planes[0]`` the latent
+    entries (MLA, one head of kv_lora_rank + rope_dim).
 
     Zeroed, not empty: a batched decode may read padding slots that were never written, and
     masked-out garbage can still be NaN, which survives a softmax weight of 0.
@@ -36,36 +29,42 @@ class KVCache:
 
     def __init__(
         self,
-        layout: KVLayout,
+        kv_spec: KVSpec,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.layout = layout
+        self.kv_spec = kv_spec
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+        shape = kv_spec.page_shape(num_blocks, block_size)
+        self.planes = [
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv_spec.num_layers)]
+            for _ in range(kv_spec.num_planes)
+        ]
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        return self.layout.block_shape(self.block_size)
+        return self.kv_spec.block_shape(self.block_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_spec.bytes_per_token(element_size(self.dtype))
 
     def _index(self, block_ids: Sequence[int]) -> Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
     def gather_blocks(self, block_ids: Sequence[int]) -> Tensor:
-        """A copy of the pages ``block_ids``: ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]``
-        on this cache's device; later writes to the pages leave it unchanged."""
+        """A copy of the pages ``block_ids``: ``[n, *block_shape]`` on this cache's device; later
+        writes to the pages leave it unchanged."""
         index = self._index(block_ids)
         out = torch.empty((len(index), *self.block_shape), dtype=self.dtype, device=self.device)
-        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-            out[:, layer, 0] = k.index_select(0, index)
-            out[:, layer, 1] = v.index_select(0, index)
+        for plane, pages in enumerate(self.planes):
+            for layer, page in enumerate(pages):
+                out[:, layer, plane] = page.index_select(0, index)
         return out
 
     def scatter_blocks(self, block_ids: Sequence[int], payload: Tensor) -> None:
@@ -75,18 +74,35 @@ class KVCache:
         if payload.shape != (len(index), *self.block_shape) or payload.dtype != self.dtype:
             raise ValueError(f"payload {tuple(payload.shape)} {payload.dtype} does not fit these pages")
         payload = payload.to(self.device)
-        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-            k.index_copy_(0, index, payload[:, layer, 0])
-            v.index_copy_(0, index, payload[:, layer, 1])
+        for plane, pages in enumerate(self.planes):
+            for layer, page in enumerate(pages):
+                page.index_copy_(0, index, payload[:, layer, plane])
 
 
 @dataclass(frozen=True, slots=True)
 class StepAttention:
-    """The AttentionFn of one step: the model calls it once per layer; the backend is planned."""
+    """The AttentionFn of one step (MHA / GQA): the model calls it once per layer; the backend is planned."""
 
     backend: AttentionBackend
     kv_cache: KVCache
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        return self.backend.forward(q, k, v, self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx])
+        keys, values = self.kv_cache.planes
+        return self.backend.forward(q, k, v, keys[layer_idx], values[layer_idx])
+
+
+@dataclass(frozen=True, slots=True)
+class StepMLAAttention:
+    """The MLAAttentionFn of one step: each layer's latent page seen as [num_blocks, block_size, width]."""
+
+    backend: PagedMLABackend
+    kv_cache: KVCache
+
+    def __call__(
+        self, layer_idx: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, weights: MLAWeights
+    ) -> Tensor:
+        page = self.kv_cache.planes[0][layer_idx]
+        return self.backend.forward(
+            q_nope, q_pe, latent, k_pe, weights, page.view(*page.shape[:2], page.shape[-1])
+        )

@@ -50,9 +50,9 @@ from libs.kvstore.block_file import (
     touch_block_file,
     write_block_file,
 )
+from libs.kvstore.kv_spec import MHA, KVSpec
 from libs.kvstore.retention import RetentionClass, RetentionPolicy, UnknownRetentionClass
 from libs.models.registry import model_fingerprint
-from services.worker.kv_cache import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,18 @@ class _QueuedWrite:
     cls: RetentionClass  # raised under the store's lock by a later save asking for a stronger one
 
 
-def kv_fingerprint(model_path: Path, weights: str, dtype: torch.dtype, layout: KVLayout) -> str:
+def kv_fingerprint(model_path: Path, weights: str, dtype: torch.dtype, kv_spec: KVSpec) -> str:
     """The identity of the KV a model computes, folded into every block hash and G3 path:
-    ``<model stem>-<16 hex>`` over the file's content fingerprint, the weight format (int8 / int4
-    weights change the KV too), the KV dtype and layout. Stable across restarts and machines."""
-    parts = (model_fingerprint(model_path), weights, str(dtype), *dataclasses.astuple(layout))
+    ``<model stem>-<16 hex>`` over the model's content fingerprint, the weight format (int8 / int4
+    weights change the KV too), the KV dtype and spec. Stable across restarts and machines. An MHA
+    spec hashes as the layouts before MLA did (no kind), so the blocks stored then are still read."""
+    shape = dataclasses.astuple(kv_spec)
+    parts = (
+        model_fingerprint(model_path),
+        weights,
+        str(dtype),
+        *(shape[1:] if kv_spec.kind == MHA else shape),
+    )
     digest = hashlib.sha256("|".join(map(str, parts)).encode())
     stem = _UNSAFE.sub("-", model_path.name.split(".")[0]).strip("._-")[:100] or "model"
     return f"{stem}-{digest.hexdigest()[:16]}"
@@ -122,7 +129,7 @@ class KVStore:
         self.fsync = fsync
         self.on_stored = on_stored
         # one block's payload: [num_layers, 2 (key, value), block_size, num_kv_heads, head_dim]
-        self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.block_shape = layout.kv_spec.block_shape(layout.block_size)
         self.block_num_bytes = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
         self._write_file = write_file
         self._clock = clock

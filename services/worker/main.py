@@ -18,20 +18,24 @@ from libs.bus.nats_bus import NatsBus
 from libs.grammar import grammar_vocab as token_bytes_vocab
 from libs.grammar import resolve_backend
 from libs.kvstore.block_file import BlockLayout
+from libs.kvstore.kv_spec import KVSpec
+from libs.models.deepseek_loader import load_deepseek_v3
+from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
-from libs.models.registry import resolve_model_path
+from libs.models.registry import model_architecture, resolve_model_path
 from libs.recipe.tokenizer import Tokenizer
 from services.worker import metrics
 from services.worker.config import Config
+from services.worker.forward_executor import ModelShape
 from services.worker.grammar import DEFAULT_BACKEND, Grammars
 from services.worker.handoff_area import HANDOFF_DIR_NAME, HandoffArea
 from services.worker.host_cache import HostCache
-from services.worker.kv_cache import KVLayout
+from services.worker.kv_cache import element_size
 from services.worker.kv_store import KVStore, dtype_name, kv_fingerprint
 from services.worker.kv_tiers import KVTiers
-from services.worker.model_runner import ModelRunner, ModelShape
+from services.worker.model_runner import ModelRunner
 from services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -47,8 +51,31 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def load_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM:
-    """The model in weight format ``fmt`` (a --dtype value); activations in ``resolve_dtype(fmt)``."""
+# HF config.json architectures served from a checkpoint directory (GGUF files: llama).
+DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+
+
+def load_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
+    """The model in weight format ``fmt`` (a --dtype value); activations in ``resolve_dtype(fmt)``.
+    Found by architecture; one this worker cannot run is refused, naming the file and field."""
+    dtype = resolve_dtype(fmt)
+    architecture = model_architecture(path)
+    if path.is_dir():
+        if architecture not in DEEPSEEK_ARCHITECTURES:
+            raise ValueError(
+                f"{path / 'config.json'}: architectures {architecture!r} is not served from a checkpoint "
+                f"directory (supported: {', '.join(DEEPSEEK_ARCHITECTURES)}; llama as GGUF)"
+            )
+        if fmt in ("int8", "int4"):
+            raise ValueError(f"--dtype {fmt}: weight-only int8/int4 is implemented for llama only")
+        return load_deepseek_v3(path, dtype)
+    if architecture != "llama":
+        raise ValueError(f"{path}: general.architecture {architecture!r} is not supported (llama)")
+    return load_llama_model(path, cache_dir, fmt)
+
+
+def load_llama_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM:
+    """A llama GGUF in weight format ``fmt``."""
     dtype = resolve_dtype(fmt)
     model = load_llama(path, cache_dir, dtype=dtype)
     if fmt in ("int8", "int4"):
@@ -60,22 +87,24 @@ def load_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM:
 def grammar_vocab(path: Path, cache_dir: Path, vocab_size: int) -> list[bytes]:
     """The bytes of each token id a grammar may produce; b"" for special tokens and for ids past
     the tokenizer (a padded embedding table), which no grammar may emit as text."""
-    return token_bytes_vocab(Tokenizer.from_gguf(path, cache_dir), vocab_size)
+    tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path, cache_dir)
+    return token_bytes_vocab(tokenizer, vocab_size)
 
 
 def build_kv_tiers(
-    config: Config, cache_dir: str, fingerprint: str, layout: KVLayout, dtype: torch.dtype
+    config: Config, cache_dir: str, fingerprint: str, kv_spec: KVSpec, dtype: torch.dtype
 ) -> KVTiers | None:
     """G2 sized by ``host_cache_gb`` and G3 at ``kv_store_path``; None when both are off."""
     host = None
-    num_host_blocks = int(config.host_cache_gb * 2**30) // layout.bytes_per_block(config.block_size, dtype)
+    block_bytes = kv_spec.bytes_per_block(config.block_size, element_size(dtype))
+    num_host_blocks = int(config.host_cache_gb * 2**30) // block_bytes
     if num_host_blocks > 0:
         pin = torch.device(config.device).type == "cuda"  # pinned: full-bandwidth copies to the GPU
-        host = HostCache(num_host_blocks, layout.block_shape(config.block_size), dtype, pin_memory=pin)
+        host = HostCache(num_host_blocks, kv_spec.block_shape(config.block_size), dtype, pin_memory=pin)
     root = kv_store_root(config.kv_store_path, cache_dir)
     store = None
     if root is not None:
-        block_layout = BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, config.block_size)
+        block_layout = BlockLayout(kv_spec, config.block_size)
         policy = config.retention_policy()
         store = KVStore(root, fingerprint, block_layout, dtype, policy, fsync=config.kv_store_fsync)
     log.info("KV tiers: G2 %d blocks, G3 %s (fingerprint %s)", num_host_blocks, root or "off", fingerprint)
@@ -83,7 +112,7 @@ def build_kv_tiers(
 
 
 def build_handoff_area(
-    config: Config, cache_dir: str, fingerprint: str, layout: KVLayout, dtype: torch.dtype
+    config: Config, cache_dir: str, fingerprint: str, kv_spec: KVSpec, dtype: torch.dtype
 ) -> HandoffArea | None:
     """The handoff area at ``handoff_dir``, else under the G3 store; None when neither is set."""
     store_root = kv_store_root(config.kv_store_path, cache_dir)
@@ -92,7 +121,7 @@ def build_handoff_area(
         root = store_root / HANDOFF_DIR_NAME
     if root is None:
         return None
-    block_layout = BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, config.block_size)
+    block_layout = BlockLayout(kv_spec, config.block_size)
     log.info("P/D handoff area: %s", root)
     return HandoffArea(root, fingerprint, block_layout, dtype, max_age_s=config.handoff_max_age_s)
 
@@ -112,8 +141,17 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
     model = load_model(path, Path(cache_dir), config.dtype)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     shape = ModelShape.of(model.config)
-    num_blocks = int(config.kv_cache_gb * 2**30) // shape.layout.bytes_per_block(config.block_size, dtype)
-    log.info("model %s dtype=%s, %d KV blocks of %d tokens", path.name, dtype, num_blocks, config.block_size)
+    kv_bytes_per_token = shape.kv_spec.bytes_per_token(element_size(dtype))
+    num_blocks = int(config.kv_cache_gb * 2**30) // (kv_bytes_per_token * config.block_size)
+    log.info(
+        "model %s (%s KV, %d B/token) dtype=%s, %d KV blocks of %d tokens",
+        path.name,
+        shape.kv_spec.kind,
+        kv_bytes_per_token,
+        dtype,
+        num_blocks,
+        config.block_size,
+    )
     grammars = Grammars(
         grammar_vocab(path, Path(cache_dir), model.config.vocab_size), limits=config.grammar_limits()
     )
@@ -121,9 +159,9 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
     # other one starts on its first request. Neither importing: a broken install, no start.
     grammars.warm(resolve_backend(DEFAULT_BACKEND))
     weights = config.dtype if config.dtype in ("int8", "int4") else dtype_name(dtype)  # "auto" resolved
-    fingerprint = kv_fingerprint(path, weights, dtype, shape.layout)
-    kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.layout, dtype)
-    handoff = build_handoff_area(config, cache_dir, fingerprint, shape.layout, dtype)
+    fingerprint = kv_fingerprint(path, weights, dtype, shape.kv_spec)
+    kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.kv_spec, dtype)
+    handoff = build_handoff_area(config, cache_dir, fingerprint, shape.kv_spec, dtype)
     runner = ModelRunner(
         model,
         shape,

@@ -58,7 +58,7 @@ def observe_step(seconds: float, result: ModelRunnerOutput) -> None:
 
 
 class RunnerCollector(Collector):
-    """The runner's sequences, read when scraped (a length: atomic under the GIL)."""
+    """The runner's sequences (a length: atomic under the GIL) and KV shape, read when scraped."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -66,6 +66,10 @@ class RunnerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         doc = "sequences whose state this worker holds"
         yield GaugeMetricFamily("deepinfer_worker_num_running_seqs", doc, value=self.runner.num_running_seqs)
+        doc = "KV bytes one token costs here, all layers (the model's KV spec and the KV dtype)"
+        yield GaugeMetricFamily(
+            "deepinfer_worker_kv_bytes_per_token", doc, value=self.runner.kv_cache.bytes_per_token
+        )
 
 
 def registry(runner: ModelRunner) -> CollectorRegistry:

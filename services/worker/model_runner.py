@@ -1,4 +1,7 @@
-"""ModelRunner: the worker's sequences and KV pages, and one forward + sample per SchedulerOutput.
+"""ModelRunner, the step driver: the worker's sequences, and one forward + sample per SchedulerOutput.
+
+The forward itself, the KV pages and the attention backend are the ForwardExecutor's; the runner
+turns a plan into a ForwardBatch and the logits into sampled tokens.
 
 The scheduler decides everything about KV placement: a plan names, for each sequence, the pages
 to append to its block table and how many tokens to compute after those already computed. The
@@ -25,19 +28,18 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from libs.kernels.paged_attention import PagedAttentionMetadata, make_attention_backend
-from libs.models.attention import AttentionFn
-from libs.models.config import LlamaConfig
 from libs.protocol.codec import pack_tokens, unpack_tokens
 from libs.protocol.kv_messages import KVLoad
 from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, SchedulerOutput
+from services.worker.forward_executor import CausalLM as CausalLM  # re-exported: callers import it here
+from services.worker.forward_executor import ForwardBatch, ForwardExecutor
+from services.worker.forward_executor import ModelShape as ModelShape  # re-exported
 from services.worker.grammar import Grammars, MaskJob, MaskResult, SequenceGrammar
 from services.worker.handoff_area import HandoffArea
-from services.worker.kv_cache import KVCache, KVLayout, StepAttention
+from services.worker.kv_cache import KVCache
 from services.worker.kv_tiers import KVTiers, LoadResult
 from services.worker.kv_transfer import KVTransfer
 from services.worker.row_isolation import PlanError as PlanError  # re-exported: callers import it here
@@ -50,27 +52,6 @@ log = logging.getLogger(__name__)
 # A step of one row that raises is blamed on its sequence; this many such steps in a row, and the
 # next one fails the step instead (the model itself is broken: the worker drops everything).
 MAX_LONE_FAILURES = 3
-
-
-class CausalLM(Protocol):
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
-    ) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    num_heads: int
-    layout: KVLayout
-    vocab_size: int  # rows of the embedding table: a token id at or past it is refused
-    max_num_tokens: int  # positions the model has (its RoPE table): a longer sequence is refused
-
-    @classmethod
-    def of(cls, config: LlamaConfig) -> ModelShape:
-        layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        return cls(config.num_attention_heads, layout, config.vocab_size, config.max_position_embeddings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +93,9 @@ class ModelRunner:
         kv_tiers: KVTiers | None = None,
         handoff: HandoffArea | None = None,
     ) -> None:
-        self.model = model
+        self.executor = ForwardExecutor(model, shape, num_blocks, block_size, dtype, device)
         self.shape = shape
-        self.device = torch.device(device)
-        self.kv_cache = KVCache(shape.layout, num_blocks, block_size, dtype, self.device)
-        self.backend = make_attention_backend(
-            self.device, shape.num_heads, shape.layout.num_kv_heads, shape.layout.head_dim, dtype
-        )
+        self.device = self.executor.device
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         # Failed and dropped here, not yet in a plan's finished_seq_ids: plans made before the
@@ -132,6 +109,10 @@ class ModelRunner:
         self._masks: MaskJob | None = None  # made on the first constrained step
         self.kv_tiers = kv_tiers  # None: no G2 / G3; a plan's loads are all recomputed
         self.transfer = KVTransfer(self.kv_cache, kv_tiers, handoff)
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.executor.kv_cache
 
     @property
     def num_running_seqs(self) -> int:
@@ -344,23 +325,16 @@ class ModelRunner:
             positions += range(start, end)
             if row.samples:
                 logits_index.append(len(input_ids) - 1)
-        meta = PagedAttentionMetadata.build(
-            query_lens=[r.num_tokens for r in rows],
-            context_lens=[r.state.num_computed_tokens for r in rows],
-            block_tables=[r.state.block_table for r in rows],
-            block_size=self.block_size,
-            device=self.device,
+        return self.executor.forward(
+            ForwardBatch(
+                input_ids,
+                positions,
+                query_lens=[r.num_tokens for r in rows],
+                context_lens=[r.state.num_computed_tokens for r in rows],
+                block_tables=[r.state.block_table for r in rows],
+                logits_index=logits_index,
+            )
         )
-        self.backend.plan(meta)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            StepAttention(self.backend, self.kv_cache),
-        )
-        if not logits_index:
-            return None
-        index = torch.tensor(logits_index, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, index))
 
     def _start_masks(self, sampled_rows: list[_Row]) -> Future[MaskResult] | None:
         constrained = [

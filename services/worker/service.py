@@ -240,6 +240,7 @@ class WorkerService:
             has_handoff_area=self.runner.transfer.handoff is not None,
             draining=self.draining,
             role=self.config.role,
+            kv_bytes_per_token=self.runner.kv_cache.bytes_per_token,
         )
 
     async def _publish_load(self) -> None:

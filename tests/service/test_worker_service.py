@@ -107,11 +107,8 @@ def make_tiered_service(bus: InMemoryBus, root: Path) -> WorkerService:
     torch.manual_seed(0)
     model = LlamaForCausalLM(TINY_LLAMA).eval()
     shape = ModelShape.of(TINY_LLAMA)
-    host = HostCache(8, shape.layout.block_shape(4), torch.float32)
-    layout = shape.layout
-    store = KVStore(
-        root, FP, BlockLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, 4), torch.float32
-    )
+    host = HostCache(8, shape.kv_spec.block_shape(4), torch.float32)
+    store = KVStore(root, FP, BlockLayout(shape.kv_spec, 4), torch.float32)
     handoff = HandoffArea(root / HANDOFF_DIR_NAME, FP, store.layout, torch.float32, max_age_s=100)
     runner = ModelRunner(model, shape, 16, 4, torch.float32, kv_tiers=KVTiers(host, store), handoff=handoff)
     config = Config(worker_id="w1", load_interval_s=3600, drain_timeout_s=0)

@@ -28,6 +28,7 @@ from libs.kvstore.block_file import (
     write_block_file,
 )
 from libs.kvstore.block_hash import hash_block
+from libs.kvstore.kv_spec import KVSpec
 from libs.kvstore.retention import RetentionPolicy
 from services.kvcache import store_scan
 from services.kvcache.index import BlockIndex, Placement, Tier
@@ -43,7 +44,7 @@ from services.kvcache.store_scan import (
 
 POLICY = RetentionPolicy()
 FPS = ("model-a", "model-b")
-LAYOUT = BlockLayout(2, 1, 4, 2)
+LAYOUT = BlockLayout(KVSpec.mha(2, 1, 4), 2)
 DAY = 86_400.0
 NOW = 1_700_000_000.0
 

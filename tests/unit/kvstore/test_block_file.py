@@ -26,9 +26,10 @@ from libs.kvstore.block_file import (
     write_block_file,
 )
 from libs.kvstore.block_hash import block_hash_hex, hash_block
+from libs.kvstore.kv_spec import KVSpec
 
 FP = "smollm2-135m-q4_1"
-LAYOUT = BlockLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
+LAYOUT = BlockLayout(KVSpec.mha(30, 3, 64), 16)
 HASH = hash_block(None, list(range(16)), FP)
 PAYLOAD = bytes(range(256)) * 40
 META = BlockMeta(HASH, FP, LAYOUT, "bfloat16", "chat", stored_at=1_000.0, expires_at=1_000.0 + 7 * 86_400)
@@ -132,11 +133,14 @@ def test_bad_magic_and_version(tmp_path: Path) -> None:
 def test_a_valid_block_that_is_not_the_one_asked_for(tmp_path: Path) -> None:
     path = written(tmp_path)
     assert fault_of(path, replace(EXPECT, fingerprint="other-model")) is BlockFileFault.FOREIGN_MODEL
+    spec = LAYOUT.kv_spec
     for layout in (
-        replace(LAYOUT, num_layers=29),
-        replace(LAYOUT, num_kv_heads=1),
-        replace(LAYOUT, head_dim=128),
+        replace(LAYOUT, kv_spec=replace(spec, num_layers=29)),
+        replace(LAYOUT, kv_spec=replace(spec, num_kv_heads=1)),
+        replace(LAYOUT, kv_spec=replace(spec, head_dim=128)),
         replace(LAYOUT, block_size=32),
+        # An MLA entry of the same byte count is not these keys and values.
+        BlockLayout(KVSpec.mla(30, 2 * 3 * 64 - 64, 64), 16),
     ):
         assert fault_of(path, replace(EXPECT, layout=layout)) is BlockFileFault.WRONG_LAYOUT
     assert fault_of(path, replace(EXPECT, dtype="float16")) is BlockFileFault.WRONG_DTYPE

@@ -203,7 +203,7 @@ def test_a_partial_save_naming_no_page_is_a_plan_error(model: LlamaForCausalLM, 
 
 def test_a_drop_after_a_write_deletes_the_file_and_notices_every_write(tmp_path: Path) -> None:
     area = make_area(tmp_path)
-    page = torch.randn(SHAPE.layout.block_shape(BLOCK_SIZE))
+    page = torch.randn(SHAPE.kv_spec.block_shape(BLOCK_SIZE))
     area.write(KEY, page)
     area.skip(bytes(32))  # a save whose KV was never written: noticed, no file
     area.drop([KEY, bytes(range(1, 33))])  # one file, one never written
@@ -216,7 +216,7 @@ def test_a_drop_after_a_write_deletes_the_file_and_notices_every_write(tmp_path:
 def test_a_failed_write_is_noticed_and_nothing_is_left(tmp_path: Path) -> None:
     (tmp_path / "root").write_text("a file where the area's directory should be")
     area = make_area(tmp_path / "root")
-    area.write(KEY, torch.zeros(SHAPE.layout.block_shape(BLOCK_SIZE)))
+    area.write(KEY, torch.zeros(SHAPE.kv_spec.block_shape(BLOCK_SIZE)))
     area.flush()
     assert area.drain_done() == [KEY] and area.num_write_failures == 1
     assert area.read(KEY) is None  # the decode worker recomputes it
@@ -225,7 +225,7 @@ def test_a_failed_write_is_noticed_and_nothing_is_left(tmp_path: Path) -> None:
 def test_the_sweep_collects_only_old_files(tmp_path: Path) -> None:
     area = make_area(tmp_path, max_age_s=100.0)
     for key in (KEY, bytes(32)):
-        area.write(key, torch.zeros(SHAPE.layout.block_shape(BLOCK_SIZE)))
+        area.write(key, torch.zeros(SHAPE.kv_spec.block_shape(BLOCK_SIZE)))
     area.flush()
     old = time.time() - 200
     os.utime(area.path(KEY), (old, old))
@@ -238,7 +238,7 @@ def test_kvcache_never_indexes_or_collects_the_handoff_area(tmp_path: Path) -> N
     """Under the store root, the area is a dot directory: a store scan reports it as not its own
     (never deleted) and finds no block in it."""
     area = make_area(tmp_path / HANDOFF_DIR_NAME)
-    area.write(KEY, torch.zeros(SHAPE.layout.block_shape(BLOCK_SIZE)))
+    area.write(KEY, torch.zeros(SHAPE.kv_spec.block_shape(BLOCK_SIZE)))
     area.flush()
     items = list(scan_store(tmp_path))
     assert not [i for i in items if isinstance(i, ScannedBlock)]
@@ -246,7 +246,7 @@ def test_kvcache_never_indexes_or_collects_the_handoff_area(tmp_path: Path) -> N
 
 
 def test_config_places_the_area_under_the_store_or_where_asked(tmp_path: Path) -> None:
-    layout = SHAPE.layout
+    layout = SHAPE.kv_spec
     area = build_handoff_area(Config(block_size=BLOCK_SIZE), str(tmp_path), FP, layout, torch.float32)
     assert area is not None and area.dir == tmp_path / "kv-store" / HANDOFF_DIR_NAME / FP
     assert area.layout == STORE_LAYOUT

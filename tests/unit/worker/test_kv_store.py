@@ -25,12 +25,12 @@ from libs.kvstore.block_file import (
     read_header,
     write_block_file,
 )
+from libs.kvstore.kv_spec import KVSpec
 from libs.kvstore.retention import RetentionClass, RetentionPolicy
-from services.worker.kv_cache import KVLayout
 from services.worker.kv_store import KVStore, StoredBlock, kv_fingerprint
 
 FP = "tiny-0123456789abcdef"
-LAYOUT = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+LAYOUT = BlockLayout(KVSpec.mha(2, 2, 4), 4)
 NUM_BYTES = 2 * 2 * 4 * 2 * 4 * 4  # fp32
 POLICY = RetentionPolicy([RetentionClass("agent", 100.0, 0), RetentionClass("chat", 700.0, 1)], "agent")
 NOW = 1_000_000.0
@@ -318,7 +318,7 @@ def test_fingerprint_is_stable_and_tells_models_apart(tmp_path: Path) -> None:
     model.write_bytes(b"GGUF" + bytes(range(256)) * 10)
     other = tmp_path / "tiny.gguf"
     other.write_bytes(b"GGUF" + bytes(range(255)) * 10)
-    layout = KVLayout(2, 2, 16)
+    layout = KVSpec.mha(2, 2, 16)
     fp = kv_fingerprint(model, "float32", torch.float32, layout)
     assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", fp) and fp.startswith("Tiny-Model-")
     assert fp == kv_fingerprint(model, "float32", torch.float32, layout)
@@ -326,6 +326,6 @@ def test_fingerprint_is_stable_and_tells_models_apart(tmp_path: Path) -> None:
         kv_fingerprint(other, "float32", torch.float32, layout),
         kv_fingerprint(model, "bfloat16", torch.bfloat16, layout),
         kv_fingerprint(model, "int8", torch.bfloat16, layout),
-        kv_fingerprint(model, "float32", torch.float32, KVLayout(2, 1, 32)),
+        kv_fingerprint(model, "float32", torch.float32, KVSpec.mha(2, 1, 32)),
     }
     assert fp not in variants and len(variants) == 4

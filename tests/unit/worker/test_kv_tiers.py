@@ -46,7 +46,7 @@ SHAPE = ModelShape.of(CONFIG)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
 FP = "tiny-0123456789abcdef"
-STORE_LAYOUT = BlockLayout(CONFIG.num_hidden_layers, CONFIG.num_key_value_heads, CONFIG.head_dim, BLOCK_SIZE)
+STORE_LAYOUT = BlockLayout(CONFIG.kv_spec(), BLOCK_SIZE)
 PROMPT = [5, 9, 3, 7, 1, 2, 8, 11, 12, 13, 14, 15, 16, 17]  # 3 full blocks, then 2 tokens
 HASHES = hash_blocks(PROMPT, BLOCK_SIZE, FP)
 NUM_DECODES = 5
@@ -54,7 +54,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprob
 TABLE = [0, 1, 2, 3, 4, 5]  # the first run's pages
 FRESH = [10, 11, 12, 13, 14, 15]  # a later run's pages: nothing of the first run is in them
 NOW = 1_000_000.0
-BLOCK_NUM_BYTES = SHAPE.layout.bytes_per_block(BLOCK_SIZE, torch.float32)
+BLOCK_NUM_BYTES = SHAPE.kv_spec.bytes_per_block(BLOCK_SIZE, 4)
 
 
 @dataclass
@@ -73,7 +73,7 @@ def make_store(root: Path, **kwargs: Any) -> KVStore:
 
 
 def make_host(num_blocks: int = 16) -> HostCache:
-    return HostCache(num_blocks, SHAPE.layout.block_shape(BLOCK_SIZE), torch.float32)
+    return HostCache(num_blocks, SHAPE.kv_spec.block_shape(BLOCK_SIZE), torch.float32)
 
 
 def execute(runner: ModelRunner, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -165,7 +165,7 @@ def test_blocks_saved_to_g2_load_into_fresh_pages_and_match_cold(model: LlamaFor
             CacheTier.HOST,
             True,
             join_hashes(HASHES),
-            num_bytes=SHAPE.layout.bytes_per_block(4, torch.float32),
+            num_bytes=SHAPE.kv_spec.bytes_per_block(4, 4),
         )
     ]
     warm = serve(make_runner(model, tiers), FRESH, num_loaded=3)  # another runner: empty pages
@@ -258,11 +258,11 @@ def test_a_long_g3_load_goes_through_the_staging_buffer_whole_and_g2_keeps_its_h
     """More blocks than one staging chunk, G2 smaller than the load: every page gets its own
     block exactly, and G2 keeps the chain's first blocks (a later chunk never evicts them)."""
     monkeypatch.setattr(kv_tiers, "STAGING_MAX_BYTES", 4 * BLOCK_NUM_BYTES)  # 4 blocks a chunk
-    chunk = KVTiers.staging_blocks(torch.empty(SHAPE.layout.block_shape(BLOCK_SIZE)))
+    chunk = KVTiers.staging_blocks(torch.empty(SHAPE.kv_spec.block_shape(BLOCK_SIZE)))
     assert chunk == 4
     num_blocks = chunk + 6
-    source = KVCache(SHAPE.layout, num_blocks, BLOCK_SIZE, torch.float32)
-    for pages in (*source.k, *source.v):
+    source = KVCache(SHAPE.kv_spec, num_blocks, BLOCK_SIZE, torch.float32)
+    for pages in (page for plane in source.planes for page in plane):
         pages.normal_()
     hashes = hash_blocks(list(range(num_blocks * BLOCK_SIZE)), BLOCK_SIZE, FP)
     writer = KVTiers(None, make_store(tmp_path))
@@ -270,7 +270,7 @@ def test_a_long_g3_load_goes_through_the_staging_buffer_whole_and_g2_keeps_its_h
     writer.flush()
     num_host_blocks = chunk + 2
     reader = KVTiers(make_host(num_host_blocks), make_store(tmp_path))
-    target = KVCache(SHAPE.layout, 2 * num_blocks, BLOCK_SIZE, torch.float32)
+    target = KVCache(SHAPE.kv_spec, 2 * num_blocks, BLOCK_SIZE, torch.float32)
     pages = list(range(2 * num_blocks - 1, num_blocks - 1, -1))  # other pages, in another order
     result = reader.load(target, pages, hashes)
     assert (result.num_store_blocks, result.num_failed_blocks) == (num_blocks, 0)
@@ -395,7 +395,7 @@ def test_the_outbox_keeps_each_thread_s_order() -> None:
 
 
 def test_config_sizes_g2_and_places_g3(tmp_path: Path) -> None:
-    layout = SHAPE.layout
+    layout = SHAPE.kv_spec
     fraction = 10 * BLOCK_NUM_BYTES / 2**30  # room for 10 blocks
     config = Config(block_size=BLOCK_SIZE, host_cache_gb=fraction, default_retention_class="chat")
     tiers = build_kv_tiers(config, str(tmp_path), FP, layout, torch.float32)

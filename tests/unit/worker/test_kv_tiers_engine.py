@@ -43,7 +43,7 @@ def reference(model: LlamaForCausalLM) -> dict[str, list[int]]:
 
 def make_engine(model: LlamaForCausalLM, store_root: Path, host: bool) -> LocalEngine:
     shape = ModelShape.of(CONFIG)
-    host_cache = HostCache(64, shape.layout.block_shape(BLOCK_SIZE), torch.float32) if host else None
+    host_cache = HostCache(64, shape.kv_spec.block_shape(BLOCK_SIZE), torch.float32) if host else None
     store = KVStore(store_root, FP, STORE_LAYOUT, torch.float32, RetentionPolicy())
     runner = ModelRunner(
         model, shape, NUM_BLOCKS, BLOCK_SIZE, torch.float32, kv_tiers=KVTiers(host_cache, store)

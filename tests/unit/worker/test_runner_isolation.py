@@ -212,7 +212,7 @@ def test_a_failed_sequences_blocks_are_not_saved_by_plans_made_before_the_failur
     """Plan 2 was made before plan 1's result said "bad" was refused (overlap), and plan 3, which
     names it finished, still carries a save queued before the failure was known: neither may put
     the never-written KV into G2. After that its blocks are the scheduler's again."""
-    layout = ModelShape.of(TINY_LLAMA).layout
+    layout = ModelShape.of(TINY_LLAMA).kv_spec
     tiers = KVTiers(HostCache(8, layout.block_shape(BLOCK_SIZE), torch.float32), None)
     runner = ModelRunner(model, ModelShape.of(TINY_LLAMA), 64, BLOCK_SIZE, torch.float32, kv_tiers=tiers)
     prompt = pack_tokens([5, 6, 7, 8, TINY_LLAMA.vocab_size])
