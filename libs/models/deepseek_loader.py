@@ -102,7 +102,10 @@ def load_deepseek_v3(
         name = _our_name(disk_name, config)
         if name is not None:
             renamed[name] = tensor
-    state = _pack(renamed, config)
+    try:
+        state = _pack(renamed, config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()

@@ -64,6 +64,16 @@ def model_fingerprint(path: Path) -> str:
     return _file_digest(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
+def read_hf_shape(directory: Path) -> tuple[int, int]:
+    """(max_position_embeddings, vocab_size) of an HF checkpoint's config.json, for the gateway."""
+    config_path = directory / "config.json"
+    try:
+        data = json.loads(config_path.read_text())
+        return int(data["max_position_embeddings"]), int(data["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_path}: no usable max_position_embeddings / vocab_size ({e})") from None
+
+
 def model_architecture(path: Path) -> str:
     """The architecture a model file names: GGUF ``general.architecture`` ("llama"), or the first
     of config.json's ``architectures`` ("DeepseekV3ForCausalLM"). No torch, header reads only."""

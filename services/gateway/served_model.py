@@ -10,7 +10,7 @@ from typing import Any
 from libs.grammar import grammar_vocab
 from libs.grammar.sandbox import CompileLimits
 from libs.models.gguf_metadata import read_gguf_config
-from libs.models.registry import resolve_model_path
+from libs.models.registry import read_hf_shape, resolve_model_path
 from libs.recipe.chat_formats import ChatFormat, make_chat_format
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.constraints import structured_output
@@ -53,11 +53,16 @@ class ServedModel:
         grammar_limits: CompileLimits | None = None,
     ) -> ServedModel:
         path = resolve_model_path(spec)
-        tokenizer = Tokenizer.from_gguf(path, Path(cache_dir))
-        config = read_gguf_config(path)  # its vocab_size falls back to the token list's length
-        max_model_len = max_model_len or config.max_position_embeddings
+        if path.is_dir():  # an HF checkpoint: tokenizer and template beside config.json
+            tokenizer = Tokenizer.from_hf_dir(path)
+            num_positions, vocab_size = read_hf_shape(path)
+        else:
+            tokenizer = Tokenizer.from_gguf(path, Path(cache_dir))
+            config = read_gguf_config(path)  # its vocab_size falls back to the token list's length
+            num_positions, vocab_size = config.max_position_embeddings, config.vocab_size
+        max_model_len = max_model_len or num_positions
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"model {spec!r}: the GGUF names no EOS token")
+            raise ValueError(f"model {spec!r}: the model names no EOS token")
         template = None
         if tokenizer.chat_template is not None:
             template = ChatTemplate(
@@ -82,8 +87,8 @@ class ServedModel:
             keep,
             grammar_backend,
             reasoning_end,
-            config.vocab_size,
-            GrammarCheck(grammar_vocab(tokenizer, config.vocab_size or tokenizer.vocab_size), grammar_limits),
+            vocab_size,
+            GrammarCheck(grammar_vocab(tokenizer, vocab_size or tokenizer.vocab_size), grammar_limits),
         )
 
     @property

@@ -198,3 +198,28 @@ def test_a_version_1_file_is_still_read(tmp_path: Path) -> None:
     assert read_block_file(path, EXPECT) == PAYLOAD
     path.write_bytes(encode_header(META, len(PAYLOAD), checksum, version=1) + bytes(len(PAYLOAD)))
     assert fault_of(path) is BlockFileFault.CORRUPT_PAYLOAD
+
+
+def test_a_version_2_file_is_read_as_mha(tmp_path: Path) -> None:
+    """Format 2 (before the KV kind was in the header) held only per-head keys and values."""
+    path = tmp_path / "v2.kvb"
+    path.write_bytes(encode_header(META, len(PAYLOAD), payload_checksum(PAYLOAD, 2), version=2) + PAYLOAD)
+    header = read_header(path)
+    assert header.version == 2 and header.meta.layout == LAYOUT
+    assert read_block_file(path, EXPECT) == PAYLOAD
+    mla_layout = BlockLayout(KVSpec.mla(30, 3 * 2 * 64 - 64, 64), 16)
+    with pytest.raises(ValueError, match="only mha"):
+        encode_header(replace(META, layout=mla_layout), 0, b"\x00" * 16, version=2)
+
+
+def test_an_mla_block_round_trips_and_is_never_read_as_another_layout(tmp_path: Path) -> None:
+    mla = BlockLayout(KVSpec.mla(61, 512, 64), 16)
+    meta = replace(META, layout=mla)
+    path = block_path(tmp_path, FP, HASH)
+    write_block_file(path, meta, PAYLOAD)
+    assert read_header(path).meta.layout == mla and read_header(path).version == FORMAT_VERSION
+    assert read_block_file(path, replace(EXPECT, layout=mla)) == PAYLOAD
+    # the same numbers as keys and values of one head: another layout
+    as_mha = BlockLayout(KVSpec.mha(61, 1, 576), 16)
+    assert fault_of(path, replace(EXPECT, layout=as_mha)) is BlockFileFault.WRONG_LAYOUT
+    assert fault_of(path, replace(EXPECT, layout=LAYOUT)) is BlockFileFault.WRONG_LAYOUT

@@ -1,0 +1,80 @@
+"""The tiny random DeepSeek-V3 checkpoint (MLA, MoE, MTP weights; the DeepSeek V4 vocabulary with
+V4.1's markers) served by ``deepinfer serve --model DIR --chat-format deepseek-v4.1``: every API
+answers, and greedy tokens through the whole stack equal transformers' on the same checkpoint.
+The text is noise (random weights); the path is real."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from libs.models.tiny_deepseek import deepseek_v4_tokenizer_dir, write_tiny_checkpoint
+from libs.recipe.tokenizer import Tokenizer
+from tests.deepseek_reference import hf_from_dir, hf_logits
+from tests.system.serve_proc import Serve
+
+READY_S = 240.0
+NAME = "tiny-deepseek"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("models") / NAME
+    write_tiny_checkpoint(directory, seed=7, tokenizer_dir=deepseek_v4_tokenizer_dir())
+    return directory
+
+
+@pytest.fixture(scope="module")
+def serve(
+    model_cache_dir: Path, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Serve]:
+    tmp = tmp_path_factory.mktemp("deepseek-serve")
+    proc = Serve.start(model_cache_dir, tmp, "--model", str(checkpoint), "--chat-format", "deepseek-v4.1")
+    try:
+        proc.wait_until("/health 200", proc.healthy, READY_S)
+        yield proc
+    finally:
+        proc.kill()
+
+
+def test_greedy_completion_equals_transformers(serve: Serve, checkpoint: Path) -> None:
+    prompt = [100, 2000, 30000, 77, 128000, 5]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    resp = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    reference, tokens = hf_from_dir(checkpoint), list(prompt)
+    tokenizer = Tokenizer.from_hf_dir(checkpoint)
+    while len(tokens) < len(prompt) + 6:
+        tokens.append(int(hf_logits(reference, tokens)[-1].argmax()))
+        if tokens[-1] == tokenizer.eos_token_id:
+            break
+    assert choice["text"] == tokenizer.decode(tokens[len(prompt) :])
+    assert resp.json()["usage"]["completion_tokens"] == len(tokens) - len(prompt)
+
+
+def test_every_api_answers_in_the_deepseek_format(serve: Serve) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat = {"model": NAME, "messages": messages, "max_tokens": 5, "temperature": 0}
+    resp = httpx.post(f"{serve.url}/v1/chat/completions", json=chat, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    events = []
+    with httpx.stream(
+        "POST", f"{serve.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] in ("length", "stop")
+    anthropic = {"model": NAME, "max_tokens": 5, "messages": [{"role": "user", "content": "Hello"}]}
+    resp = httpx.post(f"{serve.url}/v1/messages", json=anthropic, timeout=60)
+    assert resp.status_code == 200 and resp.json()["stop_reason"] in ("max_tokens", "end_turn"), resp.text
+    resp = httpx.post(
+        f"{serve.url}/v1/responses", json={"model": NAME, "input": "Hi", "max_output_tokens": 5}, timeout=60
+    )
+    assert resp.status_code == 200, resp.text
