@@ -36,7 +36,7 @@ import httpx
 import psutil
 from throughput import running_serve
 
-from deepinfer.settings import resolve_cache_dir
+from libs.runtime.settings import resolve_cache_dir
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [

@@ -66,8 +66,8 @@ from prompts import bench_prompts
 from random_model import EMBEDDED
 from throughput import fmt_ratio, load_average, print_table, running_serve, stream_chat, stream_one
 
-from deepinfer.settings import resolve_cache_dir
 from libs.bus.nats_server import EmbeddedNatsServer
+from libs.runtime.settings import resolve_cache_dir
 
 PARTS = ("routing", "migration", "pd")
 ROUTINGS = ("round_robin", "kv")  # the baseline first

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from libs.models.gguf_metadata import read_gguf_config
-from libs.models.registry import resolve_model_path
+from libs.modelfiles.gguf_metadata import read_gguf_config
+from libs.modelfiles.registry import resolve_model_path
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 

@@ -38,7 +38,7 @@ from libs.grammar import BACKENDS, make_backend, validate
 from libs.grammar.backend import GrammarBackend, GrammarError, Matcher
 from libs.grammar.cache import GrammarCache
 from libs.grammar.completion import Alphabet, completion_path
-from libs.models.registry import resolve_model_path
+from libs.modelfiles.registry import resolve_model_path
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
 from libs.recipe.tokenizer import Tokenizer
 from tests.grammar_corpus import SCHEMAS

@@ -69,8 +69,8 @@ from prompts import bench_prompts
 from random_model import EMBEDDED, SHAPES, gguf_path
 from throughput import running_serve, stream_level
 
-from deepinfer.settings import resolve_cache_dir
-from libs.models.gguf_metadata import read_gguf_config
+from libs.modelfiles.gguf_metadata import read_gguf_config
+from libs.runtime.settings import resolve_cache_dir
 
 BLOCK_SIZE = 16  # the worker's default --block-size
 TARGETS = {"G1": 0.12, "G2": 0.12, "G3 after restart": 0.15}

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 from random_model import EMBEDDED, gguf_path, model_config, random_model
 
-from deepinfer.settings import resolve_cache_dir
 from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.retention import RetentionPolicy
-from libs.models.gguf_metadata import read_gguf_config
+from libs.modelfiles.gguf_metadata import read_gguf_config
 from libs.protocol.codec import pack_tokens
 from libs.protocol.kv_messages import KVSave, join_hashes
 from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput
+from libs.runtime.settings import resolve_cache_dir
 from services.worker.config import Config
 from services.worker.host_cache import HostCache
 from services.worker.kv_cache import element_size

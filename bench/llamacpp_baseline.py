@@ -179,8 +179,8 @@ def main() -> None:
 
     from prompts import chat_prompts  # the prompts every engine in bench/throughput.py gets
 
-    from deepinfer.settings import resolve_cache_dir
-    from libs.models.registry import resolve_model_path
+    from libs.modelfiles.registry import resolve_model_path
+    from libs.runtime.settings import resolve_cache_dir
     from services.gateway.served_model import ServedModel
 
     parser = argparse.ArgumentParser(

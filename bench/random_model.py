@@ -19,10 +19,10 @@ import gguf
 import numpy as np
 import torch
 
-from libs.models.config import LlamaConfig
+from libs.modelfiles.llama_config import LlamaConfig
+from libs.modelfiles.registry import resolve_model_path
 from libs.models.gguf_writer import write_llama_gguf
 from libs.models.llama import LlamaForCausalLM
-from libs.models.registry import resolve_model_path
 
 EMBEDDED = "smollm2"
 INIT_STD = 0.02  # activations stay O(1) through a few layers in bf16

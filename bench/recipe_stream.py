@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from libs.models.registry import resolve_model_path
+from libs.modelfiles.registry import resolve_model_path
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import FinishReason, RequestOutput, StreamRecord
 from libs.recipe.api import parse_responses_request

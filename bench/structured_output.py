@@ -41,7 +41,7 @@ import httpx
 from prompts import bench_prompts
 from throughput import running_serve, stream_chat
 
-from deepinfer.settings import resolve_cache_dir
+from libs.runtime.settings import resolve_cache_dir
 
 TARGET_RATIO = 0.97
 MODEL = "SmolLM2-135M-Instruct"

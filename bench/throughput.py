@@ -49,10 +49,10 @@ from prompts import bench_prompts, chat_prompts
 
 from deepinfer.local_engine import LocalEngine
 from deepinfer.serve import ChildExited, wait_healthy
-from deepinfer.settings import resolve_cache_dir
 from libs.bus.nats_server import free_port
-from libs.models.registry import resolve_model_path
+from libs.modelfiles.registry import resolve_model_path
 from libs.protocol.messages import SamplingParams
+from libs.runtime.settings import resolve_cache_dir
 from services.gateway.served_model import ServedModel
 from services.scheduler.config import Config as SchedulerConfig
 from services.scheduler.worker_scheduler import Limits

@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from deepinfer.settings import resolve_cache_dir
 from libs.kernels.attention import causal_attention
+from libs.modelfiles.registry import resolve_model_path
 from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from libs.models.quant import Int4Linear, Int8Linear
-from libs.models.registry import resolve_model_path
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
+from libs.runtime.settings import resolve_cache_dir
 from services.worker.main import load_llama_model
 
 FORMATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # label -> --dtype

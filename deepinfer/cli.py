@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from deepinfer import health, serve
-from deepinfer.settings import add_config_args
+from libs.runtime.settings import add_config_args
 from services.gateway.config import Config as GatewayConfig
 from services.kvcache.config import Config as KVCacheConfig
 from services.scheduler.config import Config as SchedulerConfig

@@ -11,11 +11,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from deepinfer.settings import build_config
 from libs.bus.membership import live_members
 from libs.bus.nats_bus import NatsBus
 from libs.protocol.messages import MemberKind
 from libs.protocol.subjects import Subjects
+from libs.runtime.settings import build_config
 
 KINDS = tuple(kind.name.lower() for kind in MemberKind)
 

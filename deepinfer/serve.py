@@ -35,10 +35,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from deepinfer.metrics_server import start_metrics_server
 from deepinfer.restart_policy import RestartPolicy
-from deepinfer.runtime import setup_logging
-from deepinfer.settings import add_config_args, build_config
 from deepinfer.supervisor import (
     REGISTRY,
     Child,
@@ -50,6 +47,9 @@ from deepinfer.supervisor import (
     wait_exited,
 )
 from libs.bus.nats_server import EmbeddedNatsServer
+from libs.runtime.metrics_server import start_metrics_server
+from libs.runtime.process import setup_logging
+from libs.runtime.settings import add_config_args, build_config
 from services.gateway.config import Config as GatewayConfig
 from services.kvcache.config import Config as KVCacheConfig
 from services.scheduler.config import Config as SchedulerConfig

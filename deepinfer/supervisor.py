@@ -21,8 +21,8 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter
 
 from deepinfer.restart_policy import RestartPolicy
-from deepinfer.settings import to_argv
 from libs.bus.nats_server import EmbeddedNatsServer
+from libs.runtime.settings import to_argv
 
 log = logging.getLogger("deepinfer.serve")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.models.registry import resolve_model_path
+from libs.modelfiles.registry import resolve_model_path
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from libs.models.config import LlamaConfig
+from libs.modelfiles.llama_config import LlamaConfig
 
 # GQA (4 query heads over 2 KV heads), tied head, small enough that a forward takes milliseconds.
 TINY_LLAMA = LlamaConfig(

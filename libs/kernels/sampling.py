@@ -22,8 +22,6 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from libs.protocol.messages import SamplingParams
-
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 _TOPK_MAX = 1024  # beyond this many candidates one full sort of the rows is cheaper than topk
@@ -49,6 +47,38 @@ def uniform_from_seed(seed: int, step: int) -> float:
     return (_mix64(state) >> 12) / float(1 << 52)
 
 
+class RowParams(Protocol):
+    """The sampling settings of one row that the sampler reads (the protocol's SamplingParams has
+    them; kernels know no wire types)."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def top_p(self) -> float: ...
+
+    @property
+    def min_p(self) -> float: ...
+
+    @property
+    def repetition_penalty(self) -> float: ...
+
+    @property
+    def presence_penalty(self) -> float: ...
+
+    @property
+    def frequency_penalty(self) -> float: ...
+
+    @property
+    def min_tokens(self) -> int: ...
+
+    @property
+    def greedy(self) -> bool: ...
+
+
 class SamplingRow(Protocol):
     """What sampling reads of a sequence (the worker's SequenceState is one)."""
 
@@ -62,7 +92,7 @@ class SamplingRow(Protocol):
     def num_output_tokens(self) -> int: ...
 
     @property
-    def sampling_params(self) -> SamplingParams: ...
+    def sampling_params(self) -> RowParams: ...
 
     @property
     def stop_token_ids(self) -> frozenset[int]: ...  # masked while outputs < min_tokens

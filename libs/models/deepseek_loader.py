@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from libs.models.deepseek_config import DeepseekV3Config
+from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.fp8 import quantize_fp8_block
 from libs.models.hf_checkpoint import (

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from libs.kernels.mla_attention import MLAWeights
 from libs.kernels.moe import grouped_topk, routed_experts
 from libs.kernels.rotary import apply_rotary_qk, prepare_rotation, rope_cos_sin_cache, yarn_cos_sin_cache
+from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.models.attention import MLAAttentionFn
-from libs.models.deepseek_config import DeepseekV3Config
 from libs.models.layers import GatedMLP, RMSNorm
 
 # The q and kv latent norms use a fixed eps in DeepSeek's reference and in transformers.

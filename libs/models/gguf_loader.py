@@ -22,10 +22,10 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from libs.models.config import LlamaConfig
-from libs.models.gguf_metadata import read_gguf_config
+from libs.modelfiles.gguf_metadata import read_gguf_config
+from libs.modelfiles.llama_config import LlamaConfig
+from libs.modelfiles.registry import model_fingerprint
 from libs.models.llama import LlamaForCausalLM
-from libs.models.registry import model_fingerprint
 
 __all__ = ["cached_weights_path", "convert_gguf", "load_llama", "load_state_dict_cached", "read_gguf_config"]
 

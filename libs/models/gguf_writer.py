@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from libs.models.config import LlamaConfig
+from libs.modelfiles.llama_config import LlamaConfig
 
 
 def write_llama_gguf(

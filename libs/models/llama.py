@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from libs.kernels.rotary import apply_rotary_qk, prepare_rotation, rope_cos_sin_cache
+from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.attention import AttentionFn
-from libs.models.config import LlamaConfig
 from libs.models.layers import GatedMLP, RMSNorm
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from libs.models.deepseek_config import DeepseekV3Config
+from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.models.deepseek_loader import write_checkpoint
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 

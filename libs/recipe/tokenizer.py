@@ -19,8 +19,8 @@ from typing import Any, Final
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from libs.models.gguf_metadata import read_gguf_header
-from libs.models.registry import model_fingerprint
+from libs.modelfiles.gguf_metadata import read_gguf_header
+from libs.modelfiles.registry import model_fingerprint
 from libs.recipe.conversation import RecipeError
 
 # Bump when the cached layout or the build rules change: old cache files are then rebuilt.

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from deepinfer.runtime import StopEvent, run_service, setup_logging
-from deepinfer.settings import build_config, resolve_cache_dir
 from libs.bus.membership import announce
 from libs.bus.nats_bus import NatsBus
 from libs.grammar import resolve_backend
 from libs.protocol.messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
+from libs.runtime.process import StopEvent, run_service, setup_logging
+from libs.runtime.settings import build_config, resolve_cache_dir
 from services.gateway.app import build_app
 from services.gateway.cache_scope import CacheScoping
 from services.gateway.config import Config

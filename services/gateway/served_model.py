@@ -9,8 +9,8 @@ from typing import Any
 
 from libs.grammar import grammar_vocab
 from libs.grammar.sandbox import CompileLimits
-from libs.models.gguf_metadata import read_gguf_config
-from libs.models.registry import read_hf_shape, resolve_model_path
+from libs.modelfiles.gguf_metadata import read_gguf_config
+from libs.modelfiles.registry import read_hf_shape, resolve_model_path
 from libs.recipe.chat_formats import ChatFormat, make_chat_format
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.constraints import structured_output

@@ -2,7 +2,7 @@
 
 ``kv_store_path``, ``retention_classes`` and ``default_retention_class`` mean the same to the worker
 (which writes the store) and to this service (which indexes and trims it); ``deepinfer serve``
-gives both processes the same flag, and both read it with ``deepinfer.settings.kv_store_root``, so
+gives both processes the same flag, and both read it with ``libs.runtime.settings.kv_store_root``, so
 they cannot disagree ("none": G3 is off for both).
 """
 

@@ -7,10 +7,10 @@ import asyncio
 import os
 from pathlib import Path
 
-from deepinfer.metrics_server import start_metrics_server
-from deepinfer.runtime import run_service, setup_logging
-from deepinfer.settings import build_config, kv_store_root, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
+from libs.runtime.metrics_server import start_metrics_server
+from libs.runtime.process import run_service, setup_logging
+from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
 from services.kvcache import metrics
 from services.kvcache.config import Config
 from services.kvcache.service import KVCacheService

@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import os
 
-from deepinfer.metrics_server import start_metrics_server
-from deepinfer.runtime import run_service, setup_logging
-from deepinfer.settings import build_config
 from libs.bus.nats_bus import NatsBus
+from libs.runtime.metrics_server import start_metrics_server
+from libs.runtime.process import run_service, setup_logging
+from libs.runtime.settings import build_config
 from services.scheduler import metrics
 from services.scheduler.config import Config
 from services.scheduler.service import SchedulerService

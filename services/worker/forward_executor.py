@@ -17,9 +17,9 @@ import torch
 from libs.kernels.mla_attention import PagedMLABackend
 from libs.kernels.paged_attention import AttentionBackend, PagedAttentionMetadata, make_attention_backend
 from libs.kvstore.kv_spec import MLA, KVSpec
+from libs.modelfiles.deepseek_config import DeepseekV3Config
+from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.attention import AttentionFn, MLAAttentionFn
-from libs.models.config import LlamaConfig
-from libs.models.deepseek_config import DeepseekV3Config
 from services.worker.kv_cache import KVCache, StepAttention, StepMLAAttention
 
 

@@ -52,7 +52,7 @@ from libs.kvstore.block_file import (
 )
 from libs.kvstore.kv_spec import MHA, KVSpec
 from libs.kvstore.retention import RetentionClass, RetentionPolicy, UnknownRetentionClass
-from libs.models.registry import model_fingerprint
+from libs.modelfiles.registry import model_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -11,21 +11,21 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.metrics_server import start_metrics_server
-from deepinfer.runtime import run_service, setup_logging
-from deepinfer.settings import build_config, kv_store_root, resolve_cache_dir
 from libs.bus.nats_bus import NatsBus
 from libs.grammar import grammar_vocab as token_bytes_vocab
 from libs.grammar import resolve_backend
 from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.kv_spec import KVSpec
+from libs.modelfiles.registry import model_architecture, resolve_model_path
 from libs.models.deepseek_loader import load_deepseek_v3
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
-from libs.models.registry import model_architecture, resolve_model_path
 from libs.recipe.tokenizer import Tokenizer
+from libs.runtime.metrics_server import start_metrics_server
+from libs.runtime.process import run_service, setup_logging
+from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
 from services.worker import metrics
 from services.worker.config import Config
 from services.worker.forward_executor import ModelShape

@@ -27,7 +27,6 @@ import contextlib
 import logging
 import time
 
-from deepinfer.runtime import StopEvent, busy
 from libs.bus.base import Bus, Message
 from libs.bus.membership import MEMBER_TTL_S, REFRESH_S, announce, live_members
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
@@ -43,6 +42,7 @@ from libs.protocol.kv_messages import (
 )
 from libs.protocol.messages import MemberInfo, MemberKind, ModelRunnerOutput, SchedulerOutput, WorkerLoad
 from libs.protocol.subjects import Subjects
+from libs.runtime.process import StopEvent, busy
 from services.worker import metrics
 from services.worker.config import Config
 from services.worker.handoff_area import HandoffArea

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.settings import kv_store_root
 from libs.bus.base import Message
 from libs.kvstore.retention import RetentionPolicy
 from libs.protocol.codec import decode, encode
@@ -24,6 +23,7 @@ from libs.protocol.kv_messages import (
     RemovalReason,
     join_hashes,
 )
+from libs.runtime.settings import kv_store_root
 from services.kvcache import main as kvcache_main
 from services.kvcache import service as service_module
 from services.kvcache.config import Config

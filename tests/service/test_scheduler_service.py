@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import dataclasses
 
-from deepinfer.settings import build_config
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import encode, unpack_tokens
 from libs.protocol.messages import (
@@ -15,6 +14,7 @@ from libs.protocol.messages import (
     FinishReason,
     SubmitStatus,
 )
+from libs.runtime.settings import build_config
 from services.scheduler.config import Config
 from services.scheduler.service import SchedulerService
 from tests.service.scheduler_harness import (

@@ -14,9 +14,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepinfer.metrics_server import start_metrics_server
 from libs.bus.nats_server import free_port
 from libs.protocol.messages import FinishReason, ModelRunnerOutput, SchedulerOutput, StepOutputs, SubmitStatus
+from libs.runtime.metrics_server import start_metrics_server
 from services.kvcache import metrics as kvcache_metrics
 from services.scheduler import metrics as scheduler_metrics
 from services.scheduler.config import Config

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.runtime import StopEvent
 from libs.bus.base import Message
 from libs.bus.membership import announce, member_key
 from libs.bus.memory import InMemoryBus
@@ -19,6 +18,7 @@ from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import decode, encode, pack_tokens
 from libs.protocol.messages import MemberInfo, MemberKind, SchedulerOutput, WorkerLoad
 from libs.protocol.subjects import Subjects
+from libs.runtime.process import StopEvent
 from services.worker.config import Config
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService

@@ -84,7 +84,7 @@ def test_sdk_stream_equals_non_stream_and_usage(stack: Stack) -> None:
 
 
 def test_usage_matches_the_tokenizer(stack: Stack) -> None:
-    from libs.models.registry import resolve_model_path
+    from libs.modelfiles.registry import resolve_model_path
     from libs.recipe.chat_template import ChatTemplate
     from libs.recipe.tokenizer import Tokenizer
 
@@ -206,7 +206,7 @@ def test_stop_token_ids_and_ignore_eos(stack: Stack) -> None:
     assert longer.choices[0].finish_reason == "length" and longer.usage is not None
     assert longer.usage.completion_tokens == 12
     assert (longer.choices[0].message.content or "").startswith("The capital of France is Paris.")
-    from libs.models.registry import resolve_model_path
+    from libs.modelfiles.registry import resolve_model_path
     from libs.recipe.tokenizer import Tokenizer
 
     (france,) = Tokenizer.from_gguf(resolve_model_path(), None).encode(" France")

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from deepinfer.cli import SERVICES, build_parser
-from deepinfer.settings import ENV_PREFIX, build_config
 from libs.bus.nats_server import MAX_PAYLOAD
+from libs.runtime.settings import ENV_PREFIX, build_config
 from services.worker.config import Config as WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]

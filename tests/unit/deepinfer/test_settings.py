@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from deepinfer.settings import add_config_args, build_config, resolve_cache_dir, to_argv
+from libs.runtime.settings import add_config_args, build_config, resolve_cache_dir, to_argv
 from services.worker.config import Config
 
 

@@ -1,4 +1,4 @@
-"""The watchdog in deepinfer.runtime: HangDetector's decisions, and real processes that hang.
+"""The watchdog in libs.runtime.process: HangDetector's decisions, and real processes that hang.
 
 The process tests run ``run_service`` in a child interpreter, so that ``os._exit`` is observed: a
 loop blocked by ``time.sleep`` and a ``busy()`` block that outlives its bound both end the process
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from deepinfer.runtime import MAX_TICK_S, WATCHDOG_EXIT_CODE, HangDetector, StopEvent
+from libs.runtime.process import MAX_TICK_S, WATCHDOG_EXIT_CODE, HangDetector, StopEvent
 
 
 def test_unanswered_heartbeats_add_up_to_a_hang() -> None:
@@ -74,7 +74,7 @@ def test_sigint_or_a_second_signal_hurries_the_stop() -> None:
 
 SERVICE = """
 import asyncio, sys, time
-from deepinfer.runtime import busy, run_service, setup_logging
+from libs.runtime.process import busy, run_service, setup_logging
 
 async def serve(stop):
     mode = sys.argv[1]

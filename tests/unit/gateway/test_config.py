@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
-from deepinfer.settings import build_config
 from libs.kvstore.retention import DEFAULT_RETENTION_CLASS, DEFAULT_RETENTION_CLASSES
+from libs.runtime.settings import build_config
 from services.gateway.config import Config
 
 

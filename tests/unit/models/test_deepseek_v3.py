@@ -16,8 +16,8 @@ from safetensors import safe_open
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_modeling
 
 from libs.kernels.moe import grouped_topk
+from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.models.attention import SingleSequenceMLAAttention
-from libs.models.deepseek_config import DeepseekV3Config
 from libs.models.deepseek_loader import load_deepseek_v3
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.fp8 import dequantize_fp8_block_reference

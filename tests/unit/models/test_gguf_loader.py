@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from libs.modelfiles.llama_config import LlamaConfig
 from libs.models import gguf_loader
 from libs.models.attention import SingleSequenceCausalAttention
-from libs.models.config import LlamaConfig
 from libs.models.gguf_loader import cached_weights_path, load_llama, read_gguf_config
 from libs.models.gguf_writer import write_llama_gguf
 from libs.models.llama import LlamaForCausalLM

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from libs.models.gguf_metadata import read_gguf_config, read_gguf_header
+from libs.modelfiles.gguf_metadata import read_gguf_config, read_gguf_header
 
 
 def reference_metadata(path: Path) -> dict[str, object]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from libs.modelfiles.registry import model_architecture, model_fingerprint, resolve_model_path
 from libs.models.deepseek_loader import load_deepseek_v3
 from libs.models.hf_checkpoint import INDEX_FILE, CheckpointError
-from libs.models.registry import model_architecture, model_fingerprint, resolve_model_path
 from libs.models.tiny_deepseek import write_tiny_checkpoint
 from services.worker.main import load_model
 

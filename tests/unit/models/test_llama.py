@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from libs.kernels.attention import causal_attention
+from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.attention import SingleSequenceCausalAttention
-from libs.models.config import LlamaConfig
 from libs.models.llama import LlamaForCausalLM
 from tests.tiny_models import TINY_LLAMA
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.models.registry import model_fingerprint, resolve_model_path
+from libs.modelfiles.registry import model_fingerprint, resolve_model_path
 
 
 def test_default_resolves_to_installed_gguf(smollm2_path: Path) -> None:

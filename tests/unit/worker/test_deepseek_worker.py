@@ -14,11 +14,11 @@ import transformers
 
 from deepinfer.local_engine import LocalEngine
 from libs.kvstore.kv_spec import MLA, KVSpec
-from libs.models.deepseek_config import DeepseekV3Config
+from libs.modelfiles.deepseek_config import DeepseekV3Config
+from libs.modelfiles.gguf_metadata import read_gguf_config
+from libs.modelfiles.registry import resolve_model_path
 from libs.models.deepseek_loader import load_deepseek_v3
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
-from libs.models.gguf_metadata import read_gguf_config
-from libs.models.registry import resolve_model_path
 from libs.models.tiny_deepseek import write_tiny_checkpoint
 from libs.protocol.messages import SamplingParams
 from services.scheduler.worker_scheduler import Limits

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from libs.models.config import LlamaConfig
+from libs.modelfiles.llama_config import LlamaConfig
 
 _MAGIC: Final = b"GGUF"
 _STRING: Final = 8

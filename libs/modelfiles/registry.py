@@ -86,7 +86,7 @@ def model_architecture(path: Path) -> str:
         if not (isinstance(architectures, list) and architectures and isinstance(architectures[0], str)):
             raise ValueError(f"{config_path}: field 'architectures' names no architecture")
         return architectures[0]
-    from libs.models.gguf_metadata import read_gguf_architecture
+    from libs.modelfiles.gguf_metadata import read_gguf_architecture
 
     return read_gguf_architecture(path)
 

@@ -1,0 +1,1 @@
+"""What every service process shares: config from flags and env, the run loop and signals, /metrics."""
