@@ -1,7 +1,7 @@
 """Step time of a DeepSeek-V3-family model against a llama of the same size, through the worker's
 forward executor (paged KV, the worker's attention backends), and the MoE routing cost per token.
 
-    python bench/models.py [--size tiny|small] [--threads 2] [--quick]
+    python bench/models.py [--size tiny|small] [--threads 2] [--device cpu|cuda] [--quick]
 
 "Same size": the same hidden size, layers, query heads and head width; the llama's MLP is as
 wide as the DeepSeek model's dense layers. Per size, prefill of one prompt and batched decodes
@@ -94,32 +94,48 @@ def best_seconds(fns: dict[str, Callable[[], object]], rounds: int, round_s: flo
     return best
 
 
+DEVICE = torch.device("cpu")  # --device
+
+
+def _synced(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn, then a wait for the device: a GPU step is timed to its end, not to its launch."""
+    if DEVICE.type != "cuda":
+        return fn
+
+    def synced() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return synced
+
+
 def prefill_step(model: CausalLM, shape: ModelShape, num_tokens: int) -> Callable[[], object]:
-    executor = ForwardExecutor(model, shape, num_tokens // BLOCK_SIZE + 2, BLOCK_SIZE, torch.float32)
+    executor = ForwardExecutor(model, shape, num_tokens // BLOCK_SIZE + 2, BLOCK_SIZE, torch.float32, DEVICE)
     ids = [random.randrange(shape.vocab_size) for _ in range(num_tokens)]
     table = list(range(num_tokens // BLOCK_SIZE + 1))
     batch = ForwardBatch(ids, list(range(num_tokens)), [num_tokens], [0], [table], [num_tokens - 1])
-    return lambda: executor.forward(batch)
+    return _synced(lambda: executor.forward(batch))
 
 
 def decode_step(model: CausalLM, shape: ModelShape, batch_size: int, context: int) -> Callable[[], object]:
     blocks = -(-(context + 1) // BLOCK_SIZE)
-    executor = ForwardExecutor(model, shape, batch_size * blocks, BLOCK_SIZE, torch.float32)
+    executor = ForwardExecutor(model, shape, batch_size * blocks, BLOCK_SIZE, torch.float32, DEVICE)
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch_size)]
     ids = [random.randrange(shape.vocab_size) for _ in range(batch_size)]
     batch = ForwardBatch(
         ids, [context] * batch_size, [1] * batch_size, [context] * batch_size, tables, list(range(batch_size))
     )
-    return lambda: executor.forward(batch)
+    return _synced(lambda: executor.forward(batch))
 
 
 @torch.inference_mode()
 def bench_steps(size: str, rounds: int, round_s: float, quick: bool) -> None:
     config = deepseek_config(size)
-    deepseek: DeepseekV3ForCausalLM = random_deepseek(config)
+    deepseek: DeepseekV3ForCausalLM = random_deepseek(config).to(DEVICE)
+    deepseek.reset_rope_cache(DEVICE)
     llama_config = matching_llama(config)
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(llama_config).eval()
+    llama = LlamaForCausalLM(llama_config).eval().to(DEVICE)
     shapes = {"deepseek": ModelShape.of(config), "llama": ModelShape.of(llama_config)}
     params = {
         "deepseek": sum(p.numel() for p in deepseek.parameters()),
@@ -183,11 +199,14 @@ def main() -> None:
     )
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help="one size (default: both)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the step bench; MoE cost stays on CPU)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny size, short rounds")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     random.seed(0)
-    print(f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}")
+    print(f"device {DEVICE}, threads {args.threads}, load average {os.getloadavg()[0]:.2f}")
     sizes = ["tiny"] if args.quick else [args.size] if args.size else list(SIZES)
     rounds, round_s = (1, 0.01) if args.quick else (5, 0.2)
     for size in sizes:

@@ -156,16 +156,23 @@ class AttentionBackend(Protocol):
 def make_attention_backend(
     device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> AttentionBackend:
-    """flashinfer on CUDA for fp16/bf16 (flashinfer has no fp32 kernels); plain torch otherwise."""
+    """flashinfer on CUDA for fp16/bf16 where it is installed (it has no fp32 kernels); plain torch
+    otherwise, on any device."""
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     device = torch.device(device)
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
         # Imported here: that module imports this one, and flashinfer itself is CUDA-only.
         from libs.kernels.paged_attention_flashinfer import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(device, num_heads, num_kv_heads, head_dim, dtype)
     return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+
+
+def flashinfer_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def decode_groups(padded_lens: list[int]) -> list[list[int]]:

@@ -58,6 +58,6 @@ def bitmask_to_bias(bitmask: Tensor, vocab_size: int) -> Tensor:
 def apply_bias(logits: Tensor, bias: Tensor, rows: Tensor | None = None) -> None:
     """logits[rows] += bias in place (every row when ``rows`` is None). bias [len(rows), vocab]."""
     if rows is None:
-        logits.add_(bias)
+        logits.add_(bias.to(logits.device, non_blocking=True))
     else:
-        logits.index_add_(0, rows, bias)
+        logits.index_add_(0, rows, bias.to(logits.device, non_blocking=True))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import uuid
+import re
 from dataclasses import dataclass, field
 
 from libs.grammar.sandbox import CompileLimits
 from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
+
+DEVICE = re.compile(r"cpu|(cuda|npu)(:\d+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,10 +20,18 @@ class Config:
         default_factory=lambda: "worker-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
     )
     model: str = field(
-        default="smollm2", metadata={"help": "'smollm2' (embedded) or a llama-family .gguf path"}
+        default="smollm2",
+        metadata={
+            "help": "'smollm2' (embedded), a llama .gguf, or an HF checkpoint directory (DeepSeek-V3 family)"
+        },
     )
     cache_dir: str = field(default="", metadata={"help": "converted-weights cache (default: user cache dir)"})
-    device: str = field(default="cpu", metadata={"help": "cpu (cuda/npu: later)"})
+    device: str = field(
+        default="cpu",
+        metadata={
+            "help": "cpu, cuda[:N] (flashinfer when installed, else plain torch), npu[:N] (torch_npu; untested)"
+        },
+    )
     dtype: str = field(
         default="auto",
         metadata={
@@ -103,8 +114,8 @@ class Config:
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
-        if self.device != "cpu":
-            raise ValueError(f"device={self.device!r}: only 'cpu' is supported so far")
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"device={self.device!r}: expected cpu, cuda[:N] or npu[:N]")
         if self.dtype not in ("auto", "bfloat16", "float32", "int8", "int4"):
             raise ValueError(f"dtype={self.dtype!r}: expected auto, bfloat16, float32, int8 or int4")
         positive = (

@@ -39,12 +39,31 @@ from services.worker.model_runner import ModelRunner
 from services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
+CPU = torch.device("cpu")
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """The activation and KV dtype. auto: bf16 where the CPU has native bf16 math (AVX-512 BF16 / AMX),
-    else fp32. int8 / int4 weights run with bf16 activations (their fp32 CPU kernels are over 10x slower)."""
+def resolve_device(name: str) -> torch.device:
+    """The worker's device, refused at start when this torch cannot use it (naming what is missing)."""
+    if name.startswith("npu"):
+        try:
+            import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (registers the npu device)
+        except ImportError:
+            raise ValueError(f"--device {name}: needs torch_npu (Ascend), which is not installed") from None
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch sees no CUDA device (torch {torch.__version__})")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device = CPU) -> torch.dtype:
+    """The activation and KV dtype. auto: bf16 on an accelerator, and on a CPU with native bf16 math
+    (AVX-512 BF16 / AMX), else fp32. int8 / int4 weights run with bf16 activations (their fp32 CPU
+    kernels are over 10x slower); they are CPU kernels."""
+    if name in ("int8", "int4") and device.type != "cpu":
+        raise ValueError(f"--dtype {name}: weight-only int8/int4 are CPU kernels; use bfloat16 on {device}")
     if name == "auto":
+        if device.type != "cpu":
+            return torch.bfloat16
         return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
     if name in ("int8", "int4"):
         return torch.bfloat16
@@ -52,13 +71,17 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 # HF config.json architectures served from a checkpoint directory (GGUF files: llama).
-DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+# (V3.2 is the same model plus a sparse-attention indexer, which is not implemented here.)
+DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
-def load_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
-    """The model in weight format ``fmt`` (a --dtype value); activations in ``resolve_dtype(fmt)``.
-    Found by architecture; one this worker cannot run is refused, naming the file and field."""
-    dtype = resolve_dtype(fmt)
+def load_model(
+    path: Path, cache_dir: Path, fmt: str, device: torch.device = CPU
+) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
+    """The model in weight format ``fmt`` (a --dtype value) on ``device``; activations in
+    ``resolve_dtype(fmt, device)``. Found by architecture; one this worker cannot run is refused,
+    naming the file and field."""
+    dtype = resolve_dtype(fmt, device)
     architecture = model_architecture(path)
     if path.is_dir():
         if architecture not in DEEPSEEK_ARCHITECTURES:
@@ -68,16 +91,16 @@ def load_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM | Deep
             )
         if fmt in ("int8", "int4"):
             raise ValueError(f"--dtype {fmt}: weight-only int8/int4 is implemented for llama only")
-        return load_deepseek_v3(path, dtype)
+        return load_deepseek_v3(path, dtype, device)
     if architecture != "llama":
         raise ValueError(f"{path}: general.architecture {architecture!r} is not supported (llama)")
-    return load_llama_model(path, cache_dir, fmt)
+    return load_llama_model(path, cache_dir, fmt, device)
 
 
-def load_llama_model(path: Path, cache_dir: Path, fmt: str) -> LlamaForCausalLM:
-    """A llama GGUF in weight format ``fmt``."""
-    dtype = resolve_dtype(fmt)
-    model = load_llama(path, cache_dir, dtype=dtype)
+def load_llama_model(path: Path, cache_dir: Path, fmt: str, device: torch.device = CPU) -> LlamaForCausalLM:
+    """A llama GGUF in weight format ``fmt`` on ``device``."""
+    dtype = resolve_dtype(fmt, device)
+    model = load_llama(path, cache_dir, dtype=dtype, device=device)
     if fmt in ("int8", "int4"):
         quantize_model(model, fmt)  # weight-only: projections and LM head stay packed
         log.info("weights quantized to %s (activations %s)", fmt, dtype)
@@ -137,8 +160,9 @@ class Worker:
 def build_worker(config: Config, cache_dir: str) -> Worker:
     """Load the model, size the KV pool and the KV tiers."""
     path = resolve_model_path(config.model)
-    dtype = resolve_dtype(config.dtype)
-    model = load_model(path, Path(cache_dir), config.dtype)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model = load_model(path, Path(cache_dir), config.dtype, device)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     shape = ModelShape.of(model.config)
     kv_bytes_per_token = shape.kv_spec.bytes_per_token(element_size(dtype))
@@ -168,6 +192,7 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
         num_blocks,
         config.block_size,
         dtype,
+        device,
         grammars=grammars,
         kv_tiers=kv_tiers,
         handoff=handoff,

@@ -28,6 +28,14 @@ from tests.deepseek_reference import hf_from_dir, hf_logits
 
 BLOCK_SIZE = 4
 ATOL = 1e-4
+# The same reference checks on a GPU where there is one (bench/gpu_check.sh runs them there).
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +81,7 @@ def _step(executor: ForwardExecutor, rows: list[tuple[_Seq, int]]) -> list[torch
     )
     logits = executor.forward(batch)
     assert logits is not None
+    logits = logits.cpu()
     out, start = [], 0
     for seq, n in rows:
         out.append(logits[start : start + n])
@@ -81,11 +90,13 @@ def _step(executor: ForwardExecutor, rows: list[tuple[_Seq, int]]) -> list[torch
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_chunked_prefill_and_absorbed_decode_match_transformers(
-    model: DeepseekV3ForCausalLM, reference: transformers.PreTrainedModel
+    checkpoint: Path, reference: transformers.PreTrainedModel, device: str
 ) -> None:
+    model = load_deepseek_v3(checkpoint, device=device)
     shape = ModelShape.of(model.config)
-    executor = ForwardExecutor(model, shape, 64, BLOCK_SIZE, torch.float32)
+    executor = ForwardExecutor(model, shape, 64, BLOCK_SIZE, torch.float32, device)
     pool = list(range(64))
     random.Random(0).shuffle(pool)
     rng = random.Random(1)
@@ -110,13 +121,15 @@ def test_chunked_prefill_and_absorbed_decode_match_transformers(
         torch.testing.assert_close(b_logits[0], hf_logits(reference, b.tokens)[-1], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_greedy_through_the_engine_equals_transformers(
-    model: DeepseekV3ForCausalLM, reference: transformers.PreTrainedModel
+    checkpoint: Path, reference: transformers.PreTrainedModel, device: str
 ) -> None:
     """Staggered arrivals, a token budget of 5 (chunked prefill), overlap scheduling."""
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = {"a": [5, 9, 3, 7, 1, 2, 8, 40, 41], "b": [300, 4, 6], "c": list(range(100, 119))}
-    runner = ModelRunner(model, ModelShape.of(model.config), 48, BLOCK_SIZE, torch.float32)
+    model = load_deepseek_v3(checkpoint, device=device)
+    runner = ModelRunner(model, ModelShape.of(model.config), 48, BLOCK_SIZE, torch.float32, device)
     limits = Limits(48, BLOCK_SIZE, 8, model.config.max_position_embeddings, 5, 64, 0.0)
     engine = LocalEngine(runner, limits, model.config.eos_token_id or 1, overlap=True, check=True)
     outputs = engine.run(
