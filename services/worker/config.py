@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
 import re
+import uuid
 from dataclasses import dataclass, field
 
 from libs.grammar.sandbox import CompileLimits
