@@ -29,7 +29,7 @@ class Config:
     device: str = field(
         default="cpu",
         metadata={
-            "help": "cpu, cuda[:N] (flashinfer when installed, else plain torch), npu[:N] (torch_npu; untested)"
+            "help": "cpu, cuda[:N] (flashinfer when installed, else plain torch), npu[:N] (untested)"
         },
     )
     dtype: str = field(
