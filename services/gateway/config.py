@@ -23,7 +23,8 @@ class Config:
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP listen address"})
     port: int = field(default=8000, metadata={"help": "HTTP listen port"})
     model: str = field(
-        default="smollm2", metadata={"help": "'smollm2' (embedded) or a llama-family .gguf path"}
+        default="smollm2",
+        metadata={"help": "'smollm2' (embedded), a llama .gguf, or an HF checkpoint directory"},
     )
     served_model_name: str = field(default="", metadata={"help": "model id clients use (default: file name)"})
     cache_dir: str = field(default="", metadata={"help": "tokenizer cache (default: user cache dir)"})

@@ -28,9 +28,7 @@ class Config:
     cache_dir: str = field(default="", metadata={"help": "converted-weights cache (default: user cache dir)"})
     device: str = field(
         default="cpu",
-        metadata={
-            "help": "cpu, cuda[:N] (flashinfer when installed, else plain torch), npu[:N] (untested)"
-        },
+        metadata={"help": "cpu, cuda[:N] (flashinfer when installed, else plain torch), npu[:N] (untested)"},
     )
     dtype: str = field(
         default="auto",
