@@ -46,16 +46,18 @@ DTYPES = (torch.float32, torch.bfloat16)
 ROUND_SECONDS, ROUNDS = 0.02, 5
 
 
-def best_per_call(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Seconds per call of each fn: rounds of ~ROUND_SECONDS alternate between fns; best round wins."""
+def best_per_call(
+    fns: dict[str, Callable[[], object]], rounds: int = ROUNDS, round_seconds: float = ROUND_SECONDS
+) -> dict[str, float]:
+    """Seconds per call of each fn: rounds of ~round_seconds alternate between fns; best round wins."""
     calls: dict[str, int] = {}
     for name, fn in fns.items():
         fn()  # warm-up (allocator, lazy init)
         start = time.perf_counter()
         fn()
-        calls[name] = max(1, int(ROUND_SECONDS / max(time.perf_counter() - start, 1e-7)))
+        calls[name] = max(1, int(round_seconds / max(time.perf_counter() - start, 1e-7)))
     best = dict.fromkeys(fns, float("inf"))
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, fn in fns.items():
             start = time.perf_counter()
             for _ in range(calls[name]):

@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
+from kernels import best_per_call  # bench/kernels.py: alternating rounds, the best of each
 
 from libs.kernels.moe import routed_experts
 from libs.modelfiles.deepseek_config import DeepseekV3Config
@@ -74,24 +74,6 @@ def matching_llama(config: DeepseekV3Config) -> LlamaConfig:
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=False,
     )
-
-
-def best_seconds(fns: dict[str, Callable[[], object]], rounds: int, round_s: float) -> dict[str, float]:
-    """Seconds per call of each fn, rounds alternating between them; the best round of each."""
-    calls = {}
-    for name, fn in fns.items():
-        fn()
-        start = time.perf_counter()
-        fn()
-        calls[name] = max(1, int(round_s / max(time.perf_counter() - start, 1e-7)))
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(calls[name]):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / calls[name])
-    return best
 
 
 DEVICE = torch.device("cpu")  # --device
@@ -157,7 +139,7 @@ def bench_steps(size: str, rounds: int, round_s: float, quick: bool) -> None:
             (f"decode x{batch_size} @ ctx 256", partial(decode_step, batch_size=batch_size, context=256))
         )
     for label, make in cases:
-        t = best_seconds({name: make(models[name], shapes[name]) for name in models}, rounds, round_s)
+        t = best_per_call({name: make(models[name], shapes[name]) for name in models}, rounds, round_s)
         ratio = t["deepseek"] / t["llama"]
         print(f"{label:<28} {t['llama'] * 1e3:>10.2f} {t['deepseek'] * 1e3:>12.2f} {ratio:>7.2f}")
 
@@ -185,7 +167,7 @@ def bench_routing(size: str, rounds: int, round_s: float) -> None:
             "routed": routed,
             "dense": partial(shared, x),
         }
-        per = {k: v / num_tokens * 1e6 for k, v in best_seconds(fns, rounds, round_s).items()}
+        per = {k: v / num_tokens * 1e6 for k, v in best_per_call(fns, rounds, round_s).items()}
         ratio = per["routed"] / per["dense"]
         print(
             f"{num_tokens:>7} {per['router']:>14.2f} {per['routed']:>14.2f}"

@@ -20,7 +20,7 @@ from libs.kernels.moe import grouped_topk, routed_experts
 from libs.kernels.rotary import apply_rotary_qk, prepare_rotation, rope_cos_sin_cache, yarn_cos_sin_cache
 from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.models.attention import MLAAttentionFn
-from libs.models.layers import GatedMLP, RMSNorm
+from libs.models.layers import CausalLMBase, GatedMLP, RMSNorm
 
 # The q and kv latent norms use a fixed eps in DeepSeek's reference and in transformers.
 _LATENT_NORM_EPS = 1e-6
@@ -218,7 +218,7 @@ class DeepseekV3MTP(nn.Module):
         return normed
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLMBase):
     """Embeddings, decoder layers, final norm, LM head, and the MTP modules (layers L, L+1, ..).
 
     Built with random weights from a config (tests), or on the meta device and then filled by a
@@ -270,18 +270,6 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
         return cache.to(device) if device is not None else cache
 
-    def reset_rope_cache(self, device: torch.device | str) -> None:
-        """Rebuild the rotary table on `device` (needed after meta-device construction)."""
-        self.cos_sin_cache = self._build_rope_cache(torch.device(device))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
     def forward(self, input_ids: Tensor, positions: Tensor, attention: MLAAttentionFn) -> Tensor:
         """input_ids, positions: [num_tokens] int64 -> final-normed hidden [num_tokens, hidden_size]."""
         hidden: Tensor = self.embed_tokens(input_ids)
@@ -305,10 +293,3 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.embed_tokens(next_ids), hidden, positions, self.cos_sin_cache, rotation, attention
         )
         return out
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model dtype)."""
-        if self.lm_head is not None:
-            logits: Tensor = self.lm_head(hidden)
-            return logits.float()
-        return F.linear(hidden, self.embed_tokens.weight).float()

@@ -1,8 +1,12 @@
-"""Layers every decoder family here shares: RMSNorm (fused with the residual add) and the SwiGLU MLP."""
+"""What every decoder family here shares: RMSNorm (fused with the residual add), the SwiGLU MLP,
+and the causal LM's shell (embedding, head, rotary table, dtype and device)."""
 
 from __future__ import annotations
 
+import abc
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from libs.kernels.activation import silu_and_mul
@@ -43,3 +47,35 @@ class GatedMLP(nn.Module):
         gate_up: Tensor = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
         out: Tensor = self.down_proj(silu_and_mul(gate_up))
         return out
+
+
+class CausalLMBase(nn.Module, abc.ABC):
+    """The parts of a decoder-only LM that do not depend on its blocks. Subclasses set
+    ``embed_tokens`` and ``lm_head`` (None: tied to the embeddings) and build their rotary table
+    in ``_build_rope_cache``; ``cos_sin_cache`` is registered non-persistent (derived, fp32)."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Module | None
+    cos_sin_cache: Tensor
+
+    @abc.abstractmethod
+    def _build_rope_cache(self, device: torch.device | None) -> Tensor: ...
+
+    def reset_rope_cache(self, device: torch.device | str) -> None:
+        """Rebuild the rotary table on `device` (needed after meta-device construction)."""
+        self.cos_sin_cache = self._build_rope_cache(torch.device(device))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model dtype)."""
+        if self.lm_head is not None:
+            logits: Tensor = self.lm_head(hidden)
+            return logits.float()
+        return F.linear(hidden, self.embed_tokens.weight).float()

@@ -10,13 +10,12 @@ weights are expected in GGUF/ggml order, so rotary rotates interleaved pairs.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from libs.kernels.rotary import apply_rotary_qk, prepare_rotation, rope_cos_sin_cache
 from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.attention import AttentionFn
-from libs.models.layers import GatedMLP, RMSNorm
+from libs.models.layers import CausalLMBase, GatedMLP, RMSNorm
 
 
 class LlamaAttention(nn.Module):
@@ -97,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
         return hidden, residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMBase):
     """The model: embeddings, decoder layers, final norm and LM head (tied to the embeddings if asked).
 
     Built with random weights from a LlamaConfig (tests), or on the meta device and then filled by a
@@ -133,18 +132,6 @@ class LlamaForCausalLM(nn.Module):
         cache = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, torch.float32)
         return cache.to(device) if device is not None else cache
 
-    def reset_rope_cache(self, device: torch.device | str) -> None:
-        """Rebuild the rotary table on `device` (needed after meta-device construction)."""
-        self.cos_sin_cache = self._build_rope_cache(torch.device(device))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
         """input_ids, positions: [num_tokens] int64 -> final-normed hidden [num_tokens, hidden_size]."""
         hidden: Tensor = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
@@ -156,10 +143,3 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None  # LlamaConfig guarantees at least one layer
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden: [n, hidden_size] -> logits [n, vocab_size] in fp32 (matmul in the model dtype)."""
-        if self.lm_head is not None:
-            logits: Tensor = self.lm_head(hidden)
-            return logits.float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
