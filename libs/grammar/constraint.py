@@ -6,7 +6,8 @@ it into the subset both libraries enforce natively: a ``format`` becomes its pat
 array ``const`` / ``enum`` values become schemas (the libraries would spell them in their own
 whitespace style), ``true`` subschemas become ``{}`` and annotations are dropped (outlines can
 read neither).
-``load_tool_triggers`` does the same for the tags of a TOOL_TRIGGERS spec. Pure: no backend import.
+``load_tool_triggers`` does the same for the tags of a TOOL_TRIGGERS spec, and ``load_call_or_format``
+for a CALL_OR_FORMAT spec (the format's schema or regex, and the tags). Pure: no backend import.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class ToolTriggers:
     tags: tuple[ToolTag, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class CallOrFormat:
+    """The whole output is the format (a schema, or a regex when ``regex`` is set) or one tag."""
+
+    schema: object
+    regex: str | None
+    tags: tuple[ToolTag, ...]
+
+
 def load_schema(spec: str, backend: str) -> object:
     """The schema in ``spec``, checked for ``backend`` and rewritten for it. Raises GrammarError."""
     return _checked(_parse(spec), backend)
@@ -57,6 +67,24 @@ def load_tool_triggers(spec: str, backend: str) -> ToolTriggers:
     return ToolTriggers(
         tuple(triggers), tuple(_load_tag(tag, i, triggers, backend) for i, tag in enumerate(tags))
     )
+
+
+def load_call_or_format(spec: str, backend: str) -> CallOrFormat:
+    """``{"format": {"schema": {...}} | {"regex": str}, "tags": [...]}``, checked."""
+    data = _parse(spec)
+    fmt = data.get("format") if isinstance(data, dict) else None
+    tags = data.get("tags") if isinstance(data, dict) else None
+    if not isinstance(tags, list) or not tags:
+        raise GrammarError("a call-or-format constraint needs a non-empty list of tags", param="tags")
+    loaded = tuple(_load_tag(tag, i, [""], backend) for i, tag in enumerate(tags))
+    if isinstance(fmt, dict) and isinstance(fmt.get("regex"), str):
+        return CallOrFormat({}, fmt["regex"], loaded)
+    if isinstance(fmt, dict) and "schema" in fmt:
+        try:
+            return CallOrFormat(_checked(fmt["schema"], backend), None, loaded)
+        except GrammarError as exc:
+            raise GrammarError(f"format.schema: {exc}", param="response_format") from None
+    raise GrammarError("a call-or-format constraint needs a format: a schema or a regex", param="format")
 
 
 def _load_tag(tag: object, index: int, triggers: list[str], backend: str) -> ToolTag:

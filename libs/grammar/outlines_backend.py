@@ -24,7 +24,7 @@ import outlines_core as oc
 from outlines_core.json_schema import build_regex_from_schema
 
 from libs.grammar.backend import GrammarError
-from libs.grammar.constraint import load_schema
+from libs.grammar.constraint import load_call_or_format, load_schema
 from libs.grammar.schema_check import OUTLINES_MAX_REF_DEPTH
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
 
@@ -74,6 +74,11 @@ def constraint_regex(constraint: StructuredOutput) -> str:
         body = constraint.spec
     elif kind == StructuredOutputKind.TOOL_TRIGGERS:
         raise GrammarError("the outlines backend cannot do tool triggers (use xgrammar)", param="kind")
+    elif kind == StructuredOutputKind.CALL_OR_FORMAT:
+        union = load_call_or_format(constraint.spec, NAME)
+        fmt = union.regex if union.regex is not None else schema_regex(union.schema)
+        calls = [f"{_escape(t.begin)}(?:{schema_regex(t.schema)}){_escape(t.end)}" for t in union.tags]
+        body = "|".join(f"(?:{alternative})" for alternative in (fmt, *calls))
     else:
         raise GrammarError(f"unknown constraint kind {kind!r}", param="kind")
     if "\x00" in constraint.prefix + constraint.suffix:

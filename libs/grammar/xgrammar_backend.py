@@ -10,14 +10,20 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
 from libs.grammar.backend import GrammarError
-from libs.grammar.constraint import ToolTriggers, load_schema, load_tool_triggers
+from libs.grammar.constraint import (
+    CallOrFormat,
+    ToolTriggers,
+    load_call_or_format,
+    load_schema,
+    load_tool_triggers,
+)
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
 
 NAME: Final = "xgrammar"
@@ -95,7 +101,20 @@ def _body(constraint: StructuredOutput) -> xgr.Grammar:
         return xgr.Grammar.from_regex(constraint.spec)
     if kind == StructuredOutputKind.TOOL_TRIGGERS:
         return tool_grammar(load_tool_triggers(constraint.spec, NAME))
+    if kind == StructuredOutputKind.CALL_OR_FORMAT:
+        return call_or_format_grammar(load_call_or_format(constraint.spec, NAME))
     raise GrammarError(f"unknown constraint kind {kind!r}", param="kind")
+
+
+def call_or_format_grammar(union: CallOrFormat) -> xgr.Grammar:
+    """Either the format, whole, or one tag: its begin text, a JSON body per its schema, its end."""
+    fmt = xgr.Grammar.from_regex(union.regex) if union.regex is not None else schema_grammar(union.schema)
+    elements: list[dict[str, Any]] = [{"type": "grammar", "grammar": grammar_text(fmt)}]
+    for tag in union.tags:
+        content = {"type": "grammar", "grammar": grammar_text(schema_grammar(tag.schema))}
+        elements.append({"type": "tag", "begin": tag.begin, "content": content, "end": tag.end})
+    structural = {"type": "or", "elements": elements}
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": structural}))
 
 
 def _ebnf_string(text: str) -> str:

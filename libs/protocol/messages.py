@@ -30,6 +30,8 @@ class StructuredOutputKind(enum.IntEnum):
     REGEX = 3  # ``spec``: the pattern; the whole output must match it
     TOOL_TRIGGERS = 4  # free text, but a trigger starts a tool call whose body must follow its schema;
     # ``spec``: JSON {"triggers": [str], "tags": [{"begin": str, "schema": {...}, "end": str}]}
+    CALL_OR_FORMAT = 5  # exactly one of: the response format, or one tool call (a tag, whole);
+    # ``spec``: JSON {"format": {"schema": {...}} | {"regex": str}, "tags": [as TOOL_TRIGGERS']}
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@
 Response formats (``json_object``, ``json_schema``, ``regex``) constrain the answer; a forced tool
 call (``tool_choice`` required or named, Anthropic's any/tool) constrains the call's JSON body to
 the tools' names and argument schemas; strict tools under ``auto`` let the model write freely
-but make any call it starts follow its tool's schema. Which grammar backend enforces it, and
+but make any call it starts follow its tool's schema; a response format beside tools under
+``auto`` makes the output one or the other: a call (its arguments per its schema when strict, a
+JSON object otherwise), or the answer in the format. Which grammar backend enforces it, and
 whether the schema is within what that backend honours, is checked by the gateway afterwards.
 
 The call syntax is the chat format's: hermes-style ``<tool_call>{"name": ..., "arguments": ...}
@@ -42,11 +44,7 @@ def structured_output(
     if tools and conv.response_format != "text":
         if conv.tool_choice == "required":
             return _forced_call(tools, prompt, backend, start_after)
-        raise RecipeError(
-            "a response format together with tools under tool_choice 'auto' cannot be enforced; "
-            "use tool_choice 'none' or 'required', or drop one of them",
-            param="response_format",
-        )
+        return _call_or_format(conv, tools, prompt, backend, start_after)
     if tools and conv.tool_choice == "required":
         return _forced_call(tools, prompt, backend, start_after)
     if tools and any(t.strict for t in tools):
@@ -98,7 +96,34 @@ def _strict_tools(
     (a non-strict tool's arguments only have to be a JSON object)."""
     if prompt.syntax != "hermes":
         return None
-    tags = [
+    spec = _canonical({"triggers": [TOOL_CALL_OPEN], "tags": _call_tags(tools)})
+    return StructuredOutput(StructuredOutputKind.TOOL_TRIGGERS, spec, backend, start_after=start_after)
+
+
+def _call_or_format(
+    conv: Conversation, tools: Sequence[ToolDefinition], prompt: Prompt, backend: str, start_after: bytes
+) -> StructuredOutput:
+    """Tools under auto beside a response format: the output is a call or the formatted answer."""
+    if prompt.syntax != "hermes":
+        raise RecipeError(
+            "a response format together with tools under tool_choice 'auto' is enforced for "
+            "hermes-style calls only; use tool_choice 'none' or 'required', or drop one of them",
+            param="response_format",
+        )
+    if conv.response_format == "regex":
+        fmt: dict[str, Any] = {"regex": conv.response_regex}
+    elif conv.response_format == "json_schema":
+        fmt = {"schema": conv.response_schema}
+    else:
+        fmt = {"schema": _ANY_OBJECT}
+    spec = _canonical({"format": fmt, "tags": _call_tags(tools)})
+    return StructuredOutput(StructuredOutputKind.CALL_OR_FORMAT, spec, backend, start_after=start_after)
+
+
+def _call_tags(tools: Sequence[ToolDefinition]) -> list[dict[str, Any]]:
+    """One hermes call per tool: its opening up to the arguments, their schema (a strict tool's
+    own; any JSON object otherwise), its closing."""
+    return [
         {
             "begin": f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(t.name)}, "arguments": ',
             "schema": (t.parameters or _ANY_OBJECT) if t.strict else _ANY_OBJECT,
@@ -106,8 +131,6 @@ def _strict_tools(
         }
         for t in tools
     ]
-    spec = _canonical({"triggers": [TOOL_CALL_OPEN], "tags": tags})
-    return StructuredOutput(StructuredOutputKind.TOOL_TRIGGERS, spec, backend, start_after=start_after)
 
 
 def _canonical(value: Any) -> str:

@@ -237,6 +237,28 @@ def test_strict_tools_under_auto_only_make_valid_calls(stack: Stack) -> None:
             jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
 
 
+def test_a_format_beside_auto_tools_gives_a_call_or_the_format(stack: Stack) -> None:
+    answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{**t, "function": {**t["function"], "strict": True}} for t in CHAT_TOOLS]
+    resp = client(stack).chat.completions.create(
+        model=MODEL,
+        messages=ASK_TOOL,
+        tools=tools,
+        tool_choice="auto",  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": answer}},
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        n=4,
+        seed=5,
+    )
+    for choice in resp.choices:
+        calls = choice.message.tool_calls or ()
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+        if not calls:
+            jsonschema.validate(json.loads(choice.message.content or ""), answer)
+
+
 def test_regex_json_object_and_the_other_apis_formats(stack: Stack) -> None:
     sdk = client(stack)
     pattern = r"(yes|no), because [a-z ]{5,40}\."

@@ -235,6 +235,40 @@ def test_tool_triggers(
     jsonschema.validate(json.loads(arguments), ARGS)
 
 
+def call_or_format(backend: str) -> StructuredOutput:
+    tag = {"begin": CALL_PREFIX, "schema": ARGS, "end": CALL_SUFFIX}
+    fmt = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    spec = json.dumps({"format": {"schema": fmt}, "tags": [tag]})
+    return StructuredOutput(StructuredOutputKind.CALL_OR_FORMAT, spec, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_call_or_format_is_one_or_the_other(
+    backend: str,
+    seed: int,
+    caches: dict[str, GrammarCache],
+    tokenizer: Tokenizer,
+    walk_vocab: WalkVocab,
+    stop_ids: tuple[int, ...],
+) -> None:
+    compiled = caches[backend].get(call_or_format(backend))
+    matcher = compiled.matcher(stop_ids)
+    assert not mask(matcher) & set(stop_ids)  # an empty output is neither
+    assert not matcher.advance(tokenizer.encode_plain("Sure")[0])  # free text is neither
+    rest = walk(matcher, walk_vocab, stop_ids, random.Random(seed), finish_after=0)
+    text = text_of(walk_vocab, rest, stop_ids)
+    if text.startswith("<tool_call>"):
+        assert text.startswith(CALL_PREFIX) and text.endswith(CALL_SUFFIX), text
+        jsonschema.validate(json.loads(text[len(CALL_PREFIX) : -len(CALL_SUFFIX)]), ARGS)
+    else:
+        assert json.loads(text).keys() == {"answer"}, text
+    # both ways are open from the start
+    for opening in ("<tool_call>", '{"answer'):
+        probe = compiled.matcher(stop_ids)
+        feed(probe, tokenizer.encode_plain(opening))
+
+
 def test_outlines_cannot_do_tool_triggers(caches: dict[str, GrammarCache]) -> None:
     with pytest.raises(GrammarError, match="tool triggers"):
         caches["outlines"].get(tool_triggers("outlines"))

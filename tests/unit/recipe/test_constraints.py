@@ -64,10 +64,21 @@ def test_strict_tools_under_auto_trigger_on_the_call_tag() -> None:
     assert spec["tags"][0]["begin"] == '<tool_call>\n{"name": "weather", "arguments": '
 
 
-def test_a_format_beside_auto_tools_is_refused() -> None:
-    conv = Conversation(ASK, tools=(WEATHER,), response_format="json_object")
+def test_a_format_beside_auto_tools_is_a_call_or_the_format() -> None:
+    strict = ToolDefinition("weather", parameters=ARGS, strict=True)
+    conv = Conversation(ASK, tools=(strict, CLOCK), response_format="json_schema", response_schema=ARGS)
+    out = build(conv)
+    assert out is not None and out.kind is StructuredOutputKind.CALL_OR_FORMAT
+    spec = json.loads(out.spec)
+    assert spec["format"] == {"schema": ARGS}
+    assert [t["schema"] for t in spec["tags"]] == [ARGS, {"type": "object"}]
+    assert spec["tags"][1]["begin"] == '<tool_call>\n{"name": "clock", "arguments": '
+    plain = build(Conversation(ASK, tools=(WEATHER,), response_format="json_object"))
+    assert plain is not None and json.loads(plain.spec)["format"] == {"schema": {"type": "object"}}
+    # DSML calls are not constrained: the union cannot be enforced there, so it is a 400
+    dsml = Prompt([1], syntax="deepseek", start="content", parse_tool_calls=True, thinking=False)
     with pytest.raises(RecipeError) as err:
-        build(conv)
+        build(Conversation(ASK, tools=(WEATHER,), response_format="json_object"), dsml)
     assert err.value.param == "response_format"
     forced = build(
         Conversation(ASK, tools=(WEATHER,), tool_choice="required", response_format="json_object"), FORCED
