@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from libs.kernels import flashinfer_available
 from libs.kernels.attention import causal_attention
 
 
@@ -167,12 +168,6 @@ def make_attention_backend(
 
         return FlashInferAttentionBackend(device, num_heads, num_kv_heads, head_dim, dtype)
     return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
-
-
-def flashinfer_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flashinfer") is not None
 
 
 def decode_groups(padded_lens: list[int]) -> list[list[int]]:

@@ -19,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from libs.kernels import flashinfer_available
+
 
 def rope_cos_sin_cache(head_dim: int, max_positions: int, base: float, dtype: torch.dtype) -> Tensor:
     """cos and sin of every (position, pair) angle: [max_positions, head_dim] = cat(cos, sin).
@@ -143,9 +145,10 @@ def prepare_rotation(positions: Tensor, cos_sin_cache: Tensor, dtype: torch.dtyp
 
 
 def _flashinfer_eligible(dtype: torch.dtype, device: torch.device, cos_sin_cache: Tensor) -> bool:
-    """flashinfer's kernel: CUDA, half-precision q/k, the fp32 cache it requires."""
+    """flashinfer's kernel: installed, CUDA, half-precision q/k, the fp32 cache it requires."""
     return (
         device.type == "cuda"
+        and flashinfer_available()
         and dtype in (torch.float16, torch.bfloat16)
         and cos_sin_cache.dtype == torch.float32
     )

@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from libs.kernels import flashinfer_available
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 _TOPK_MAX = 1024  # beyond this many candidates one full sort of the rows is cheaper than topk
@@ -194,7 +196,7 @@ def top_k_top_p_min_p_filter(
     is wider; a row without either keeps the whole vocab (min-p is a threshold there). A row's
     group depends on its own parameters only.
     """
-    if logits.is_cuda:
+    if logits.is_cuda and flashinfer_available():
         return [_filter_flashinfer(logits, temperature, top_k, top_p, min_p)]
     vocab = logits.shape[1]
     by_k: list[int] = []

@@ -45,7 +45,11 @@ from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, block_hash_hex
 from libs.kvstore.kv_spec import MHA, KVSpec
 
 MAGIC: Final = b"DIKVBLK\x00"
-FORMAT_VERSION: Final = 3  # the one written; every version in _PAYLOAD_CHECKSUMS is read
+FORMAT_VERSION: Final = 3  # the newest; every version in _PAYLOAD_CHECKSUMS is read
+# MHA blocks are still written as version 2, which a reader from before version 3 reads too (and
+# would delete as unreadable otherwise: during a rolling upgrade both share the store); only MLA
+# blocks, which no older reader could use, need version 3.
+MHA_FORMAT_VERSION: Final = 2
 BLOCK_FILE_SUFFIX: Final = ".kvb"
 TEMP_FILE_SUFFIX: Final = ".tmp"
 MAX_HEADER_NUM_BYTES: Final = 4096  # a bigger header_len is corruption, not a long fingerprint
@@ -175,9 +179,16 @@ def _encode_str(text: str) -> bytes:
     return _STR_LEN.pack(len(data)) + data
 
 
-def encode_header(meta: BlockMeta, payload_len: int, checksum: bytes, version: int = FORMAT_VERSION) -> bytes:
+def written_version(layout: BlockLayout) -> int:
+    """The format a block of ``layout`` is written in: the oldest that can hold it."""
+    return MHA_FORMAT_VERSION if layout.kv_spec.kind == MHA else FORMAT_VERSION
+
+
+def encode_header(meta: BlockMeta, payload_len: int, checksum: bytes, version: int | None = None) -> bytes:
     """Header bytes for a payload of ``payload_len`` bytes whose ``payload_checksum`` is ``checksum``
-    (``version``: an older format's, to test that it is still read)."""
+    (``version``: by default ``written_version``; another, to test that it is still read)."""
+    if version is None:
+        version = written_version(meta.layout)
     if len(meta.block_hash) != BLOCK_HASH_NUM_BYTES:
         raise ValueError(f"block hash has {len(meta.block_hash)} bytes, expected {BLOCK_HASH_NUM_BYTES}")
     spec = meta.layout.kv_spec
@@ -341,8 +352,9 @@ def write_block_file(
     """
     path = Path(path)
     view = memoryview(payload).cast("B")
-    checksum = payload_checksum(view)
-    header_bytes = encode_header(meta, len(view), checksum)
+    version = written_version(meta.layout)
+    checksum = payload_checksum(view, version)
+    header_bytes = encode_header(meta, len(view), checksum, version)
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}{TEMP_FILE_SUFFIX}")
     try:
@@ -358,4 +370,4 @@ def write_block_file(
         raise
     if fsync:
         _fsync_dir(path.parent)
-    return BlockFileHeader(meta, len(view), checksum, len(header_bytes))
+    return BlockFileHeader(meta, len(view), checksum, len(header_bytes), version)

@@ -154,6 +154,13 @@ class DeepseekV3Config:
             raise ValueError(f"config.json scoring_func/topk_method {routing}: only V3's sigmoid/noaux_tc")
         if data.get("attention_bias"):
             raise ValueError("config.json attention_bias=true is not supported")
+        if data.get("rope_interleave", True) is not True:
+            # DeepSeek's weights rotate interleaved pairs; a checkpoint asking otherwise is another model.
+            raise ValueError("config.json rope_interleave=false is not supported (interleaved rope only)")
+        if rope.get("attention_factor") is not None:
+            raise ValueError(
+                "config.json rope_scaling.attention_factor is not supported (derived from mscale)"
+            )
         eos = data.get("eos_token_id")
         num_mtp = int(data.get("num_nextn_predict_layers", data.get("num_mtp_layers")) or 0)
         return cls(

@@ -10,6 +10,7 @@ and every gate/up pair is one projection, rows [gate | up].
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def _our_name(disk_name: str, config: DeepseekV3Config) -> str | None:
         return name
     k, rest = int(match[1]) - config.num_hidden_layers, match[2]
     if k >= config.num_nextn_predict_layers or rest.startswith(_MTP_COPIES):
-        return None
+        return None  # an MTP module not asked for (or past the config's), or a copy of ours
     if rest.startswith(_MTP_OWN):
         return f"mtp.{k}.{rest}"
     if rest.startswith("shared_head.norm."):
@@ -68,6 +69,7 @@ def _pack(tensors: dict[str, Tensor], config: DeepseekV3Config) -> dict[str, Ten
     for prefix, parts in pairs.items():
         if parts.keys() != {"gate", "up"}:
             raise CheckpointError(f"{prefix}: has {sorted(parts)} of gate_proj/up_proj")
+        _same_shapes(f"{prefix}.{{gate,up}}_proj.weight", [parts["gate"], parts["up"]])
         out[f"{prefix}.gate_up_proj.weight"] = torch.cat([parts["gate"], parts["up"]])
     for prefix, kinds in experts.items():
         for kind, by_id in kinds.items():
@@ -79,6 +81,10 @@ def _pack(tensors: dict[str, Tensor], config: DeepseekV3Config) -> dict[str, Ten
         if kinds.keys() != {"gate", "up", "down"}:
             raise CheckpointError(f"{prefix}: has {sorted(kinds)} of gate/up/down_proj")
         ids = range(config.n_routed_experts)
+        _same_shapes(
+            f"{prefix}.*.{{gate,up}}_proj.weight", [kinds[k][e] for k in ("gate", "up") for e in ids]
+        )
+        _same_shapes(f"{prefix}.*.down_proj.weight", [kinds["down"][e] for e in ids])
         out[f"{prefix}.gate_up_proj"] = torch.stack(
             [torch.cat([kinds["gate"][e], kinds["up"][e]]) for e in ids]
         )
@@ -86,13 +92,27 @@ def _pack(tensors: dict[str, Tensor], config: DeepseekV3Config) -> dict[str, Ten
     return out
 
 
+def _same_shapes(what: str, tensors: list[Tensor]) -> None:
+    """Parts packed into one tensor must agree (their packed shape is checked against the config)."""
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise CheckpointError(f"{what}: the parts differ in shape {sorted(shapes)}")
+
+
 def load_deepseek_v3(
-    directory: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    directory: Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    with_mtp: bool = True,
 ) -> DeepseekV3ForCausalLM:
     """A ready-to-run model (eval, no grad) from an HF checkpoint directory; CheckpointError when
-    the checkpoint does not fit the config (missing, unexpected or misshapen tensors, by name)."""
+    the checkpoint does not fit the config (missing, unexpected or misshapen tensors, by name).
+    ``with_mtp=False`` skips the MTP modules (V3's is 11.5B parameters) where nothing drafts."""
     directory = Path(directory)
     config = config_of(directory)
+    if not with_mtp:
+        config = dataclasses.replace(config, num_nextn_predict_layers=0)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config, dtype=dtype)
     expected = model.state_dict()

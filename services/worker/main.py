@@ -52,6 +52,8 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: this torch sees no CUDA device (torch {torch.__version__})")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -91,7 +93,8 @@ def load_model(
             )
         if fmt in ("int8", "int4"):
             raise ValueError(f"--dtype {fmt}: weight-only int8/int4 is implemented for llama only")
-        return load_deepseek_v3(path, dtype, device)
+        # Nothing drafts yet: the MTP modules (V3's is 11.5B parameters) stay on disk.
+        return load_deepseek_v3(path, dtype, device, with_mtp=False)
     if architecture != "llama":
         raise ValueError(f"{path}: general.architecture {architecture!r} is not supported (llama)")
     return load_llama_model(path, cache_dir, fmt, device)
@@ -163,7 +166,12 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model = load_model(path, Path(cache_dir), config.dtype, device)
-    max_model_len = config.max_model_len or model.config.max_position_embeddings
+    num_positions = model.config.max_position_embeddings
+    max_model_len = min(config.max_model_len or num_positions, num_positions)
+    if config.max_model_len > num_positions:
+        log.warning(
+            "--max-model-len %d: the model has %d positions; using that", config.max_model_len, num_positions
+        )
     shape = ModelShape.of(model.config)
     kv_bytes_per_token = shape.kv_spec.bytes_per_token(element_size(dtype))
     num_blocks = int(config.kv_cache_gb * 2**30) // (kv_bytes_per_token * config.block_size)

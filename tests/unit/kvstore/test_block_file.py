@@ -212,6 +212,12 @@ def test_a_version_2_file_is_read_as_mha(tmp_path: Path) -> None:
         encode_header(replace(META, layout=mla_layout), 0, b"\x00" * 16, version=2)
 
 
+def test_mha_blocks_are_written_in_the_format_older_readers_know(tmp_path: Path) -> None:
+    """Version 2: a reader from before MLA reads them (and would delete a version it does not know)."""
+    written(tmp_path)
+    assert read_header(block_path(tmp_path, FP, HASH)).version == 2
+
+
 def test_an_mla_block_round_trips_and_is_never_read_as_another_layout(tmp_path: Path) -> None:
     mla = BlockLayout(KVSpec.mla(61, 512, 64), 16)
     meta = replace(META, layout=mla)

@@ -180,6 +180,8 @@ def test_config_refuses_what_it_cannot_run() -> None:
         ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "rope_scaling"),
         ("n_group", 3, "n_group"),
         ("attention_bias", True, "attention_bias"),
+        ("rope_interleave", False, "rope_interleave"),
+        ("rope_scaling", {**base["rope_scaling"], "attention_factor": 0.5}, "attention_factor"),
     ):
         with pytest.raises(ValueError, match=named):
             DeepseekV3Config.from_hf_config({**base, field: value})

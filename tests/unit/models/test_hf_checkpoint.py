@@ -57,6 +57,19 @@ def test_a_misshapen_tensor_is_named(single: Path) -> None:
         load_deepseek_v3(single)
 
 
+def test_a_misshapen_packed_part_is_named(single: Path) -> None:
+    """Experts and gate/up pairs are packed: a part that does not fit is named, not a torch error."""
+    _edit(single, {"model.layers.2.mlp.experts.5.down_proj.weight": torch.zeros(64, 31)})
+    with pytest.raises(CheckpointError, match=r"layers.2.mlp.experts.\*.down_proj.weight: the parts differ"):
+        load_deepseek_v3(single)
+
+
+def test_the_worker_leaves_the_mtp_module_on_disk(single: Path) -> None:
+    assert len(load_deepseek_v3(single).mtp) == 1
+    model = load_model(single, single, "float32")
+    assert len(model.mtp) == 0 and model.config.num_nextn_predict_layers == 0
+
+
 def test_fp8_without_its_scale_is_named(tmp_path: Path) -> None:
     write_tiny_checkpoint(tmp_path, fp8=True)
     _edit(tmp_path, {"model.layers.0.self_attn.o_proj.weight_scale_inv": None})

@@ -163,3 +163,23 @@ def test_the_worker_pages_follow_the_mla_spec(model: DeepseekV3ForCausalLM) -> N
     assert runner.kv_cache.bytes_per_token == config.num_hidden_layers * 24 * 2
     blocks = runner.kv_cache.gather_blocks([3, 1])
     assert blocks.shape == (2, config.num_hidden_layers, 1, BLOCK_SIZE, 1, 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_and_sampled_decoding_on_cuda(checkpoint: Path, reference: transformers.PreTrainedModel) -> None:
+    """What `auto` picks on a GPU (bf16), and sampling at temperature 1 (seeded): argmax agreement
+    with transformers' fp32 and a run through the engine that ends with its tokens."""
+    model = load_deepseek_v3(checkpoint, torch.bfloat16, "cuda")
+    executor = ForwardExecutor(model, ModelShape.of(model.config), 64, BLOCK_SIZE, torch.bfloat16, "cuda")
+    pool = list(range(64))
+    seq = _Seq([random.Random(3).randrange(320) for _ in range(40)], pool)
+    logits = _step(executor, [(seq, 40)])[0]
+    agree = (logits.argmax(-1) == hf_logits(reference, seq.tokens).argmax(-1)).float().mean()
+    assert agree >= 0.9, agree
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=11)
+    runner = ModelRunner(model, ModelShape.of(model.config), 48, BLOCK_SIZE, torch.bfloat16, "cuda")
+    limits = Limits(48, BLOCK_SIZE, 8, model.config.max_position_embeddings, 64, 64, 0.0)
+    engine = LocalEngine(runner, limits, model.config.eos_token_id or 1, overlap=False, check=True)
+    outputs = engine.run([(0, "s", [5, 6, 7, 8], params), (0, "t", [9, 10], params)])
+    assert all(len(tokens) == 8 and max(tokens) < 320 for tokens in outputs.values())

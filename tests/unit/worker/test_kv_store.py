@@ -27,6 +27,8 @@ from libs.kvstore.block_file import (
 )
 from libs.kvstore.kv_spec import KVSpec
 from libs.kvstore.retention import RetentionClass, RetentionPolicy
+from libs.modelfiles.gguf_metadata import read_gguf_config
+from libs.modelfiles.registry import resolve_model_path
 from services.worker.kv_store import KVStore, StoredBlock, kv_fingerprint
 
 FP = "tiny-0123456789abcdef"
@@ -329,3 +331,14 @@ def test_fingerprint_is_stable_and_tells_models_apart(tmp_path: Path) -> None:
         kv_fingerprint(model, "float32", torch.float32, KVSpec.mha(2, 1, 32)),
     }
     assert fp not in variants and len(variants) == 4
+
+
+def test_the_embedded_models_fingerprint_is_what_it_was_before_kv_specs(tmp_path: Path) -> None:
+    """The G3 paths of blocks stored before MLA existed: a llama worker still finds them. The value
+    was computed by the code before the KV spec (layers, heads, head dim; no kind)."""
+    path = resolve_model_path("smollm2")
+    spec = read_gguf_config(path).kv_spec()
+    assert kv_fingerprint(path, "bfloat16", torch.bfloat16, spec) == "SmolLM2-135M-Instruct-2a55c46d17a525fd"
+    assert kv_fingerprint(path, "bfloat16", torch.bfloat16, KVSpec.mla(30, 128, 64)) != kv_fingerprint(
+        path, "bfloat16", torch.bfloat16, KVSpec.mha(30, 1, 192)
+    )
