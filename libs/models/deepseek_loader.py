@@ -117,8 +117,23 @@ def load_deepseek_v3(
         model = DeepseekV3ForCausalLM(config, dtype=dtype)
     expected = model.state_dict()
     keep_fp32 = frozenset(n for n in _disk_names(directory) if n.endswith(_FP32_SUFFIXES))
+    # The whole checkpoint is checked from its headers first: a bad one reads no weights.
+    _check(directory, _state_dict(directory, config, dtype, keep_fp32, meta=True), expected)
+    state = _state_dict(directory, config, dtype, keep_fp32, meta=False)
+    _check(directory, state, expected)
+    model.load_state_dict({n: t.to(device) for n, t in state.items()}, strict=True, assign=True)
+    model.reset_rope_cache(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _state_dict(
+    directory: Path, config: DeepseekV3Config, dtype: torch.dtype, keep_fp32: frozenset[str], *, meta: bool
+) -> dict[str, Tensor]:
+    """The checkpoint under our names, packed (meta tensors when ``meta``)."""
     renamed: dict[str, Tensor] = {}
-    for disk_name, tensor in read_checkpoint(directory, dtype, keep_fp32).items():
+    for disk_name, tensor in read_checkpoint(directory, dtype, keep_fp32, meta=meta).items():
         name = _our_name(disk_name, config)
         if name is not None:
             renamed[name] = tensor
@@ -128,6 +143,10 @@ def load_deepseek_v3(
         raise CheckpointError(f"{directory}: {e}") from None
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    return state
+
+
+def _check(directory: Path, state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
     missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
     if missing or unexpected:
         raise CheckpointError(
@@ -139,11 +158,6 @@ def load_deepseek_v3(
             raise CheckpointError(
                 f"{directory}: {name}: shape {list(tensor.shape)}, config says {list(expected[name].shape)}"
             )
-    model.load_state_dict({n: t.to(device) for n, t in state.items()}, strict=True, assign=True)
-    model.reset_rope_cache(device)
-    model.eval()
-    model.requires_grad_(False)
-    return model
 
 
 def config_of(directory: Path) -> DeepseekV3Config:

@@ -2,7 +2,9 @@
 
 ``read_checkpoint`` returns every tensor by its on-disk name, FP8 block-quantized weights already
 dequantized (``fp8.py``), in the dtype asked for. Anything wrong is a ``CheckpointError`` naming the
-file and the field or tensor, raised before a model is built: nothing half-loads.
+file and the field or tensor, raised before a model is built: nothing half-loads. With
+``meta=True`` it reads only the safetensors headers and returns meta tensors of the same shapes and
+dtypes, so a loader can check a checkpoint whole before reading a byte of weights.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ INDEX_FILE: Final = "model.safetensors.index.json"
 SINGLE_FILE: Final = "model.safetensors"
 _FLOAT_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)
 _SCALE_SUFFIX: Final = "_scale_inv"
+# safetensors' dtype names -> torch's; anything else reads as int8, which is refused by name.
+_SAFETENSORS_DTYPES: Final = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
 
 
 class CheckpointError(ValueError):
@@ -87,10 +96,11 @@ def fp8_block_size(config: dict[str, Any], config_path: Path) -> tuple[int, int]
 
 
 def read_checkpoint(
-    directory: Path, dtype: torch.dtype, keep_fp32: frozenset[str] = frozenset()
+    directory: Path, dtype: torch.dtype, keep_fp32: frozenset[str] = frozenset(), *, meta: bool = False
 ) -> dict[str, Tensor]:
     """Every tensor of the checkpoint by name, in ``dtype`` (names in ``keep_fp32`` in float32);
-    FP8 weights dequantized with their ``weight_scale_inv`` (which are not returned)."""
+    FP8 weights dequantized with their ``weight_scale_inv`` (which are not returned). ``meta``:
+    shapes and dtypes from the headers only (meta tensors), for checking before loading."""
     directory = Path(directory)
     block = fp8_block_size(read_hf_config(directory), directory / "config.json")
     files = shard_files(directory)
@@ -105,7 +115,7 @@ def read_checkpoint(
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"{path}: the index places tensor {name!r} here, but it is absent")
-                raw[name], where[name] = f.get_tensor(name), path
+                raw[name], where[name] = _header_tensor(f, name) if meta else f.get_tensor(name), path
     out: dict[str, Tensor] = {}
     for name, tensor in raw.items():
         if name.endswith(_SCALE_SUFFIX):
@@ -122,6 +132,13 @@ def read_checkpoint(
                 f"{where[name]}: tensor {name!r} has dtype {tensor.dtype}, not a float format"
             )
     return out
+
+
+def _header_tensor(f: Any, name: str) -> Tensor:
+    """A meta tensor of the stored tensor's shape and dtype (read from the header alone)."""
+    stored = f.get_slice(name)
+    dtype = _SAFETENSORS_DTYPES.get(stored.get_dtype(), torch.int8)
+    return torch.empty(stored.get_shape(), dtype=dtype, device="meta")
 
 
 def _dequantize(

@@ -96,3 +96,15 @@ def test_an_unsupported_architecture_is_refused(single: Path) -> None:
     with pytest.raises(ValueError, match="int8/int4 is implemented for llama only"):
         (single / "config.json").write_text(json.dumps(config))
         load_model(single, single, "int8")
+
+
+def test_a_bad_checkpoint_is_refused_from_its_headers(single: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole checkpoint is checked before a weight is read: reading one would fail here."""
+    _edit(single, {"model.layers.0.self_attn.o_proj.weight": None})
+
+    def no_reading(*_: object) -> None:
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr("safetensors.safe_open.get_tensor", no_reading, raising=False)
+    with pytest.raises(CheckpointError, match="missing"):
+        load_deepseek_v3(single)
