@@ -67,7 +67,7 @@ class ChoiceText:
             tail = self._detokenizer.flush()  # an incomplete character at the end becomes U+FFFD
             self._num_decoded += len(tail)
             texts.append(tail)
-        segments = self._parse(texts)
+        segments = self._parse(texts, len(delta.token_ids))
         parser = self.parser
         if delta.finish_reason is not None and not parser.finished:
             segments += parser.finish()
@@ -86,14 +86,17 @@ class ChoiceText:
             records = self._release(lambda start, end: start < consumed and end <= consumed)
         return Piece(merge_segments(segments), records)
 
-    def _parse(self, texts: list[str]) -> list[Segment]:
-        """Token by token while the output may be reasoning (to count its tokens), then at once."""
+    def _parse(self, texts: list[str], num_tokens: int) -> list[Segment]:
+        """Token by token while the output may be reasoning (to count its tokens), then at once.
+        ``texts`` holds one text per token, then the detokenizer's tail at the end of a stream,
+        which is no token and is not counted."""
         parser = self.parser
         segments: list[Segment] = []
         i = 0
         while i < len(texts) and parser.may_reason:
             segments += parser.feed(texts[i])
-            self.num_reasoning_tokens += parser.reasoning  # the token that closes it is not
+            if i < num_tokens:
+                self.num_reasoning_tokens += parser.reasoning  # the token that closes it is not
             i += 1
         return segments + parser.feed("".join(texts[i:]))
 

@@ -170,3 +170,15 @@ def test_the_final_messages_carry_the_parsed_calls(cases: dict[str, Any]) -> Non
     response = run(tokenizer, ids, record, keep, "responses", [])
     assert [item["type"] for item in response["output"]] == ["message", "function_call", "function_call"]
     assert json.loads(response["output"][1]["arguments"]) == {"city": 'Pa"ris', "n": [1, {"a": None}]}
+
+
+@pytest.mark.parametrize("cuts", [[], [3], [1, 2, 5]])
+def test_reasoning_cut_short_counts_each_token_once(cases: dict[str, Any], cuts: list[int]) -> None:
+    """All reasoning, ended by the stream (the detokenizer's tail at the end is not a token):
+    reasoning_tokens equals completion_tokens, never one more."""
+    tokenizer, _, record, keep = cases["deepseek"]
+    ids = tokenizer.encode("Still thinking about the weather in 日本")
+    chat = run(tokenizer, ids, record, keep, "chat", cuts)
+    usage = chat["usage"]
+    assert usage["completion_tokens"] == len(ids)
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == len(ids)
