@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from libs.kvstore.kv_spec import KVSpec
+from libs.modelfiles import require_positive
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,18 +70,19 @@ class DeepseekV3Config:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "kv_lora_rank",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "max_position_embeddings",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DeepseekV3Config.{name} must be positive, got {getattr(self, name)}")
+        require_positive(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "kv_lora_rank",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "max_position_embeddings",
+            ),
+        )
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"DeepseekV3Config.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.num_moe_layers:

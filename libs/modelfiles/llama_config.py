@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from libs.kvstore.kv_spec import KVSpec
+from libs.modelfiles import require_positive
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,18 +29,19 @@ class LlamaConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+        require_positive(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+            ),
+        )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"LlamaConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -26,7 +26,6 @@ from libs.models.hf_checkpoint import (
     CheckpointError,
     read_checkpoint,
     read_hf_config,
-    shard_files,
 )
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -116,10 +115,9 @@ def load_deepseek_v3(
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config, dtype=dtype)
     expected = model.state_dict()
-    keep_fp32 = frozenset(n for n in _disk_names(directory) if n.endswith(_FP32_SUFFIXES))
     # The whole checkpoint is checked from its headers first: a bad one reads no weights.
-    _check(directory, _state_dict(directory, config, dtype, keep_fp32, meta=True), expected)
-    state = _state_dict(directory, config, dtype, keep_fp32, meta=False)
+    _check(directory, _state_dict(directory, config, dtype, meta=True), expected)
+    state = _state_dict(directory, config, dtype, meta=False)
     _check(directory, state, expected)
     model.load_state_dict({n: t.to(device) for n, t in state.items()}, strict=True, assign=True)
     model.reset_rope_cache(device)
@@ -129,11 +127,11 @@ def load_deepseek_v3(
 
 
 def _state_dict(
-    directory: Path, config: DeepseekV3Config, dtype: torch.dtype, keep_fp32: frozenset[str], *, meta: bool
+    directory: Path, config: DeepseekV3Config, dtype: torch.dtype, *, meta: bool
 ) -> dict[str, Tensor]:
     """The checkpoint under our names, packed (meta tensors when ``meta``)."""
     renamed: dict[str, Tensor] = {}
-    for disk_name, tensor in read_checkpoint(directory, dtype, keep_fp32, meta=meta).items():
+    for disk_name, tensor in read_checkpoint(directory, dtype, _FP32_SUFFIXES, meta=meta).items():
         name = _our_name(disk_name, config)
         if name is not None:
             renamed[name] = tensor
@@ -167,10 +165,6 @@ def config_of(directory: Path) -> DeepseekV3Config:
         raise
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{Path(directory) / 'config.json'}: {e}") from None
-
-
-def _disk_names(directory: Path) -> list[str]:
-    return list(shard_files(directory))
 
 
 # --- writing: the tiny random checkpoints of tests and benches ---------------------------------

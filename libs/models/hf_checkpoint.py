@@ -96,9 +96,10 @@ def fp8_block_size(config: dict[str, Any], config_path: Path) -> tuple[int, int]
 
 
 def read_checkpoint(
-    directory: Path, dtype: torch.dtype, keep_fp32: frozenset[str] = frozenset(), *, meta: bool = False
+    directory: Path, dtype: torch.dtype, keep_fp32: tuple[str, ...] = (), *, meta: bool = False
 ) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint by name, in ``dtype`` (names in ``keep_fp32`` in float32);
+    """Every tensor of the checkpoint by name, in ``dtype`` (names ending in one of ``keep_fp32``
+    in float32);
     FP8 weights dequantized with their ``weight_scale_inv`` (which are not returned). ``meta``:
     shapes and dtypes from the headers only (meta tensors), for checking before loading."""
     directory = Path(directory)
@@ -122,7 +123,7 @@ def read_checkpoint(
             if name.removesuffix(_SCALE_SUFFIX) not in raw:
                 raise CheckpointError(f"{where[name]}: {name!r} scales no tensor")
             continue
-        target = torch.float32 if name in keep_fp32 else dtype
+        target = torch.float32 if name.endswith(keep_fp32) else dtype
         if tensor.dtype == torch.float8_e4m3fn:
             out[name] = _dequantize(name, tensor, raw, where[name], block, target)
         elif tensor.dtype in _FLOAT_DTYPES:

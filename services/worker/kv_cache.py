@@ -40,6 +40,7 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
+        self.bytes_per_token = kv_spec.bytes_per_token(element_size(dtype))  # what the worker reports
         shape = kv_spec.page_shape(num_blocks, block_size)
         self.planes = [
             [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv_spec.num_layers)]
@@ -49,10 +50,6 @@ class KVCache:
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         return self.kv_spec.block_shape(self.block_size)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.kv_spec.bytes_per_token(element_size(self.dtype))
 
     def _index(self, block_ids: Sequence[int]) -> Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
