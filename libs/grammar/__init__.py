@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Final, Protocol
 
-from libs.grammar.backend import BackendUnavailable, GrammarBackend, GrammarError
+from libs.grammar.backend import SPECIAL_BYTES, BackendUnavailable, GrammarBackend, GrammarError
 from libs.protocol.messages import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,10 @@ class TokenBytes(Protocol):
 
 
 def grammar_vocab(tokenizer: TokenBytes, vocab_size: int) -> list[bytes]:
-    """The bytes of each token id a grammar may produce; b"" for special tokens and for ids past
-    the tokenizer (a padded embedding table), which no grammar may emit as text."""
+    """The bytes of each token id as grammars see it: ``SPECIAL_BYTES`` for special tokens (never
+    text; reached by id only), b"" for ids past the tokenizer (a padded embedding table)."""
     special = tokenizer.special_token_ids
-    return [b"" if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
+    return [SPECIAL_BYTES if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
 
 
 def _module(name: str) -> ModuleType:

@@ -8,6 +8,10 @@ Bitmask layout (shared by every backend and ``libs.kernels.token_mask``): int32 
 [num_rows, ceil(vocab_size / 32)]; token t is allowed in row r iff bit (t % 32) of word
 ``bitmask[r, t // 32]`` is set.
 
+Vocabulary: token i stands for ``vocab[i]``; a special token for ``SPECIAL_BYTES``, a byte no UTF-8
+text holds, so no text rule accepts it and only a structure's token node (by id) does; b"" is a
+token no grammar produces (ids past the tokenizer).
+
 Stop tokens: a matcher is made with the sequence's stop token ids; ``fill_mask`` allows them
 exactly when the grammar may end at this point, and accepting one terminates the matcher.
 """
@@ -16,9 +20,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from libs.protocol.messages import StructuredOutput
+
+SPECIAL_BYTES: Final = b"\xff"
 
 if TYPE_CHECKING:  # importing torch takes a second; the gateway's checks never need it
     import torch

@@ -15,7 +15,9 @@ gets a new key. Then the tokens: those bytes are spelled with the fewest whole t
 vocabulary (``"}]``, ``": "``, ``</`` rather than one byte each), which is what makes a way out
 about as long as the model's own ending. Both backends match bytes, so a token is accepted
 exactly when its bytes are one after another; the spelling is still advanced through the real
-matcher, and the one-byte path is kept should it refuse.
+matcher, and the one-byte path is kept should it refuse. A grammar whose markup is special
+tokens (a STRUCTURE's token nodes) passes their ids as ``markup_ids``: the walk tries them before
+the bytes, and the spelling keeps them where they are.
 
 It never returns a wrong path (every token is accepted by the real matcher, and the path ends
 with an accepted stop token); it may return a longer path than the shortest, or none when
@@ -29,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from libs.grammar.backend import Matcher
+from libs.grammar.backend import SPECIAL_BYTES, Matcher
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class Alphabet:
         pieces: dict[bytes, int] = {}
         plain: list[int] = []
         for token_id, text in enumerate(vocab):
+            if text == SPECIAL_BYTES:
+                continue  # a special token: no text spells it (a grammar names it by id)
             if len(text) == 1:
                 by_byte.setdefault(text[0], token_id)
             if text and len(text) <= MAX_PIECE_BYTES:
@@ -83,14 +87,23 @@ def completion_path(
     stop_token_id: int,
     max_steps: int = 4096,
     max_depth: int = 192,
+    markup_ids: Sequence[int] = (),
 ) -> list[int] | None:
     """Tokens (ending with ``stop_token_id``) that finish the grammar from the matcher's state, or
     None if none was found within ``max_steps`` token trials and ``max_depth`` bytes (a matcher
     may only roll back so far: outlines keeps 256 states). The matcher is left as it was."""
-    path = byte_path(matcher, alphabet, stop_token_id, max_steps, max_depth)
+    path = byte_path(matcher, alphabet, stop_token_id, max_steps, max_depth, markup_ids)
     if not path:
         return path
-    spelled = whole_tokens(bytes(alphabet.byte_of[t] for t in path[:-1]), alphabet.pieces)
+    spelled: list[int] = []
+    run: list[int] = []  # one-byte tokens since the last markup token
+    for token_id in path[:-1]:
+        if token_id in alphabet.byte_of:
+            run.append(token_id)
+            continue
+        spelled += [*whole_tokens(bytes(alphabet.byte_of[t] for t in run), alphabet.pieces), token_id]
+        run = []
+    spelled += whole_tokens(bytes(alphabet.byte_of[t] for t in run), alphabet.pieces)
     if len(spelled) + 1 < len(path) and accepts(matcher, [*spelled, stop_token_id]):
         return [*spelled, stop_token_id]
     if len(spelled) + 1 < len(path):
@@ -104,14 +117,18 @@ def byte_path(
     stop_token_id: int,
     max_steps: int = 4096,
     max_depth: int = 192,
+    markup_ids: Sequence[int] = (),
 ) -> list[int] | None:
-    """``completion_path`` in one-byte tokens (the module docstring's first part)."""
+    """``completion_path`` in one-byte tokens (and markup tokens: ``_MarkupOrder``)."""
     if matcher.is_terminated():
         return []
+    markup = tuple(t for t in markup_ids if t not in alphabet.byte_of)
+    orders = _MarkupOrder(matcher, alphabet, markup) if markup else None
     candidates, marks = alphabet.token_ids, alphabet.num_marks
     path: list[int] = []
     resume: list[int] = []  # per path token: where to go on in ``candidates`` after backtracking
     num_marks: list[int] = [0]  # structural bytes on the path, per depth
+    nodes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # with markup: per depth, its order
     seen = {(matcher.state_key(), 0)}
     steps = 0
     index = -1  # -1: try the stop token first
@@ -123,6 +140,10 @@ def byte_path(
                     matcher.rollback(1)
                     return [*path, stop_token_id]
                 index = 0
+                if orders is not None:
+                    steps += 1
+                    nodes.append(orders.here())
+                    candidates, marks = nodes[-1]
             while index < len(candidates) and len(path) < max_depth:
                 token_id, index = candidates[index], index + 1
                 steps += 1
@@ -139,16 +160,59 @@ def byte_path(
                 index = -1
                 break
             else:  # every candidate tried: back up one token
+                if nodes:
+                    nodes.pop()
                 if not path:
                     return None
                 matcher.rollback(1)
                 path.pop()
                 num_marks.pop()
                 index = resume.pop()
+                if nodes:
+                    candidates, marks = nodes[-1]
         return None
     finally:
         if path:
             matcher.rollback(len(path))
+
+
+class _MarkupOrder:
+    """The candidates, per state, of a grammar whose markup is tokens (a STRUCTURE's token nodes).
+
+    Only what the state's mask allows is tried (markup syntaxes have long literals, where one
+    byte is allowed: a refusal per byte would exhaust the search). ``<`` and ``/`` come first:
+    markup closes with ``</`` and a markup token (a raw value, an optional item, the block).
+    Where few bytes are allowed, the markup comes next (it is what the syntax wants there);
+    where many are (raw text, a JSON string), after ``"``: a markup token that spells text is
+    more of a JSON string, which the quote closes first. Only markup counts as structure: in raw
+    text a ``"`` is text, and a loop of any bytes is cut."""
+
+    FEW = 2  # allowed bytes at most where the markup goes first
+
+    def __init__(self, matcher: Matcher, alphabet: Alphabet, markup: tuple[int, ...]) -> None:
+        import numpy as np
+        import torch
+
+        self._matcher = matcher
+        self._bitmask = torch.zeros((1, (len(alphabet.texts) + 31) // 32), dtype=torch.int32)
+        lead = [t for b in b"</" for t in alphabet.token_ids if alphabet.byte_of[t] == b]
+        quote = [t for t in alphabet.token_ids if alphabet.byte_of[t] == ord('"')]
+        rest = [t for t in alphabet.token_ids if t not in lead and t not in quote]
+        self._orders = ((*lead, *markup, *quote, *rest), (*lead, *quote, *markup, *rest))
+        self._markup = frozenset(markup)
+        self._ids = np.array(self._orders[0], dtype=np.int64)
+
+    def here(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The candidates the matcher's mask allows where it is, in order, and their marks."""
+        import numpy as np
+
+        self._matcher.fill_mask(self._bitmask, 0)
+        words = self._bitmask[0].numpy().view(np.uint32)
+        bits = (words[self._ids // 32] >> (self._ids % 32).astype(np.uint32)) & 1
+        allowed = {t for t, bit in zip(self._orders[0], bits.tolist(), strict=True) if bit}
+        few = len(allowed - self._markup) <= self.FEW
+        chosen = tuple(t for t in self._orders[0 if few else 1] if t in allowed)
+        return chosen, tuple(int(t in self._markup) for t in chosen)
 
 
 def whole_tokens(data: bytes, pieces: Mapping[bytes, int]) -> list[int]:
@@ -157,17 +221,25 @@ def whole_tokens(data: bytes, pieces: Mapping[bytes, int]) -> list[int]:
     return _spell(data, 0, _first_pieces(data, pieces), pieces)
 
 
-def next_steps(path: Sequence[int], alphabet: Alphabet) -> dict[int, list[int]]:
+def next_steps(
+    path: Sequence[int], alphabet: Alphabet, markup_ids: Sequence[int] = ()
+) -> dict[int, list[int]]:
     """For each token whose bytes begin the bytes of the way out ``path`` (its first token among
     them, and shorter ones such as ``' "'`` before ``' "",'``): the fewest tokens that finish
-    from after it, the stop token last. A model that takes one of them has a way out this long."""
-    data = b"".join(alphabet.texts[t] for t in path[:-1])
+    from after it, the stop token last. A model that takes one of them has a way out this long.
+    Only text before the path's first markup token is respelled; the path goes on from there."""
+    markup = set(markup_ids)
+    cut = next((i for i, t in enumerate(path[:-1]) if t in markup), len(path) - 1)
+    if cut == 0:
+        return {path[0]: list(path[1:])}
+    data = b"".join(alphabet.texts[t] for t in path[:cut])
+    rest = list(path[cut:])  # from the first markup token (or the stop token) on
     first = _first_pieces(data, alphabet.pieces)
     steps: dict[int, list[int]] = {}
     for length in range(1, min(MAX_PIECE_BYTES, len(data)) + 1):
         token_id = alphabet.pieces.get(data[:length])
         if token_id is not None:
-            steps[token_id] = [*_spell(data, length, first, alphabet.pieces), path[-1]]
+            steps[token_id] = [*_spell(data, length, first, alphabet.pieces), *rest]
     return steps
 
 

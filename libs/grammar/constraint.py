@@ -7,7 +7,8 @@ array ``const`` / ``enum`` values become schemas (the libraries would spell them
 whitespace style), ``true`` subschemas become ``{}`` and annotations are dropped (outlines can
 read neither).
 ``load_tool_triggers`` does the same for the tags of a TOOL_TRIGGERS spec, and ``load_call_or_format``
-for a CALL_OR_FORMAT spec (the format's schema or regex, and the tags). Pure: no backend import.
+for a CALL_OR_FORMAT spec (the format's schema or regex, and the tags); ``load_schema_value`` for a
+schema inside a larger spec (structure.py). Pure: no backend import.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ class CallOrFormat:
 def load_schema(spec: str, backend: str) -> object:
     """The schema in ``spec``, checked for ``backend`` and rewritten for it. Raises GrammarError."""
     return _checked(_parse(spec), backend)
+
+
+def load_schema_value(schema: object, backend: str, where: str) -> object:
+    """A schema given as a value (inside a larger spec), checked and rewritten; errors name ``where``."""
+    try:
+        return _checked(schema, backend)
+    except GrammarError as exc:
+        raise GrammarError(f"{where}: {exc}", param=where + (f".{exc.param}" if exc.param else "")) from None
 
 
 def load_tool_triggers(spec: str, backend: str) -> ToolTriggers:

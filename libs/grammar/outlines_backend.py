@@ -23,7 +23,7 @@ import numpy as np
 import outlines_core as oc
 from outlines_core.json_schema import build_regex_from_schema
 
-from libs.grammar.backend import GrammarError
+from libs.grammar.backend import SPECIAL_BYTES, GrammarError
 from libs.grammar.constraint import load_call_or_format, load_schema
 from libs.grammar.schema_check import OUTLINES_MAX_REF_DEPTH
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
@@ -74,6 +74,11 @@ def constraint_regex(constraint: StructuredOutput) -> str:
         body = constraint.spec
     elif kind == StructuredOutputKind.TOOL_TRIGGERS:
         raise GrammarError("the outlines backend cannot do tool triggers (use xgrammar)", param="kind")
+    elif kind == StructuredOutputKind.STRUCTURE:
+        raise GrammarError(
+            "the outlines backend cannot match special tokens, which this call syntax needs (use xgrammar)",
+            param="kind",
+        )
     elif kind == StructuredOutputKind.CALL_OR_FORMAT:
         union = load_call_or_format(constraint.spec, NAME)
         fmt = union.regex if union.regex is not None else schema_regex(union.schema)
@@ -101,11 +106,11 @@ def build_index(regex: str, vocabulary: oc.Vocabulary) -> oc.Index:
 
 
 def make_vocabulary(vocab: Sequence[bytes]) -> oc.Vocabulary:
-    """outlines' Vocabulary: every text token without a NUL, the end marker at id len(vocab), and
-    an eos (len(vocab) + 1) that is never used."""
+    """outlines' Vocabulary: every text token without a NUL (special tokens are not text), the end
+    marker at id len(vocab), and an eos (len(vocab) + 1) that is never used."""
     tokens: dict[bytes, list[int]] = {}
     for token_id, text in enumerate(vocab):
-        if text and _END not in text:
+        if text and _END not in text and text != SPECIAL_BYTES:
             tokens.setdefault(text, []).append(token_id)
     tokens[_END] = [len(vocab)]
     return oc.Vocabulary(len(vocab) + 1, tokens)

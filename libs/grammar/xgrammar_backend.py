@@ -24,6 +24,21 @@ from libs.grammar.constraint import (
     load_schema,
     load_tool_triggers,
 )
+from libs.grammar.structure import (
+    After,
+    Json,
+    Lit,
+    Node,
+    Or,
+    RawString,
+    Regex,
+    Repeat,
+    Seq,
+    Text,
+    Token,
+    load_structure,
+    token_ids,
+)
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
 
 NAME: Final = "xgrammar"
@@ -103,6 +118,8 @@ def _body(constraint: StructuredOutput) -> xgr.Grammar:
         return tool_grammar(load_tool_triggers(constraint.spec, NAME))
     if kind == StructuredOutputKind.CALL_OR_FORMAT:
         return call_or_format_grammar(load_call_or_format(constraint.spec, NAME))
+    if kind == StructuredOutputKind.STRUCTURE:
+        return structure_grammar(load_structure(constraint.spec, NAME))
     raise GrammarError(f"unknown constraint kind {kind!r}", param="kind")
 
 
@@ -115,6 +132,92 @@ def call_or_format_grammar(union: CallOrFormat) -> xgr.Grammar:
         elements.append({"type": "tag", "begin": tag.begin, "content": content, "end": tag.end})
     structural = {"type": "or", "elements": elements}
     return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": structural}))
+
+
+def structure_grammar(node: Node) -> xgr.Grammar:
+    """A structure (libs/grammar/structure.py) as one xgrammar structural tag."""
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": _format(node)}))
+
+
+def _format(node: Node) -> dict[str, Any]:
+    """One node as a structural-tag format; tokens by id, sub-grammars as EBNF text."""
+    if isinstance(node, Lit):
+        return {"type": "const_string", "value": node.text}
+    if isinstance(node, Token):
+        return {"type": "token", "token": node.token_id}
+    if isinstance(node, Json):
+        return _sub_grammar(schema_grammar(node.schema))
+    if isinstance(node, RawString):
+        if node.choices is not None:
+            return {"type": "or", "elements": [_format(Lit(choice)) for choice in node.choices]}
+        if node.regex is not None:
+            return _sub_grammar(xgr.Grammar.from_regex(node.regex))
+        return _text_format(node.excludes)
+    if isinstance(node, Regex):
+        return _sub_grammar(xgr.Grammar.from_regex(node.pattern))
+    if isinstance(node, Text):
+        return _text_format(node.excludes)
+    if isinstance(node, Seq | Or):
+        kind = "sequence" if isinstance(node, Seq) else "or"
+        return {"type": kind, "elements": [_format(item) for item in node.items]}
+    if isinstance(node, Repeat):
+        kind = "optional" if node.max_one else "plus" if node.min_count else "star"
+        return {"type": kind, "content": _format(node.item)}
+    return _after_format(node)
+
+
+def _after_format(node: After) -> dict[str, Any]:
+    # Text-level free text (so no special token but the trigger), then, at most once, the trigger
+    # and what follows it: the output ends there. (xgrammar's token-triggered tags would make the
+    # free text token-level, where every special token passes.)
+    triggered = {"type": "sequence", "elements": [_format(node.trigger), _format(node.then)]}
+    free = _text_format(node.excludes)
+    return {"type": "sequence", "elements": [free, {"type": "optional", "content": triggered}]}
+
+
+def _text_format(excludes: Sequence[str]) -> dict[str, Any]:
+    """Any text without ``excludes``, as character classes: xgrammar's own ``any_text`` with
+    excludes matches bytes, invalid UTF-8 included, so it would let special tokens through."""
+    return {"type": "grammar", "grammar": excluding_grammar(excludes)}
+
+
+def excluding_grammar(excludes: Sequence[str]) -> str:
+    """EBNF for text that contains none of ``excludes``: one rule per state of their Aho-Corasick
+    automaton (the longest prefix of an excluded string the text ends with); a state where one
+    of them is complete has no rule, so no text reaches it."""
+    words = [w for w in excludes if w]
+    if not words:
+        return "root ::= [\\0-\\U0010ffff]*"
+    prefixes = sorted({w[:i] for w in words for i in range(len(w) + 1)}, key=len)
+    alphabet = sorted({ch for w in words for ch in w})
+
+    def state(text: str) -> str:  # the longest suffix of ``text`` that is a prefix of a word
+        return next(text[i:] for i in range(len(text) + 1) if text[i:] in prefix_set)
+
+    prefix_set = set(prefixes)
+    banned = {p for p in prefixes if any(w in p for w in words)}
+    names = {p: f"s{i}" if i else "root" for i, p in enumerate(p for p in prefixes if p not in banned)}
+    others = "[^" + "".join(_class_char(ch) for ch in alphabet) + "]"
+    rules = []
+    for prefix, name in names.items():
+        moves = ['""', f"{others} root"]
+        for ch in alphabet:
+            after = state(prefix + ch)
+            if after not in banned and not any(w in prefix + ch for w in words):
+                moves.append(f"{_ebnf_string(ch)} {names[after]}")
+        rules.append(f"{name} ::= " + " | ".join(f"({move})" for move in moves))
+    return "\n".join(rules)
+
+
+def _class_char(ch: str) -> str:
+    """``ch`` inside an EBNF character class."""
+    if ch in "]\\^-":
+        return "\\" + ch
+    return ch if " " <= ch <= "~" else f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}"
+
+
+def _sub_grammar(grammar: xgr.Grammar) -> dict[str, Any]:
+    return {"type": "grammar", "grammar": grammar_text(grammar)}
 
 
 def _ebnf_string(text: str) -> str:
@@ -135,7 +238,8 @@ def _reason(exc: Exception) -> str:
 
 
 def tokenizer_info(vocab: Sequence[bytes]) -> xgr.TokenizerInfo:
-    """The vocabulary as xgrammar sees it; b"" tokens count as special: never allowed as text."""
+    """The vocabulary as xgrammar sees it: b"" tokens count as special (never allowed), and
+    ``SPECIAL_BYTES`` tokens are invalid UTF-8 (never text; a structure's token node takes one)."""
     return xgr.TokenizerInfo(list(vocab), xgr.VocabType.RAW, vocab_size=len(vocab))
 
 
@@ -152,6 +256,10 @@ class XGrammarBackend:
 
     def compile(self, constraint: StructuredOutput) -> XGrammarCompiled:
         grammar = build_grammar(constraint)
+        if constraint.kind == StructuredOutputKind.STRUCTURE:
+            named = token_ids(load_structure(constraint.spec, NAME))
+            if named and max(named) >= self.vocab_size:
+                raise GrammarError(f"token id {max(named)} is outside the vocabulary", param="token")
         try:
             return XGrammarCompiled(self._compiler.compile_grammar(grammar))
         except RuntimeError as exc:

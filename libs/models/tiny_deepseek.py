@@ -114,12 +114,9 @@ def write_tiny_checkpoint(
 ) -> DeepseekV3ForCausalLM:
     """Write a tiny random checkpoint to ``directory``; returns the model it holds (fp32)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy(Path(tokenizer_dir) / name, directory / name)
-        vocab_size = _add_special_tokens(directory / "tokenizer.json", V41_MARKERS)
+        vocab_size = write_tokenizer(directory, tokenizer_dir)
+    directory.mkdir(parents=True, exist_ok=True)
     config_json = tiny_config_json(vocab_size)
     model = random_deepseek(DeepseekV3Config.from_hf_config(config_json), seed)
     # FP8 blocks of 16x16: the tiny projections then have several blocks, edge blocks included.
@@ -127,6 +124,15 @@ def write_tiny_checkpoint(
         model, directory, config_json, num_shards=num_shards, fp8_block=(16, 16) if fp8 else None
     )
     return model
+
+
+def write_tokenizer(directory: Path, tokenizer_dir: Path) -> int:
+    """Copy the tokenizer files into ``directory`` with V4.1's markers added; returns its size."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, directory / name)
+    return _add_special_tokens(directory / "tokenizer.json", V41_MARKERS)
 
 
 def _add_special_tokens(path: Path, spellings: tuple[str, ...]) -> int:

@@ -32,6 +32,9 @@ class StructuredOutputKind(enum.IntEnum):
     # ``spec``: JSON {"triggers": [str], "tags": [{"begin": str, "schema": {...}, "end": str}]}
     CALL_OR_FORMAT = 5  # exactly one of: the response format, or one tool call (a tag, whole);
     # ``spec``: JSON {"format": {"schema": {...}} | {"regex": str}, "tags": [as TOOL_TRIGGERS']}
+    STRUCTURE = 6  # a tree of literals, special tokens (by id), schemas and free text (a call
+    # syntax with special-token markup, such as DeepSeek's DSML); ``spec``: the JSON tree that
+    # libs/grammar/structure.py reads
 
 
 @dataclass(frozen=True, slots=True)

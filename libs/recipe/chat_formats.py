@@ -31,7 +31,8 @@ class DeepSeekChatFormat:
     def prompt(self, conv: Conversation) -> Prompt:
         layout = self.renderer.layout(conv)  # one rendering: the prompt and how to read the output
         token_ids = encode_prompt(layout.prompt, self.tokenizer)
-        return Prompt(token_ids, "deepseek", layout.stage, layout.tools_on, layout.thinking)
+        dialect = self.renderer.dialect
+        return Prompt(token_ids, "deepseek", layout.stage, layout.tools_on, layout.thinking, dsml=dialect)
 
 
 def make_chat_format(name: str, template: ChatTemplate | None, tokenizer: Tokenizer) -> ChatFormat:

@@ -9,8 +9,9 @@ JSON object otherwise), or the answer in the format. Which grammar backend enfor
 whether the schema is within what that backend honours, is checked by the gateway afterwards.
 
 The call syntax is the chat format's: hermes-style ``<tool_call>{"name": ..., "arguments": ...}
-</tool_call>`` bodies are JSON and constrained here. DeepSeek's DSML calls are XML-like
-parameters with per-parameter value types and are not constrained yet (``None``).
+</tool_call>`` bodies are JSON and constrained here; DeepSeek's DSML calls are XML-like markup
+around the DSML special token, with per-parameter value types, and become a STRUCTURE
+(dsml_constraints.py) that names that token by id.
 
 With a reasoning model the constraint starts after the reasoning: ``start_after`` carries the
 tokens that end it, and the worker lets the model think freely until it has written them.
@@ -19,36 +20,49 @@ tokens that end it, and the worker lets the model think freely until it has writ
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
-from libs.recipe.conversation import Conversation, RecipeError, ToolDefinition
+from libs.recipe.conversation import Conversation, ToolDefinition
+from libs.recipe.dsml_constraints import DsmlGrammar
 from libs.recipe.output_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from libs.recipe.template_format import Prompt
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
+_NO_MARKUP: Mapping[str, int] = MappingProxyType({})
+
+
 def structured_output(
-    conv: Conversation, prompt: Prompt, *, backend: str, reasoning_end: Sequence[int]
+    conv: Conversation,
+    prompt: Prompt,
+    *,
+    backend: str,
+    reasoning_end: Sequence[int],
+    markup_ids: Mapping[str, int] = _NO_MARKUP,
 ) -> StructuredOutput | None:
     """The constraint for ``conv`` rendered as ``prompt``, or None when the output is free.
 
     ``reasoning_end``: the token ids that close the model's reasoning (used when the prompt
-    leaves the model reasoning). Raises RecipeError for combinations no grammar can express.
+    leaves the model reasoning). ``markup_ids``: the special tokens of call markup, by spelling
+    (DSML's). Raises RecipeError for combinations no grammar can express.
     """
     start_after = pack_tokens(list(reasoning_end)) if prompt.start == "reasoning" else b""
     tools = conv.tools if conv.tool_choice != "none" else ()
+    if tools and prompt.dsml is not None:
+        return _dsml(conv, tools, DsmlGrammar(prompt.dsml, markup_ids), backend, start_after)
     if tools and conv.response_format != "text":
         if conv.tool_choice == "required":
-            return _forced_call(tools, prompt, backend, start_after)
-        return _call_or_format(conv, tools, prompt, backend, start_after)
+            return _forced_call(tools, backend, start_after)
+        return _call_or_format(conv, tools, backend, start_after)
     if tools and conv.tool_choice == "required":
-        return _forced_call(tools, prompt, backend, start_after)
+        return _forced_call(tools, backend, start_after)
     if tools and any(t.strict for t in tools):
-        return _strict_tools(tools, prompt, backend, start_after)
+        return _strict_tools(tools, backend, start_after)
     if conv.response_format == "json_object":
         return StructuredOutput(StructuredOutputKind.JSON, backend=backend, start_after=start_after)
     if conv.response_format == "json_schema":
@@ -59,6 +73,34 @@ def structured_output(
             StructuredOutputKind.REGEX, conv.response_regex, backend, start_after=start_after
         )
     return None
+
+
+def _dsml(
+    conv: Conversation,
+    tools: Sequence[ToolDefinition],
+    grammar: DsmlGrammar,
+    backend: str,
+    start_after: bytes,
+) -> StructuredOutput | None:
+    """The hermes cases below, for DSML calls: forced, call or format, strict tools; else free."""
+    if conv.tool_choice == "required":
+        tree = grammar.forced(tools)
+    elif conv.response_format != "text":
+        tree = grammar.call_or_format(tools, _format_node(conv))
+    elif any(t.strict for t in tools):
+        tree = grammar.triggered(tools)
+    else:
+        return None
+    kind = StructuredOutputKind.STRUCTURE
+    return StructuredOutput(kind, _canonical(tree), backend, start_after=start_after)
+
+
+def _format_node(conv: Conversation) -> dict[str, Any]:
+    if conv.response_format == "regex":
+        return {"regex": conv.response_regex}
+    if conv.response_format == "json_schema":
+        return {"json": conv.response_schema}
+    return {"json": _ANY_OBJECT}
 
 
 def _call_schema(tool: ToolDefinition) -> dict[str, Any]:
@@ -72,10 +114,8 @@ def _call_schema(tool: ToolDefinition) -> dict[str, Any]:
 
 
 def _forced_call(
-    tools: Sequence[ToolDefinition], prompt: Prompt, backend: str, start_after: bytes
+    tools: Sequence[ToolDefinition], backend: str, start_after: bytes
 ) -> StructuredOutput | None:
-    if prompt.syntax != "hermes":
-        return None  # DSML calls: not constrained (see the module docstring)
     # The prompt already ends with the opening tag (template_format._encode): the output starts
     # at the JSON body and must close the call; EOS follows.
     calls = [_call_schema(t) for t in tools]
@@ -90,26 +130,18 @@ def _forced_call(
 
 
 def _strict_tools(
-    tools: Sequence[ToolDefinition], prompt: Prompt, backend: str, start_after: bytes
+    tools: Sequence[ToolDefinition], backend: str, start_after: bytes
 ) -> StructuredOutput | None:
     """Free text, but a call the model opens must name a declared tool and follow its schema
     (a non-strict tool's arguments only have to be a JSON object)."""
-    if prompt.syntax != "hermes":
-        return None
     spec = _canonical({"triggers": [TOOL_CALL_OPEN], "tags": _call_tags(tools)})
     return StructuredOutput(StructuredOutputKind.TOOL_TRIGGERS, spec, backend, start_after=start_after)
 
 
 def _call_or_format(
-    conv: Conversation, tools: Sequence[ToolDefinition], prompt: Prompt, backend: str, start_after: bytes
+    conv: Conversation, tools: Sequence[ToolDefinition], backend: str, start_after: bytes
 ) -> StructuredOutput:
     """Tools under auto beside a response format: the output is a call or the formatted answer."""
-    if prompt.syntax != "hermes":
-        raise RecipeError(
-            "a response format together with tools under tool_choice 'auto' is enforced for "
-            "hermes-style calls only; use tool_choice 'none' or 'required', or drop one of them",
-            param="response_format",
-        )
     if conv.response_format == "regex":
         fmt: dict[str, Any] = {"regex": conv.response_regex}
     elif conv.response_format == "json_schema":

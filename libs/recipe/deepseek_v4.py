@@ -176,6 +176,10 @@ class DeepSeekV4Format:
             {**DEFAULT_V41_EFFORT_LEVELS, **(effort_levels or {})}
         )
 
+    @property
+    def dialect(self) -> Dialect:
+        return self._dialect
+
     def render(self, conv: Conversation) -> RenderedPrompt:
         return self.layout(conv).prompt
 

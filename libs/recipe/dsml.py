@@ -166,7 +166,8 @@ def parse_arguments(arguments: str) -> dict[str, Any] | None:
 # ---- DSML ---------------------------------------------------------------------------------------------
 
 
-def _tag(open_or_close: str, name: str, attributes: str = "") -> list[Piece]:
+def tag_pieces(open_or_close: str, name: str, attributes: str = "") -> list[Piece]:
+    """One DSML tag: ``<`` or ``</``, the DSML special token, the tag name, its attributes, ``>``."""
     return [(open_or_close, False), (DSML, True), (f"{name}{attributes}>", False)]
 
 
@@ -176,9 +177,9 @@ def _parameter(name: str, value: Any, dialect: Dialect) -> list[Piece]:
     text = value if is_string else dump_json(value, dialect.v4_floats)
     flag = "true" if is_string else "false"
     return [
-        *_tag("<", dialect.parameter, f' name="{name}" string="{flag}"'),
+        *tag_pieces("<", dialect.parameter, f' name="{name}" string="{flag}"'),
         (text, False),
-        *_tag("</", dialect.parameter),
+        *tag_pieces("</", dialect.parameter),
     ]
 
 
@@ -186,25 +187,25 @@ def _invoke(call: ToolCall, dialect: Dialect) -> list[Piece]:
     arguments = parse_arguments(call.arguments)
     # Arguments that are not a JSON object are passed on as one raw string parameter.
     params = arguments if arguments is not None else {"arguments": call.arguments}
-    pieces = [*_tag("<", dialect.invoke, f' name="{call.name}"'), ("\n", False)]
+    pieces = [*tag_pieces("<", dialect.invoke, f' name="{call.name}"'), ("\n", False)]
     for key, value in params.items():
         pieces += [*_parameter(key, value, dialect), ("\n", False)]
     if not params and dialect.empty_invoke_blank_line:
         pieces.append(("\n", False))
-    return [*pieces, *_tag("</", dialect.invoke)]
+    return [*pieces, *tag_pieces("</", dialect.invoke)]
 
 
 def tool_calls_block(calls: Sequence[ToolCall], dialect: Dialect) -> list[Piece]:
     """The DSML block of an assistant turn's calls, without the blank line that precedes it."""
-    pieces = [*_tag("<", dialect.calls), ("\n", False)]
+    pieces = [*tag_pieces("<", dialect.calls), ("\n", False)]
     for call in calls:
         pieces += [*_invoke(call, dialect), ("\n", False)]
-    return [*pieces, *_tag("</", dialect.calls)]
+    return [*pieces, *tag_pieces("</", dialect.calls)]
 
 
 def tool_calls_prefill(dialect: Dialect) -> list[Piece]:
     """What a forced tool call (tool_choice required) appends after the generation header."""
-    return [("\n\n", False), *_tag("<", dialect.calls), ("\n", False)]
+    return [("\n\n", False), *tag_pieces("<", dialect.calls), ("\n", False)]
 
 
 def tools_section(tools: Sequence[ToolDefinition], dialect: Dialect) -> list[Piece]:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from libs.protocol.messages import StructuredOutput
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.conversation import Conversation, Message, RecipeError, ToolCall, ToolDefinition
+from libs.recipe.dsml import Dialect
 from libs.recipe.output_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Stage, Syntax
 from libs.recipe.tokenizer import Tokenizer
 
@@ -38,6 +39,7 @@ class Prompt:
     parse_tool_calls: bool
     thinking: bool  # reasoning is expected in the output
     structured_output: StructuredOutput | None = None  # the output constraint (set by the gateway)
+    dsml: Dialect | None = None  # a DeepSeek format's DSML spelling (syntax "deepseek")
 
 
 def _tools_section(tools: Sequence[ToolDefinition]) -> str:

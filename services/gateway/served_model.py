@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ class ServedModel:
     # Bounded, cached compile checks of constraints; None: unchecked here (a worker bounds its own
     # compiles and fails a bad constraint's sequence alone).
     grammar: GrammarCheck | None = None
+    # The parser's markers that are one (added) token each, by spelling: grammars name them by id
+    markup_ids: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def load(
@@ -89,6 +92,7 @@ class ServedModel:
             reasoning_end,
             vocab_size,
             GrammarCheck(grammar_vocab(tokenizer, vocab_size or tokenizer.vocab_size), grammar_limits),
+            markup_token_ids(tokenizer),
         )
 
     @property
@@ -115,7 +119,11 @@ class ServedModel:
         try:
             prompt = self.chat_format.prompt(conversation)
             constraint = structured_output(
-                conversation, prompt, backend=self.grammar_backend, reasoning_end=self.reasoning_end
+                conversation,
+                prompt,
+                backend=self.grammar_backend,
+                reasoning_end=self.reasoning_end,
+                markup_ids=self.markup_ids,
             )
         except RecipeError as exc:
             param = exc.param or "messages"
@@ -154,3 +162,14 @@ class ServedModel:
                 code="context_length_exceeded",
             )
         return max_tokens
+
+
+def markup_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """The output parser's markers that the vocabulary has as one added token, special or not."""
+    ids = {}
+    for spelling in MARKER_SPELLINGS:
+        try:
+            ids[spelling] = tokenizer.special_id(spelling)
+        except RecipeError:
+            continue  # spelled with ordinary tokens in this vocabulary
+    return ids

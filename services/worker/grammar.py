@@ -49,6 +49,7 @@ from libs.grammar.cache import GrammarCache
 from libs.grammar.completion import Alphabet, accepts, completion_path, next_steps, whole_tokens
 from libs.grammar.constraint import load_tool_triggers
 from libs.grammar.sandbox import CompileLimits, SandboxedBackend, sandboxed_backend
+from libs.grammar.structure import Token, load_structure, token_ids, triggers
 from libs.kernels.token_mask import bitmask_to_bias
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
@@ -71,8 +72,8 @@ MAX_CHECKED = 16  # a guarded mask with this many plain tokens or fewer checks e
 
 
 class Grammars:
-    """Backends and compile caches of one worker. ``vocab[i]``: token i's bytes, b"" for a token
-    no grammar may produce as text (special tokens, padding past the tokenizer).
+    """Backends and compile caches of one worker. ``vocab[i]``: token i's bytes as
+    ``libs.grammar.grammar_vocab`` spells them (special tokens: never text, reached by id only).
 
     Compiles run in child processes bounded by ``limits`` (libs.grammar.sandbox): one past a
     bound fails its sequence alone, and is remembered as failed. A constraint whose backend does
@@ -176,6 +177,7 @@ class SequenceGrammar:
         self._wait = 0  # steps to go before the next search
         self._strict = False  # the last guard: STEER_SLACK (checked) or only OPEN_SLACK (no new structure)
         self._call_cost: int | None = None  # tokens the longest tool call takes (None: not yet known)
+        self._markup_ids: tuple[int, ...] | None = None  # a STRUCTURE's token nodes (None: not yet read)
 
     def accept(self, token_id: int) -> None:
         """Feed one sampled (or replayed) output token."""
@@ -238,6 +240,8 @@ class SequenceGrammar:
             _allow_only(bitmask, row, keep)
             return
         bitmask[row] &= plain
+        for token_id in self._markup():  # markup text may look plain, but opens structure
+            bitmask[row, token_id // 32] &= ~_bit(token_id)
         for token_id in keep:
             bitmask[row, token_id // 32] |= _bit(token_id)
 
@@ -267,7 +271,7 @@ class SequenceGrammar:
             return None
         if self._plan and len(self._plan) < len(path) and accepts(matcher, self._plan):
             path = self._plan  # the search is a heuristic: the way out the model followed may be shorter
-        self._next = next_steps(path, self._alphabet)
+        self._next = next_steps(path, self._alphabet, self._markup())
         self._way_out_len = len(path)
         margin = remaining - len(path)
         if margin < 0:  # too late to fit: finish as soon as can be
@@ -288,10 +292,33 @@ class SequenceGrammar:
 
     def _search(self, matcher: Matcher, alphabet: Alphabet) -> list[int] | None:
         try:
-            return completion_path(matcher, alphabet, self._stop_token_ids[0])
+            return completion_path(matcher, alphabet, self._stop_token_ids[0], markup_ids=self._markup())
         except Exception:  # a backend's rollback refused: go on unsteered rather than fail the row
             log.exception("no way out of the grammar could be searched")
             return None
+
+    def _markup(self) -> tuple[int, ...]:
+        """The token ids a STRUCTURE names (its markup); () for other constraints."""
+        if self._markup_ids is None:
+            self._markup_ids = ()
+            if self._constraint.kind == StructuredOutputKind.STRUCTURE:
+                structure = load_structure(self._constraint.spec, self._constraint.backend)
+                self._markup_ids = tuple(sorted(token_ids(structure)))
+        return self._markup_ids
+
+    def _openings(self, alphabet: Alphabet) -> list[list[int]]:
+        """The tokens that open each tool call the constraint may start in free text."""
+        constraint = self._constraint
+        if constraint.kind == StructuredOutputKind.TOOL_TRIGGERS:
+            tags = load_tool_triggers(constraint.spec, constraint.backend).tags
+            return [whole_tokens(tag.begin.encode(), alphabet.pieces) for tag in tags]
+        if constraint.kind == StructuredOutputKind.STRUCTURE:
+            structure = load_structure(constraint.spec, constraint.backend)
+            return [
+                [t.token_id] if isinstance(t, Token) else whole_tokens(t.text.encode(), alphabet.pieces)
+                for t in triggers(structure)
+            ]
+        return []
 
     def _tool_call_cost(self, alphabet: Alphabet) -> int:
         """Tokens from the start of a tool call (its trigger) to the end of the output, for the
@@ -299,17 +326,13 @@ class SequenceGrammar:
         fresh matcher: each tag's opening text in whole tokens, then a way out from there."""
         if self._call_cost is None:
             self._call_cost = 0
-            if self._constraint.kind == StructuredOutputKind.TOOL_TRIGGERS:
-                tags = load_tool_triggers(self._constraint.spec, self._constraint.backend).tags
-                compiled = self._compiled.result()
-                for tag in tags:
-                    opening = whole_tokens(tag.begin.encode(), alphabet.pieces)
-                    probe = compiled.matcher(self._stop_token_ids)
-                    if not all(probe.advance(t) for t in opening):
-                        continue
-                    path = self._search(probe, alphabet)
-                    if path is not None:
-                        self._call_cost = max(self._call_cost, len(opening) + len(path))
+            for opening in self._openings(alphabet):
+                probe = self._compiled.result().matcher(self._stop_token_ids)
+                if not all(probe.advance(t) for t in opening):
+                    continue
+                path = self._search(probe, alphabet)
+                if path is not None:
+                    self._call_cost = max(self._call_cost, len(opening) + len(path))
         return self._call_cost
 
 

@@ -111,8 +111,7 @@ def load_llama_model(path: Path, cache_dir: Path, fmt: str, device: torch.device
 
 
 def grammar_vocab(path: Path, cache_dir: Path, vocab_size: int) -> list[bytes]:
-    """The bytes of each token id a grammar may produce; b"" for special tokens and for ids past
-    the tokenizer (a padded embedding table), which no grammar may emit as text."""
+    """The bytes of each token id as grammars see them (``libs.grammar.grammar_vocab``)."""
     tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path, cache_dir)
     return token_bytes_vocab(tokenizer, vocab_size)
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from libs.models.tiny_deepseek import deepseek_v4_tokenizer_dir, write_tiny_checkpoint
@@ -78,3 +79,57 @@ def test_every_api_answers_in_the_deepseek_format(serve: Serve) -> None:
         f"{serve.url}/v1/responses", json={"model": NAME, "input": "Hi", "max_output_tokens": 5}, timeout=60
     )
     assert resp.status_code == 200, resp.text
+
+
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": WEATHER_ARGS, "strict": True},
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_forced_dsml_call_follows_the_schema(serve: Serve, seed: int) -> None:
+    """Random weights, sampled: only the grammar makes this a call, whole and valid."""
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "max_tokens": 160,
+        "temperature": 1.0,
+        "seed": seed,
+    }
+    resp = httpx.post(f"{serve.url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_ARGS)
+
+
+def test_a_format_beside_auto_dsml_tools_is_the_answer_or_a_call(serve: Serve) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [WEATHER_TOOL],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        "thinking": {"type": "disabled"},  # a random model may never close its reasoning
+        "max_tokens": 160,
+        "temperature": 1.0,
+        "seed": 3,
+    }
+    resp = httpx.post(f"{serve.url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    message = resp.json()["choices"][0]["message"]
+    if message.get("tool_calls"):
+        jsonschema.validate(json.loads(message["tool_calls"][0]["function"]["arguments"]), WEATHER_ARGS)
+    else:
+        jsonschema.validate(json.loads(message["content"]), schema)

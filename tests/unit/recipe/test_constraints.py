@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.messages import StructuredOutputKind
 from libs.recipe.constraints import structured_output
-from libs.recipe.conversation import Conversation, Message, RecipeError, ToolDefinition
+from libs.recipe.conversation import Conversation, Message, ToolDefinition
+from libs.recipe.dsml import V41_DIALECT
 from libs.recipe.template_format import Prompt
 
 ASK = (Message("user", "hi"),)
 HERMES = Prompt([1, 2], syntax="hermes", start="content", parse_tool_calls=True, thinking=False)
 FORCED = Prompt([1, 2], syntax="hermes", start="tool_calls", parse_tool_calls=True, thinking=False)
 REASONING = Prompt([1, 2], syntax="deepseek", start="reasoning", parse_tool_calls=False, thinking=True)
+
+
+def dsml_prompt(start: str, thinking: bool = False) -> Prompt:
+    return Prompt([1], "deepseek", start, parse_tool_calls=True, thinking=thinking, dsml=V41_DIALECT)  # type: ignore[arg-type]
+
+
 ARGS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = ToolDefinition("weather", parameters=ARGS)
 CLOCK = ToolDefinition("clock")
@@ -75,19 +80,24 @@ def test_a_format_beside_auto_tools_is_a_call_or_the_format() -> None:
     assert spec["tags"][1]["begin"] == '<tool_call>\n{"name": "clock", "arguments": '
     plain = build(Conversation(ASK, tools=(WEATHER,), response_format="json_object"))
     assert plain is not None and json.loads(plain.spec)["format"] == {"schema": {"type": "object"}}
-    # DSML calls are not constrained: the union cannot be enforced there, so it is a 400
-    dsml = Prompt([1], syntax="deepseek", start="content", parse_tool_calls=True, thinking=False)
-    with pytest.raises(RecipeError) as err:
-        build(Conversation(ASK, tools=(WEATHER,), response_format="json_object"), dsml)
-    assert err.value.param == "response_format"
+    # DSML calls: the same union, as a structure (test_dsml_constraints.py walks it)
+    dsml = dsml_prompt("content")
+    union = build(Conversation(ASK, tools=(WEATHER,), response_format="json_object"), dsml)
+    assert union is not None and union.kind is StructuredOutputKind.STRUCTURE
+    assert json.loads(union.spec)["or"][0] == {"json": {"type": "object"}}
     forced = build(
         Conversation(ASK, tools=(WEATHER,), tool_choice="required", response_format="json_object"), FORCED
     )
     assert forced is not None and forced.suffix  # a forced call has no content to shape
 
 
-def test_reasoning_delays_the_constraint_and_dsml_calls_are_free() -> None:
+def test_reasoning_delays_the_constraint_and_dsml_calls_are_structures() -> None:
     out = build(Conversation(ASK, response_format="json_object"), REASONING)
     assert out is not None and unpack_tokens(out.start_after) == [7]
-    dsml = Prompt([1], syntax="deepseek", start="tool_calls", parse_tool_calls=True, thinking=False)
-    assert build(Conversation(ASK, tools=(WEATHER,), tool_choice="required"), dsml) is None
+    dsml = dsml_prompt("tool_calls")
+    forced = build(Conversation(ASK, tools=(WEATHER,), tool_choice="required"), dsml)
+    assert forced is not None and forced.kind is StructuredOutputKind.STRUCTURE
+    assert build(Conversation(ASK, tools=(WEATHER,)), dsml) is None  # auto, not strict: free
+    strict_tool = ToolDefinition("weather", parameters=ARGS, strict=True)
+    strict = build(Conversation(ASK, tools=(strict_tool,)), dsml_prompt("reasoning", thinking=True))
+    assert strict is not None and unpack_tokens(strict.start_after) == [7]
