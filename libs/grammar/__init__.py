@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import ModuleType
 from typing import Final, Protocol
 
@@ -28,11 +28,18 @@ class TokenBytes(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
-def grammar_vocab(tokenizer: TokenBytes, vocab_size: int) -> list[bytes]:
-    """The bytes of each token id as grammars see it: ``SPECIAL_BYTES`` for special tokens (never
-    text; reached by id only), b"" for ids past the tokenizer (a padded embedding table)."""
+def grammar_vocab(
+    tokenizer: TokenBytes, vocab_size: int, markup_ids: Collection[int] = ()
+) -> list[bytes]:
+    """The bytes of each token id as grammars see it: ``SPECIAL_BYTES`` for ``markup_ids``, the
+    tokens a call syntax puts in its markup (never text: a structure reaches them by id), b"" for
+    other special tokens and for ids past the tokenizer (a padded embedding table): never produced."""
     special = tokenizer.special_token_ids
-    return [SPECIAL_BYTES if i in special else tokenizer.token_bytes(i) for i in range(vocab_size)]
+    markup = frozenset(markup_ids)
+    return [
+        SPECIAL_BYTES if i in markup else b"" if i in special else tokenizer.token_bytes(i)
+        for i in range(vocab_size)
+    ]
 
 
 def _module(name: str) -> ModuleType:

@@ -8,9 +8,10 @@ Bitmask layout (shared by every backend and ``libs.kernels.token_mask``): int32 
 [num_rows, ceil(vocab_size / 32)]; token t is allowed in row r iff bit (t % 32) of word
 ``bitmask[r, t // 32]`` is set.
 
-Vocabulary: token i stands for ``vocab[i]``; a special token for ``SPECIAL_BYTES``, a byte no UTF-8
-text holds, so no text rule accepts it and only a structure's token node (by id) does; b"" is a
-token no grammar produces (ids past the tokenizer).
+Vocabulary: token i stands for ``vocab[i]``; b"" is a token no grammar produces (special tokens,
+ids past the tokenizer); a markup token (``grammar_vocab``'s ``markup_ids``) stands for
+``SPECIAL_BYTES``, a byte no UTF-8 text holds, so no text rule accepts it and only a structure's
+token node (by id) does.
 
 Stop tokens: a matcher is made with the sequence's stop token ids; ``fill_mask`` allows them
 exactly when the grammar may end at this point, and accepting one terminates the matcher.

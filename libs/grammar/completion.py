@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
+
 from libs.grammar.backend import SPECIAL_BYTES, Matcher
 
 log = logging.getLogger(__name__)
@@ -184,13 +186,13 @@ class _MarkupOrder:
     markup closes with ``</`` and a markup token (a raw value, an optional item, the block).
     Where few bytes are allowed, the markup comes next (it is what the syntax wants there);
     where many are (raw text, a JSON string), after ``"``: a markup token that spells text is
-    more of a JSON string, which the quote closes first. Only markup counts as structure: in raw
-    text a ``"`` is text, and a loop of any bytes is cut."""
+    more of a JSON string, which the quote closes first. Markup, ``]`` and ``}`` count as
+    structure (so nested JSON values are told apart by depth); a ``"`` does not, being text in a
+    raw value, where a loop of any bytes is then cut. Imports torch (for the mask): worker only."""
 
     FEW = 2  # allowed bytes at most where the markup goes first
 
     def __init__(self, matcher: Matcher, alphabet: Alphabet, markup: tuple[int, ...]) -> None:
-        import numpy as np
         import torch
 
         self._matcher = matcher
@@ -199,20 +201,19 @@ class _MarkupOrder:
         quote = [t for t in alphabet.token_ids if alphabet.byte_of[t] == ord('"')]
         rest = [t for t in alphabet.token_ids if t not in lead and t not in quote]
         self._orders = ((*lead, *markup, *quote, *rest), (*lead, *quote, *markup, *rest))
+        self._marks = frozenset(markup) | {t for t in alphabet.token_ids if alphabet.byte_of[t] in b"]}"}
         self._markup = frozenset(markup)
         self._ids = np.array(self._orders[0], dtype=np.int64)
 
     def here(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The candidates the matcher's mask allows where it is, in order, and their marks."""
-        import numpy as np
-
         self._matcher.fill_mask(self._bitmask, 0)
         words = self._bitmask[0].numpy().view(np.uint32)
         bits = (words[self._ids // 32] >> (self._ids % 32).astype(np.uint32)) & 1
         allowed = {t for t, bit in zip(self._orders[0], bits.tolist(), strict=True) if bit}
         few = len(allowed - self._markup) <= self.FEW
         chosen = tuple(t for t in self._orders[0 if few else 1] if t in allowed)
-        return chosen, tuple(int(t in self._markup) for t in chosen)
+        return chosen, tuple(int(t in self._marks) for t in chosen)
 
 
 def whole_tokens(data: bytes, pieces: Mapping[bytes, int]) -> list[int]:
@@ -228,6 +229,8 @@ def next_steps(
     them, and shorter ones such as ``' "'`` before ``' "",'``): the fewest tokens that finish
     from after it, the stop token last. A model that takes one of them has a way out this long.
     Only text before the path's first markup token is respelled; the path goes on from there."""
+    if len(path) <= 1:
+        return {}  # the way out is the stop token: no text to begin it
     markup = set(markup_ids)
     cut = next((i for i, t in enumerate(path[:-1]) if t in markup), len(path) - 1)
     if cut == 0:

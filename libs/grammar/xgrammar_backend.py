@@ -89,12 +89,13 @@ def tool_grammar(tools: ToolTriggers) -> xgr.Grammar:
     return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": structural}))
 
 
-def build_grammar(constraint: StructuredOutput) -> xgr.Grammar:
-    """The whole constraint as one grammar (no vocabulary needed). Raises GrammarError."""
+def build_grammar(constraint: StructuredOutput, vocab_size: int | None = None) -> xgr.Grammar:
+    """The whole constraint as one grammar (no vocabulary needed; with ``vocab_size``, a
+    structure's token ids are checked against it). Raises GrammarError."""
     if constraint.backend != NAME:
         raise GrammarError(f"constraint is for backend {constraint.backend!r}, not {NAME}", param="backend")
     try:
-        parts = [_body(constraint)]
+        parts = [_body(constraint, vocab_size)]
         if constraint.prefix:
             parts.insert(0, literal_grammar(constraint.prefix))
         if constraint.suffix:
@@ -106,7 +107,7 @@ def build_grammar(constraint: StructuredOutput) -> xgr.Grammar:
         raise GrammarError(f"the xgrammar backend cannot compile this constraint: {_reason(exc)}") from None
 
 
-def _body(constraint: StructuredOutput) -> xgr.Grammar:
+def _body(constraint: StructuredOutput, vocab_size: int | None) -> xgr.Grammar:
     kind = constraint.kind
     if kind == StructuredOutputKind.JSON:
         return schema_grammar({"type": "object"})
@@ -119,7 +120,11 @@ def _body(constraint: StructuredOutput) -> xgr.Grammar:
     if kind == StructuredOutputKind.CALL_OR_FORMAT:
         return call_or_format_grammar(load_call_or_format(constraint.spec, NAME))
     if kind == StructuredOutputKind.STRUCTURE:
-        return structure_grammar(load_structure(constraint.spec, NAME))
+        structure = load_structure(constraint.spec, NAME)
+        named = token_ids(structure)
+        if vocab_size is not None and named and max(named) >= vocab_size:
+            raise GrammarError(f"token id {max(named)} is outside the vocabulary", param="token")
+        return structure_grammar(structure)
     raise GrammarError(f"unknown constraint kind {kind!r}", param="kind")
 
 
@@ -255,11 +260,7 @@ class XGrammarBackend:
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, constraint: StructuredOutput) -> XGrammarCompiled:
-        grammar = build_grammar(constraint)
-        if constraint.kind == StructuredOutputKind.STRUCTURE:
-            named = token_ids(load_structure(constraint.spec, NAME))
-            if named and max(named) >= self.vocab_size:
-                raise GrammarError(f"token id {max(named)} is outside the vocabulary", param="token")
+        grammar = build_grammar(constraint, self.vocab_size)
         try:
             return XGrammarCompiled(self._compiler.compile_grammar(grammar))
         except RuntimeError as exc:

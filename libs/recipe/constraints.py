@@ -33,7 +33,6 @@ from libs.recipe.template_format import Prompt
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
-
 _NO_MARKUP: Mapping[str, int] = MappingProxyType({})
 
 
@@ -96,11 +95,18 @@ def _dsml(
 
 
 def _format_node(conv: Conversation) -> dict[str, Any]:
+    """The response format as a structure node (its JSON schema, or its regex)."""
+    fmt = _format(conv)
+    return {"json": fmt["schema"]} if "schema" in fmt else fmt
+
+
+def _format(conv: Conversation) -> dict[str, Any]:
+    """The response format beside tools: ``{"regex": ...}`` or ``{"schema": ...}``."""
     if conv.response_format == "regex":
         return {"regex": conv.response_regex}
     if conv.response_format == "json_schema":
-        return {"json": conv.response_schema}
-    return {"json": _ANY_OBJECT}
+        return {"schema": conv.response_schema}
+    return {"schema": _ANY_OBJECT}
 
 
 def _call_schema(tool: ToolDefinition) -> dict[str, Any]:
@@ -113,9 +119,7 @@ def _call_schema(tool: ToolDefinition) -> dict[str, Any]:
     }
 
 
-def _forced_call(
-    tools: Sequence[ToolDefinition], backend: str, start_after: bytes
-) -> StructuredOutput | None:
+def _forced_call(tools: Sequence[ToolDefinition], backend: str, start_after: bytes) -> StructuredOutput:
     # The prompt already ends with the opening tag (template_format._encode): the output starts
     # at the JSON body and must close the call; EOS follows.
     calls = [_call_schema(t) for t in tools]
@@ -129,9 +133,7 @@ def _forced_call(
     )
 
 
-def _strict_tools(
-    tools: Sequence[ToolDefinition], backend: str, start_after: bytes
-) -> StructuredOutput | None:
+def _strict_tools(tools: Sequence[ToolDefinition], backend: str, start_after: bytes) -> StructuredOutput:
     """Free text, but a call the model opens must name a declared tool and follow its schema
     (a non-strict tool's arguments only have to be a JSON object)."""
     spec = _canonical({"triggers": [TOOL_CALL_OPEN], "tags": _call_tags(tools)})
@@ -142,13 +144,7 @@ def _call_or_format(
     conv: Conversation, tools: Sequence[ToolDefinition], backend: str, start_after: bytes
 ) -> StructuredOutput:
     """Tools under auto beside a response format: the output is a call or the formatted answer."""
-    if conv.response_format == "regex":
-        fmt: dict[str, Any] = {"regex": conv.response_regex}
-    elif conv.response_format == "json_schema":
-        fmt = {"schema": conv.response_schema}
-    else:
-        fmt = {"schema": _ANY_OBJECT}
-    spec = _canonical({"format": fmt, "tags": _call_tags(tools)})
+    spec = _canonical({"format": _format(conv), "tags": _call_tags(tools)})
     return StructuredOutput(StructuredOutputKind.CALL_OR_FORMAT, spec, backend, start_after=start_after)
 
 

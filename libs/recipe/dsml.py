@@ -21,6 +21,9 @@ from libs.recipe.conversation import RecipeError, ToolCall, ToolDefinition
 Piece = tuple[str, bool]  # (text, is_special_token)
 
 DSML: Final = "｜DSML｜"
+# The special tokens grammars reach only by id, never as text (libs.grammar.grammar_vocab): DSML
+# markup is the token itself, also where a vocabulary flags it as ordinary (DeepSeek V4's does).
+GRAMMAR_MARKUP: Final = (DSML,)
 THINK_START: Final = "<think>"
 THINK_END: Final = "</think>"
 

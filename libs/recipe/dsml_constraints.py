@@ -19,14 +19,17 @@ rules out (no model writes the fullwidth bars of ``｜DSML｜`` as plain text).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from libs.recipe.conversation import ToolDefinition
+from libs.recipe.conversation import RecipeError, ToolDefinition
 from libs.recipe.dsml import DSML, Dialect, Piece, tag_pieces
+from libs.recipe.dsml_values import admits_only_strings, raw_string_schema
 
 Node = dict[str, Any]  # one node of the structure spec
 _ANY_PARAM_NAME = '[^"\\n]+'
+_PARAM_NAME = re.compile(_ANY_PARAM_NAME)
 _NO_MARKUP = [DSML]  # free text and raw strings never hold the markup, in any spelling
 
 
@@ -85,9 +88,16 @@ class DsmlGrammar:
         if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
             return self._any_params()
         defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}
-        required = set(schema.get("required") or ())
+        required = schema.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+            raise RecipeError("a tool's parameters.required must be a list of names", param="tools")
         chain: list[Node] = []
         for name, sub in schema["properties"].items():
+            if not _PARAM_NAME.fullmatch(name) or DSML in name:
+                raise RecipeError(
+                    f"DSML cannot name the parameter {name!r} (quotes, newlines and markup are not allowed)",
+                    param="tools",
+                )
             param = _seq(self._param(name, sub, defs), {"lit": "\n"})
             chain.append(param if name in required else {"opt": param})
         if self.dialect.empty_invoke_blank_line and not required:
@@ -119,11 +129,11 @@ class DsmlGrammar:
         d = self.dialect
         close = self._tag("</", d.parameter)
         forms: list[Node] = []
-        string_schema = _string_form(schema, defs)
+        string_schema = raw_string_schema(schema, defs)
         if string_schema is not None:
             opening = self._tag("<", d.parameter, f' name="{name}" string="true"')
             forms.append(_seq(*opening, {"string": string_schema, "excludes": _NO_MARKUP}, *close))
-        if not _is_string_only(schema, defs):
+        if not admits_only_strings(schema, defs):
             opening = self._tag("<", d.parameter, f' name="{name}" string="false"')
             value = {**schema, **defs} if isinstance(schema, dict) else schema
             forms.append(_seq(*opening, {"json": value}, *close))
@@ -155,50 +165,3 @@ def _seq(*nodes: Node) -> Node:
                 items.append(item)
     return items[0] if len(items) == 1 else {"seq": items}
 
-
-def _resolved(schema: Any, defs: Mapping[str, Any]) -> Any:
-    """A local ``$ref`` (``#/$defs/X`` or ``#/definitions/X``) followed, once; else the schema."""
-    ref = schema.get("$ref") if isinstance(schema, dict) else None
-    if isinstance(ref, str):
-        for key in ("$defs", "definitions"):
-            prefix = f"#/{key}/"
-            if ref.startswith(prefix) and isinstance(defs.get(key), dict):
-                return defs[key].get(ref[len(prefix) :], schema)
-    return schema
-
-
-def _listed(schema: dict[str, Any]) -> list[Any] | None:
-    if "const" in schema:
-        return [schema["const"]]
-    enum = schema.get("enum")
-    return enum if isinstance(enum, list) else None
-
-
-def _is_string_only(schema: Any, defs: Mapping[str, Any]) -> bool:
-    schema = _resolved(schema, defs)
-    if not isinstance(schema, dict):
-        return False
-    listed = _listed(schema)
-    if listed is not None:
-        return all(isinstance(value, str) for value in listed)
-    return schema.get("type") == "string"
-
-
-def _string_form(schema: Any, defs: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The string schema a raw (``string="true"``) value follows, or None when no string fits."""
-    resolved = _resolved(schema, defs)
-    if resolved is True or resolved == {}:
-        return {"type": "string"}
-    if not isinstance(resolved, dict):
-        return None
-    listed = _listed(resolved)
-    if listed is not None:
-        strings = [value for value in listed if isinstance(value, str)]
-        return {"type": "string", "enum": strings} if strings else None
-    kind = resolved.get("type")
-    if kind == "string":
-        keys = ("pattern", "format", "minLength", "maxLength")
-        return {"type": "string", **{key: resolved[key] for key in keys if key in resolved}}
-    if kind is None or (isinstance(kind, list) and "string" in kind):
-        return {"type": "string"}
-    return None

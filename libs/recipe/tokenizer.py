@@ -181,6 +181,11 @@ class Tokenizer:
             raise RecipeError(f"special token {spelling!r} is not in this model's vocabulary")
         return int(token_id)
 
+    def added_token_ids(self, spellings: Sequence[str]) -> dict[str, int]:
+        """The ids of those ``spellings`` the vocabulary has as one token each, by spelling."""
+        ids = {spelling: self._backend.token_to_id(spelling) for spelling in spellings}
+        return {spelling: int(token_id) for spelling, token_id in ids.items() if token_id is not None}
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

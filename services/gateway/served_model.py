@@ -8,7 +8,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from libs.grammar import grammar_vocab
 from libs.grammar.sandbox import CompileLimits
 from libs.modelfiles.gguf_metadata import read_gguf_config
 from libs.modelfiles.registry import read_hf_shape, resolve_model_path
@@ -18,6 +17,7 @@ from libs.recipe.constraints import structured_output
 from libs.recipe.conversation import Conversation, RecipeError
 from libs.recipe.dsml import THINK_END
 from libs.recipe.fields import ApiError, check_vocabulary
+from libs.recipe.grammar_markup import grammar_vocab_of
 from libs.recipe.output_parser import MARKER_SPELLINGS
 from libs.recipe.template_format import Prompt
 from libs.recipe.tokenizer import Tokenizer
@@ -91,7 +91,7 @@ class ServedModel:
             grammar_backend,
             reasoning_end,
             vocab_size,
-            GrammarCheck(grammar_vocab(tokenizer, vocab_size or tokenizer.vocab_size), grammar_limits),
+            GrammarCheck(grammar_vocab_of(tokenizer, vocab_size or tokenizer.vocab_size), grammar_limits),
             markup_token_ids(tokenizer),
         )
 
@@ -164,12 +164,7 @@ class ServedModel:
         return max_tokens
 
 
+
 def markup_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """The output parser's markers that the vocabulary has as one added token, special or not."""
-    ids = {}
-    for spelling in MARKER_SPELLINGS:
-        try:
-            ids[spelling] = tokenizer.special_id(spelling)
-        except RecipeError:
-            continue  # spelled with ordinary tokens in this vocabulary
-    return ids
+    return tokenizer.added_token_ids(MARKER_SPELLINGS)

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from libs.bus.nats_bus import NatsBus
-from libs.grammar import grammar_vocab as token_bytes_vocab
 from libs.grammar import resolve_backend
 from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.kv_spec import KVSpec
@@ -22,6 +21,7 @@ from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
+from libs.recipe.grammar_markup import grammar_vocab_of
 from libs.recipe.tokenizer import Tokenizer
 from libs.runtime.metrics_server import start_metrics_server
 from libs.runtime.process import run_service, setup_logging
@@ -113,7 +113,7 @@ def load_llama_model(path: Path, cache_dir: Path, fmt: str, device: torch.device
 def grammar_vocab(path: Path, cache_dir: Path, vocab_size: int) -> list[bytes]:
     """The bytes of each token id as grammars see them (``libs.grammar.grammar_vocab``)."""
     tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path, cache_dir)
-    return token_bytes_vocab(tokenizer, vocab_size)
+    return grammar_vocab_of(tokenizer, vocab_size)
 
 
 def build_kv_tiers(

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from libs.grammar import grammar_vocab
 from libs.grammar.backend import GrammarError
 from libs.grammar.completion import Alphabet, completion_path, next_steps
 from libs.grammar.structure import load_structure, token_ids
@@ -24,8 +23,10 @@ from libs.protocol.codec import unpack_tokens
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
 from libs.recipe.chat_formats import DeepSeekChatFormat
 from libs.recipe.constraints import structured_output
-from libs.recipe.conversation import Conversation, Message, ToolCall, ToolDefinition
+from libs.recipe.conversation import Conversation, Message, RecipeError, ToolCall, ToolDefinition
 from libs.recipe.dsml import DSML, V4_DIALECT, V41_DIALECT, Dialect, Piece, tool_calls_block
+from libs.recipe.dsml_values import admits_only_strings, raw_string_schema
+from libs.recipe.grammar_markup import grammar_vocab_of
 from libs.recipe.output_parser import OutputParser, ParserSpec
 from libs.recipe.segments import ToolCallArgs, ToolCallStart
 from libs.recipe.tokenizer import Tokenizer
@@ -57,7 +58,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def backend(tokenizer: Tokenizer) -> XGrammarBackend:
-    return XGrammarBackend(grammar_vocab(tokenizer, tokenizer.vocab_size))
+    return XGrammarBackend(grammar_vocab_of(tokenizer, tokenizer.vocab_size))
 
 
 def encode(tokenizer: Tokenizer, pieces: Sequence[Piece]) -> list[int]:
@@ -268,7 +269,7 @@ def test_a_way_out_of_a_forced_call_goes_through_the_markup_token(
     DSML token where the markup needs it, and every step it offers leaves a way out."""
     conv = Conversation(ASK, tools=(WEATHER, CLOCK), tool_choice="required", thinking=False)
     walk = Walk(tokenizer, backend, "v4.1", conv)
-    alphabet = Alphabet.of(grammar_vocab(tokenizer, tokenizer.vocab_size))
+    alphabet = Alphabet.of(grammar_vocab_of(tokenizer, tokenizer.vocab_size))
     markup = sorted(token_ids(load_structure(walk.constraint.spec, "xgrammar")))  # as the worker takes them
     assert markup == [tokenizer.special_id(DSML)]
     block = calls_block(V41_DIALECT, [("weather", {"city": "Paris", "days": 12, "tags": ["x"]})])
@@ -288,6 +289,81 @@ def test_a_way_out_of_a_forced_call_goes_through_the_markup_token(
             assert name in ("weather", "clock")
         for token_id, rest in next_steps(path, alphabet, markup).items():
             assert walk.accepts([*output[:cut], token_id, *rest[:-1]]), (cut, token_id)
+    # Inside nested JSON (a tool without parameters takes any): a way out from every point.
+    conv = Conversation(ASK, tools=(CLOCK,), tool_choice="required", thinking=False)
+    nested = Walk(tokenizer, backend, "v4.1", conv)
+    deep = encode(tokenizer, calls_block(V41_DIALECT, [("clock", {"q": [[["a", {"b": [1]}]]]})])[4:])
+    for cut in range(len(deep)):
+        matcher = nested.compiled.matcher([nested.eos])
+        assert all(matcher.advance(t) for t in deep[:cut])
+        path = completion_path(matcher, alphabet, nested.eos, markup_ids=markup)
+        assert path is not None and nested.accepts([*deep[:cut], *path[:-1]]), cut
     # Without the markup ids the search cannot take the token and finds no way out.
     matcher = walk.compiled.matcher([walk.eos])
     assert completion_path(matcher, alphabet, walk.eos) is None
+
+
+INT = {"type": "integer"}
+
+
+@pytest.mark.parametrize(
+    ("schema", "raw", "json_form"),
+    [
+        ({"type": "string", "maxLength": 3}, {"type": "string", "maxLength": 3}, False),
+        ({"type": ["string", "null"], "pattern": "^a"}, {"type": "string", "pattern": "^a"}, True),
+        ({"anyOf": [INT, {"type": "null"}]}, None, True),  # pydantic's Optional[int]
+        ({"oneOf": [INT, {"type": "boolean"}]}, None, True),
+        ({"allOf": [INT]}, None, True),
+        ({"$ref": "#/$defs/a"}, None, True),  # a -> b -> integer
+        ({"anyOf": [{"type": "string", "enum": ["x"]}, INT]}, {"type": "string", "enum": ["x"]}, True),
+        ({"anyOf": [{"type": "string"}, {"const": "y"}]}, {"type": "string"}, False),
+        ({"enum": ["a", 1]}, {"type": "string", "enum": ["a"]}, True),
+        ({}, {"type": "string"}, True),
+        ({"properties": {"x": INT}}, None, True),  # untyped, but only an object has properties
+    ],
+)
+def test_a_schema_decides_the_value_forms(schema: object, raw: object, json_form: bool) -> None:
+    defs = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": INT}}
+    assert raw_string_schema(schema, defs) == raw
+    assert admits_only_strings(schema, defs) is not json_form
+
+
+def test_string_limits_and_optional_values_follow_the_schema(
+    tokenizer: Tokenizer, backend: XGrammarBackend
+) -> None:
+    args = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 12},
+            "days": {"anyOf": [INT, {"type": "null"}]},
+        },
+        "required": ["city", "days"],
+    }
+    conv = Conversation(
+        ASK, tools=(ToolDefinition("w", parameters=args),), tool_choice="required", thinking=False
+    )
+    walk = Walk(tokenizer, backend, "v4.1", conv)
+    for args_ok in ({"city": "P", "days": 3}, {"city": "Paris", "days": None}):
+        assert walk.accepts(encode(tokenizer, calls_block(V41_DIALECT, [("w", args_ok)])[4:]))
+    for args_bad in ({"city": "", "days": 3}, {"city": "a" * 13, "days": 3}, {"city": "P", "days": "3"}):
+        assert not walk.accepts(encode(tokenizer, calls_block(V41_DIALECT, [("w", args_bad)])[4:]))
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": {"a": INT}, "required": 5},
+        {"type": "object", "properties": {"a": INT}, "required": [["a"]]},
+        {"type": "object", "properties": {'a"b': INT}},
+        {"type": "object", "properties": {"a\nb": INT}},
+        {"type": "object", "properties": {f"a{DSML}": INT}},
+    ],
+)
+def test_a_tool_dsml_cannot_spell_is_a_client_error(tokenizer: Tokenizer, parameters: object) -> None:
+    conv = Conversation(
+        ASK, tools=(ToolDefinition("w", parameters=parameters),), tool_choice="required", thinking=False
+    )
+    prompt = DeepSeekChatFormat("v4.1", tokenizer).prompt(conv)
+    with pytest.raises(RecipeError) as err:
+        structured_output(conv, prompt, backend="xgrammar", reasoning_end=[1])
+    assert err.value.param == "tools"
