@@ -122,7 +122,8 @@ class LocalEngine:
             self.core.record_loads(result.step_id, num_host, num_store, failed_loads)
             sampled = unpack_tokens(result.sampled_token_ids)
             failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
-            for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs, failed):
+            counts = unpack_tokens(result.num_sampled_tokens) if result.num_sampled_tokens else None
+            for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs, failed, counts):
                 if seq.is_finished:
                     self._record(seq)
         if self.check:

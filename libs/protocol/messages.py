@@ -8,6 +8,7 @@ it by ``seq_id`` only, and ``finished_seq_ids`` tells the worker which state to 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from libs.protocol.kv_messages import KVLoad, KVSave, PartialSave
@@ -97,6 +98,18 @@ class Logprobs:
     top_token_ids: bytes = b""  # packed uint32 [num_tokens * num_top]
     top_logprobs: bytes = b""  # float32 [num_tokens * num_top]
     num_top: int = 0
+
+    @staticmethod
+    def concat(parts: Sequence[Logprobs]) -> Logprobs | None:
+        """The logprobs of consecutive tokens as one message (one sequence's; equal ``num_top``)."""
+        if len(parts) <= 1:
+            return parts[0] if parts else None
+        return Logprobs(
+            token_logprobs=b"".join(p.token_logprobs for p in parts),
+            top_token_ids=b"".join(p.top_token_ids for p in parts),
+            top_logprobs=b"".join(p.top_logprobs for p in parts),
+            num_top=parts[0].num_top,
+        )
 
 
 # --- gateway -> scheduler -------------------------------------------------------------------
@@ -225,6 +238,12 @@ class SchedulerOutput:
     ``num_computed_tokens`` (a prefill chunk, or 1 for decode) and samples one token when that
     reaches the end of the tokens the worker knows. With overlap scheduling a decode's input is
     the token the worker sampled in the previous plan, which the scheduler has not seen yet.
+
+    Speculative decoding: a decode may carry drafted tokens (``draft_token_ids``). The worker
+    computes them after its input token, samples at every one of those positions, keeps the
+    drafts up to the first that differs from its own sample, and returns that many + 1 tokens.
+    The scheduler allocated blocks for all of them; a drafted sequence is in no later plan until
+    this one's result has come back.
     """
 
     step_id: int
@@ -239,6 +258,8 @@ class SchedulerOutput:
     # Concatenated keys of handoff-area files no plan will load (the request ended or moved on
     # without them): deleted after this worker's earlier partial saves are written.
     handoff_drops: bytes = b""
+    # packed uint32 per seq_ids: tokens drafted after its input token (b"": none); empty: none at all
+    draft_token_ids: tuple[bytes, ...] = ()
 
     @property
     def num_scheduled_seqs(self) -> int:
@@ -252,9 +273,9 @@ class ModelRunnerOutput:
 
     step_id: int
     seq_ids: tuple[str, ...]
-    sampled_token_ids: bytes  # packed uint32, one per seq_id
+    sampled_token_ids: bytes  # packed uint32, one per seq_id (a drafted one: 1 + its accepted drafts)
     num_running_seqs: int  # sequences whose state the worker holds after this step
-    logprobs: tuple[Logprobs | None, ...] = ()  # one per seq_id, or empty when none asked
+    logprobs: tuple[Logprobs | None, ...] = ()  # one per seq_id (all its tokens'), or empty when none asked
     error: str = ""  # the whole step failed; the worker dropped every sequence
     # Sequences that cannot go on (their grammar failed to compile), with why. Each still sampled a
     # stop token above, so the worker's state stays in step with plans already in flight.
@@ -270,6 +291,8 @@ class ModelRunnerOutput:
     # num_failed_load_blocks): what they report as cached shrinks by as much
     failed_load_seq_ids: tuple[str, ...] = ()
     failed_load_num_blocks: tuple[int, ...] = ()
+    # packed uint32, tokens per seq_id in sampled_token_ids; b"": one each (no drafts in the plan)
+    num_sampled_tokens: bytes = b""
 
 
 # --- liveness and load ----------------------------------------------------------------------

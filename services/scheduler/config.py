@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from services.scheduler.speculation import METHODS
+
 
 @dataclass(frozen=True, slots=True)
 class Config:
@@ -38,6 +40,16 @@ class Config:
             "(G3), and save full blocks there at the end of each prompt and each output (needs "
             "prefix caching); false keeps only the worker's device pages (G1)"
         },
+    )
+    speculative_method: str = field(
+        default="none",
+        metadata={
+            "help": "speculative decoding: where drafts come from (none | ngram: the sequence's own earlier "
+            "tokens); the worker verifies them, so output is unchanged"
+        },
+    )
+    speculative_max_tokens: int = field(
+        default=5, metadata={"help": "the most tokens drafted for a sequence per step (with a method)"}
     )
     kv_lookup_timeout_s: float = field(
         default=0.05,
@@ -108,9 +120,19 @@ class Config:
     )
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Tokens a sequence may draft per step: 0 without a method."""
+        return self.speculative_max_tokens if self.speculative_method != "none" else 0
+
     def __post_init__(self) -> None:
         if self.routing not in ("kv", "round_robin"):
             raise ValueError(f"routing must be kv or round_robin, got {self.routing!r}")
+        if self.speculative_method not in METHODS:
+            methods = ", ".join(METHODS)
+            raise ValueError(f"speculative_method must be one of {methods}, got {self.speculative_method!r}")
+        if not 0 <= self.speculative_max_tokens <= 64:
+            raise ValueError(f"speculative_max_tokens must be in 0..64, got {self.speculative_max_tokens}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if not 0 <= self.metrics_port < 65536:

@@ -33,6 +33,9 @@ def check_integrity(core: WorkerScheduler) -> None:
             assert seq.num_computed_tokens == 0 and seq.prompt_done_step == 0
         _check_cached_blocks(core, seq)
     assert not set(core._finished_since_plan) & running, "a running sequence is to be dropped"
+    core.speculator.check_integrity(set(core.seqs))
+    for seq in core.seqs.values():
+        assert not seq.draft_token_ids or seq.num_pending_tokens == 1, "drafts with no plan in flight"
 
 
 def _check_cached_blocks(core: WorkerScheduler, seq: Sequence) -> None:

@@ -68,13 +68,4 @@ def _take_output(seq: Sequence, error: str) -> RequestOutput:
 def _take_logprobs(seq: Sequence) -> Logprobs | None:
     """The logprobs of the tokens not yet sent, merged into one message."""
     parts, seq.unsent_logprobs = seq.unsent_logprobs, []
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return Logprobs(
-        token_logprobs=b"".join(p.token_logprobs for p in parts),
-        top_token_ids=b"".join(p.top_token_ids for p in parts),
-        top_logprobs=b"".join(p.top_logprobs for p in parts),
-        num_top=parts[0].num_top,
-    )
+    return Logprobs.concat(parts)

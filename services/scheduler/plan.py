@@ -21,6 +21,7 @@ class Plan:
     new_seq_ids: set[str] = field(default_factory=set)
     num_computed_before: dict[str, int] = field(default_factory=dict)
     kv_loads: dict[str, KVLoad] = field(default_factory=dict)  # new seq_id -> blocks from G2 / G3
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # seq_id -> tokens drafted after its input
     preempted: bool = False
 
     def to_output(
@@ -36,6 +37,7 @@ class Plan:
         seq_ids: list[str] = []
         counts: list[int] = []
         new_block_ids: list[bytes] = []
+        drafts: list[bytes] = []
         for seq_id, num_tokens in self.scheduled.items():
             if seq_id in self.new_seq_ids:
                 seq = seqs[seq_id]
@@ -56,6 +58,7 @@ class Plan:
                 seq_ids.append(seq_id)
                 counts.append(num_tokens)
                 new_block_ids.append(pack_tokens(self.new_blocks[seq_id]))
+                drafts.append(pack_tokens(self.drafts.get(seq_id, [])))
         return SchedulerOutput(
             step_id=self.step_id,
             new_seqs=tuple(new_seqs),
@@ -67,4 +70,5 @@ class Plan:
             kv_saves=kv_saves,
             partial_saves=handoff[0],
             handoff_drops=handoff[1],
+            draft_token_ids=tuple(drafts) if self.drafts else (),
         )

@@ -66,6 +66,8 @@ class Sequence:
     partial_key: bytes = b""
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks, grown lazily
     unsent_logprobs: list[Logprobs] = field(default_factory=list)
+    # the drafts its plan in flight verifies ([]: none); it is in no later plan until that result
+    draft_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: frozenset[int] = field(init=False)  # EOS unless ignore_eos, plus the request's
 
     def __post_init__(self) -> None:

@@ -251,6 +251,8 @@ class SchedulerService:
             max_num_waiting=self.config.max_num_waiting,
             enable_prefix_caching=self.config.enable_prefix_caching,
             enable_kv_tiers=self.config.enable_kv_tiers,
+            speculative_method=self.config.speculative_method,
+            num_speculative_tokens=self.config.num_speculative_tokens,
         )
         core = WorkerScheduler(limits, self.config.scheduler_id, load.model_fingerprint or load.model)
         handle = WorkerHandle(load, core, time.monotonic())

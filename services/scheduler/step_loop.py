@@ -129,8 +129,9 @@ class StepLoop:
         metrics.STEPS.inc()
         failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
         metrics.count_failed(failed.values())
+        num_sampled = unpack_tokens(result.num_sampled_tokens) if result.num_sampled_tokens else None
         changed = core.postprocess(
-            result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs, failed
+            result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs, failed, num_sampled
         )
         if changed:
             await self.publish(changed)

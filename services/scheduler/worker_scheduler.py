@@ -53,6 +53,7 @@ from services.scheduler.limits import Limits as Limits  # re-exported: callers i
 from services.scheduler.plan import Plan
 from services.scheduler.prefix_cache import BlockHasher, PrefixCacheStats
 from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.speculation import Speculator
 
 
 class WorkerScheduler:
@@ -73,6 +74,7 @@ class WorkerScheduler:
         self._front_arrivals = itertools.count(-1, -1)  # moved sequences queue ahead (see moving)
         self._step_ids = itertools.count(1)
         self.num_preemptions = 0  # since start: a count for metrics
+        self.speculator = Speculator(limits.speculative_method)
 
     @property
     def num_waiting(self) -> int:
@@ -186,13 +188,16 @@ class WorkerScheduler:
         sampled: list[int],
         logprobs: tuple[Logprobs | None, ...] = (),
         failed: Mapping[str, str] | None = None,
+        num_sampled: list[int] | None = None,
     ) -> list[Sequence]:
         """Append each sampled token; returns the sequences that changed (finished ones included).
 
-        Results of sequences that finished meanwhile are dropped; a preempted sequence keeps its
-        token (it was sampled from intact state before the worker dropped it). A ``failed``
-        sequence (seq id -> why) finishes with ERROR, whether it sampled (its token is dropped)
-        or not (a prefill chunk, or a row the worker could not run).
+        ``num_sampled``: tokens per sequence in ``sampled`` (None: one each); a drafted sequence
+        gets 1 + its accepted drafts, which count as computed, and each token is checked for a
+        stop, so nothing after one is kept. Results of sequences that finished meanwhile are
+        dropped; a preempted sequence keeps its tokens (sampled from intact state before the
+        worker dropped it). A ``failed`` sequence (seq id -> why) finishes with ERROR, whether it
+        sampled (its token is dropped) or not (a prefill chunk, or a row the worker could not run).
         """
         changed: list[Sequence] = []
         for seq_id, why in (failed or {}).items():
@@ -201,20 +206,38 @@ class WorkerScheduler:
                 seq.error = why
                 self._finish(seq, FinishReason.ERROR)
                 changed.append(seq)
-        for i, (seq_id, token_id) in enumerate(zip(seq_ids, sampled, strict=True)):
+        counts = num_sampled if num_sampled is not None else [1] * len(seq_ids)
+        offsets = list(itertools.accumulate(counts, initial=0))
+        for i, seq_id in enumerate(seq_ids):
             seq = self.seqs.get(seq_id)
             if seq is None:
                 continue
             seq.num_pending_tokens -= 1
-            seq.output_token_ids.append(token_id)
             seq.suspect = False  # it got through a step on this worker
             if logprobs and logprobs[i] is not None:
                 seq.unsent_logprobs.append(logprobs[i])  # type: ignore[arg-type]
+            self._take_tokens(seq, sampled[offsets[i] : offsets[i + 1]])
+            changed.append(seq)
+        return changed
+
+    def _take_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
+        """One sequence's tokens of a step: its accepted drafts (computed now) and one more."""
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        num_accepted = len(token_ids) - 1
+        if not 0 <= num_accepted <= len(draft) or token_ids[:num_accepted] != draft[:num_accepted]:
+            seq.error = f"the worker returned {len(token_ids)} tokens for a draft of {len(draft)}"
+            self._finish(seq, FinishReason.ERROR)
+            return
+        if draft:
+            self.speculator.stats.record(len(draft), num_accepted)
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens += num_accepted
+        for token_id in token_ids:
+            seq.output_token_ids.append(token_id)
             reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
-            changed.append(seq)
-        return changed
+                return
 
     def fail_all(self) -> list[Sequence]:
         """The worker is gone: finish every sequence with an error (nothing to tell the worker)."""
@@ -229,13 +252,15 @@ class WorkerScheduler:
 
     def _can_grow(self, seq: Sequence) -> bool:
         """Whether another token may be computed: no limit is reached counting tokens in flight."""
-        if seq.num_uncomputed_tokens == 0:
-            return False
+        if seq.num_uncomputed_tokens == 0 or seq.draft_token_ids:
+            return False  # (drafts in flight: how many tokens come back is not known yet)
         if seq.handoff and seq.num_computed_tokens >= seq.num_prompt_tokens:
             return False  # prefilled: its decode runs on the worker it is handed to
         if seq.num_computed_tokens < seq.num_tokens:
             return True  # prefill (or recompute) still has known tokens to compute
         params, num_pending = seq.sampling_params, seq.num_pending_tokens
+        if num_pending and self.limits.num_speculative_tokens and not self.speculator.may_overlap(seq.seq_id):
+            return False  # waits for its result, so that the next plan can draft for it
         return (
             seq.num_output_tokens + num_pending < params.max_tokens
             and seq.num_tokens + num_pending < self.limits.context_len
@@ -244,6 +269,12 @@ class WorkerScheduler:
     def _schedule_running(self, plan: Plan, seq: Sequence) -> None:
         num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
         target = seq.num_computed_tokens + num_tokens
+        if num_tokens == 1 and self.limits.num_speculative_tokens:
+            max_draft = min(self.limits.num_speculative_tokens, plan.budget - 1)
+            draft = self.speculator.draft_for(seq, max_draft, self.limits.context_len)
+            if draft and self.block_manager.can_allocate(seq.seq_id, target + len(draft)):
+                self._add_to_plan(plan, seq, num_tokens, draft)
+                return
         while not self.block_manager.can_allocate(seq.seq_id, target):
             victim = self._pick_victim(seq, plan)
             if victim is None:
@@ -347,14 +378,20 @@ class WorkerScheduler:
         parent = self.seqs.get(seq.request_id) if seq.index > 0 else None
         return parent is not None and not 0 < parent.prompt_done_step < step_id
 
-    def _add_to_plan(self, plan: Plan, seq: Sequence, num_tokens: int) -> None:
+    def _add_to_plan(
+        self, plan: Plan, seq: Sequence, num_tokens: int, draft: list[int] | None = None
+    ) -> None:
         if seq.seq_id not in plan.kv_loads:  # blocks loaded by this plan are cached from the next
             self.kv_reuse.cache_computed_blocks(seq)  # before this plan's chunk: earlier plans computed them
         plan.num_computed_before[seq.seq_id] = seq.num_computed_tokens
         target = seq.num_computed_tokens + num_tokens
-        plan.new_blocks[seq.seq_id] = self.block_manager.allocate(seq.seq_id, target)
+        # Blocks for the drafts too; they count as computed only once verified (postprocess).
+        num_drafted = len(draft or ())
+        plan.new_blocks[seq.seq_id] = self.block_manager.allocate(seq.seq_id, target + num_drafted)
         plan.scheduled[seq.seq_id] = num_tokens
-        plan.budget -= num_tokens
+        plan.budget -= num_tokens + num_drafted
+        if draft:
+            plan.drafts[seq.seq_id] = seq.draft_token_ids = draft
         # Samples iff the chunk reaches the end of what the worker knows.
         samples = target == seq.num_tokens + seq.num_pending_tokens
         seq.num_computed_tokens = target
@@ -395,6 +432,7 @@ class WorkerScheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
+        self.speculator.forget(seq.seq_id)
         siblings = self._request_seqs.get(seq.request_id, [])
         if all(s not in self.seqs for s in siblings):
             self._request_seqs.pop(seq.request_id, None)

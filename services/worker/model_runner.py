@@ -44,8 +44,9 @@ from services.worker.kv_tiers import KVTiers, LoadResult
 from services.worker.kv_transfer import KVTransfer
 from services.worker.row_isolation import PlanError as PlanError  # re-exported: callers import it here
 from services.worker.row_isolation import drop_non_finite, forward_isolating, kept_mask
-from services.worker.sampler import GrammarMask, Sampler
+from services.worker.sampler import GrammarMask, Sampler, SamplingState
 from services.worker.sequence_state import SequenceState, input_error
+from services.worker.verify import num_accepted, positions
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,12 @@ MAX_LONE_FAILURES = 3
 class _Row:
     state: SequenceState
     num_tokens: int  # computed in this step, from state.num_computed_tokens on
+    num_drafts: int = 0  # drafted tokens at the end of those (and of state.token_ids), verified here
+
+    @property
+    def num_samples(self) -> int:
+        """Positions it samples at: its last, and each drafted one before it (0: none)."""
+        return 1 + self.num_drafts if self.samples else 0
 
     @property
     def samples(self) -> bool:
@@ -72,7 +79,7 @@ class _Row:
 @dataclass(frozen=True, slots=True)
 class _Sampled:
     rows: list[_Row]  # the rows that sampled, in layout order
-    token_ids: list[int]
+    token_ids: list[list[int]]  # per row: its sampled tokens (a drafted row's: 1 + accepted drafts)
     logprobs: list[Logprobs | None]
     failed: dict[str, str]  # seq_id -> why its grammar cannot be used (the row sampled a stop token)
 
@@ -149,10 +156,11 @@ class ModelRunner:
         self._drop(failed)
         failed.update(sampled.failed)
         logprobs = sampled.logprobs
+        counts = [len(tokens) for tokens in sampled.token_ids]
         return ModelRunnerOutput(
             step_id=plan.step_id,
             seq_ids=tuple(r.state.seq_id for r in sampled.rows),
-            sampled_token_ids=pack_tokens(sampled.token_ids),
+            sampled_token_ids=pack_tokens([t for tokens in sampled.token_ids for t in tokens]),
             num_running_seqs=self.num_running_seqs,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             failed_seq_ids=tuple(failed),
@@ -164,6 +172,7 @@ class ModelRunner:
             num_failed_partial_blocks=sum(r.num_failed_partial_blocks for r in loads.values()),
             failed_load_seq_ids=tuple(seq_id for seq_id, r in loads.items() if r.num_failed_blocks),
             failed_load_num_blocks=tuple(r.num_failed_blocks for r in loads.values() if r.num_failed_blocks),
+            num_sampled_tokens=pack_tokens(counts) if any(n != 1 for n in counts) else b"",
         )
 
     def prefetch(self, plan: SchedulerOutput) -> None:
@@ -230,8 +239,13 @@ class ModelRunner:
         counts = unpack_tokens(plan.num_scheduled_tokens)
         if not len(counts) == len(plan.seq_ids) == len(plan.new_block_ids):
             raise PlanError("seq_ids, num_scheduled_tokens and new_block_ids differ in length")
+        drafts = plan.draft_token_ids or (b"",) * len(plan.seq_ids)
+        if len(drafts) != len(plan.seq_ids):
+            raise PlanError("seq_ids and draft_token_ids differ in length")
         rows: list[_Row] = []
-        for seq_id, num_tokens, blocks in zip(plan.seq_ids, counts, plan.new_block_ids, strict=True):
+        for seq_id, num_tokens, blocks, draft in zip(
+            plan.seq_ids, counts, plan.new_block_ids, drafts, strict=True
+        ):
             state = self.seqs.get(seq_id)
             if state is None and seq_id in self.failed_seq_ids:
                 # failed in an earlier step, planned before the scheduler knew
@@ -242,8 +256,21 @@ class ModelRunner:
             new_blocks = unpack_tokens(blocks)
             self._check_blocks(seq_id, new_blocks)
             state.block_table += new_blocks
-            rows.append(_Row(state, num_tokens))
+            rows.append(self._with_drafts(_Row(state, num_tokens), unpack_tokens(draft)))
         return rows
+
+    def _with_drafts(self, row: _Row, draft: list[int]) -> _Row:
+        """A decode row that also verifies ``draft`` (appended to its tokens until verified). A
+        constrained row verifies none: its grammar masks follow the sampled tokens one by one."""
+        state = row.state
+        if not draft or state.grammar is not None:
+            return row
+        if row.num_tokens != 1 or state.num_computed_tokens + 1 != state.num_tokens:
+            raise PlanError(f"{state.seq_id}: drafts for a row that is not a decode")
+        if max(draft) >= self.shape.vocab_size:
+            raise PlanError(f"{state.seq_id}: a drafted token is outside the vocabulary")
+        state.token_ids += draft
+        return _Row(state, 1 + len(draft), len(draft))
 
     def _drop(self, failed: dict[str, str]) -> None:
         """Forget the sequences that failed this step; their blocks are the scheduler's to free."""
@@ -271,10 +298,13 @@ class ModelRunner:
 
     def _run(self, rows: list[_Row], failed: dict[str, str]) -> _Sampled:
         """Forward and sample; a row that fails goes to ``failed`` and samples nothing."""
-        # Multi-token rows (prefill chunks) first, then single-token rows (decodes): the layout
-        # the attention backends batch on. Sorting is stable, so plan order is kept within each.
+        # Multi-token rows (prefill chunks, drafted decodes) first, then single-token rows
+        # (decodes): the layout the attention backends batch on. Sorting is stable, so plan order
+        # is kept within each.
         rows = sorted(rows, key=lambda r: r.num_tokens == 1)
         sampling = [row for row in rows if row.samples]
+        # One logits row per sampled position: at[p] = (sampling row j, its i-th position)
+        at = [(j, i) for j, row in enumerate(sampling) for i in range(row.num_samples)]
         masks = self._start_masks(sampling)  # filled while the forward runs
         try:
             blame = self._num_lone_failures < MAX_LONE_FAILURES
@@ -284,33 +314,54 @@ class ModelRunner:
             mask = masks.result() if masks is not None else None  # the job never outlives its step
         for row in ran:
             row.state.num_computed_tokens += row.num_tokens
-        # keep[k]: the sampling row whose logits are logits[k] (the rows that ran, in order)
-        keep = [j for j, row in enumerate(sampling) if row.state.seq_id not in failed]
+        # keep[k]: the position whose logits are logits[k] (the positions of rows that ran, in order)
+        keep = [p for p, (j, _) in enumerate(at) if sampling[j].state.seq_id not in failed]
         if logits is None or not keep:
             return _NO_SAMPLES
-        logits, keep = drop_non_finite(logits, keep, lambda j: sampling[j].state.seq_id, failed)
-        if not keep:
+        logits, keep = drop_non_finite(logits, keep, lambda p: sampling[at[p][0]].state.seq_id, failed)
+        whole = [k for k, p in enumerate(keep) if sampling[at[p][0]].state.seq_id not in failed]
+        if not whole:
             return _NO_SAMPLES
-        return self._sample([sampling[j] for j in keep], logits, kept_mask(mask, keep))
+        if len(whole) < len(keep):  # a drafted row with some non-finite positions fails whole
+            logits, keep = logits[whole], [keep[k] for k in whole]
+        first = {j: p for p, (j, i) in enumerate(at) if i == 0}
+        kept_rows = [sampling[at[p][0]] for p in keep if at[p][1] == 0]
+        return self._sample(kept_rows, logits, kept_mask(_at_positions(mask, first), keep))
 
     def _sample(
         self, rows: list[_Row], logits: torch.Tensor, mask: tuple[GrammarMask | None, dict[int, str]]
     ) -> _Sampled:
+        """``logits``: one row per sampled position of ``rows``, in order; ``mask``'s indices are
+        positions too (only undrafted rows are constrained)."""
         grammar_mask, grammar_failed = mask
-        out = self.sampler(logits, [r.state for r in rows], grammar_mask)
-        token_ids = out.token_ids
+        views: list[SamplingState] = []
+        for row in rows:
+            views += positions(row.state, row.num_drafts) if row.num_drafts else [row.state]
+        out = self.sampler(logits, views, grammar_mask)
+        token_ids: list[list[int]] = []
+        logprobs: list[Logprobs | None] = []
         failed: dict[str, str] = {}
-        for j, why in grammar_failed.items():
-            state = rows[j].state
-            failed[state.seq_id] = why
-            state.grammar = None
-            # A stop token keeps the worker in step with plans already in flight for it.
-            token_ids[j] = min(state.stop_token_ids, default=token_ids[j])
-        for row, token_id in zip(rows, token_ids, strict=True):
-            row.state.token_ids.append(token_id)
-            if row.state.grammar is not None:
-                row.state.grammar.accept(token_id)
-        return _Sampled(rows, token_ids, list(out.logprobs), failed)
+        place = 0  # this row's first position in ``out``
+        for row in rows:
+            state, num_drafts = row.state, row.num_drafts
+            samples = out.token_ids[place : place + 1 + num_drafts]
+            if place in grammar_failed:
+                failed[state.seq_id] = grammar_failed[place]
+                state.grammar = None
+                # A stop token keeps the worker in step with plans already in flight for it.
+                samples = [min(state.stop_token_ids, default=samples[0])]
+            num_kept = 1 + (num_accepted(state.token_ids[-num_drafts:], samples) if num_drafts else 0)
+            if num_drafts:  # the rejected drafts leave its tokens, and their KV counts no more
+                del state.token_ids[-num_drafts:]
+                state.num_computed_tokens -= num_drafts - (num_kept - 1)
+            state.token_ids += samples[:num_kept]
+            if state.grammar is not None:
+                state.grammar.accept(samples[0])
+            token_ids.append(samples[:num_kept])
+            parts = [lp for lp in out.logprobs[place : place + num_kept] if lp is not None]
+            logprobs.append(Logprobs.concat(parts))
+            place += 1 + num_drafts
+        return _Sampled(rows, token_ids, logprobs, failed)
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor | None:
         """One forward over ``rows``, writing their KV and advancing nothing: the logits of the
@@ -323,8 +374,7 @@ class ModelRunner:
             end = start + row.num_tokens
             input_ids += row.state.token_ids[start:end]
             positions += range(start, end)
-            if row.samples:
-                logits_index.append(len(input_ids) - 1)
+            logits_index += range(len(input_ids) - row.num_samples, len(input_ids))
         return self.executor.forward(
             ForwardBatch(
                 input_ids,
@@ -363,3 +413,11 @@ class ModelRunner:
             assert state.num_computed_tokens <= state.num_tokens
             assert len(state.block_table) * self.block_size >= state.num_computed_tokens
             assert all(0 <= b < self.kv_cache.num_blocks for b in state.block_table)
+
+
+def _at_positions(mask: MaskResult | None, first: dict[int, int]) -> MaskResult | None:
+    """A step's grammar results renumbered from sampling rows to their first sampled position."""
+    if mask is None:
+        return None
+    failed = {first[j]: why for j, why in mask.failed.items()}
+    return MaskResult([first[j] for j in mask.rows], mask.bias, failed)

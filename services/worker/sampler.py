@@ -16,6 +16,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,7 +31,21 @@ from libs.kernels.sampling import (
 from libs.kernels.token_mask import apply_bias
 from libs.protocol.codec import pack_floats, pack_tokens
 from libs.protocol.messages import Logprobs, SamplingParams
-from services.worker.sequence_state import SequenceState
+
+
+class SamplingState(Protocol):
+    """What the sampler reads of a row's sequence (a SequenceState, or one verified position)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def stop_token_ids(self) -> frozenset[int]: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +71,7 @@ class Sampler:
             self._generator.seed()
 
     def __call__(
-        self, logits: torch.Tensor, seqs: Sequence[SequenceState], grammar_mask: GrammarMask | None = None
+        self, logits: torch.Tensor, seqs: Sequence[SamplingState], grammar_mask: GrammarMask | None = None
     ) -> SamplerOutput:
         # logits: [num_rows, vocab] float32, may be modified in place; seqs: one per row
         params = [s.sampling_params for s in seqs]
@@ -79,7 +94,7 @@ class Sampler:
         return SamplerOutput(token_ids, _pack_logprobs(raw, token_ids, params))
 
     def _sample(
-        self, logits: torch.Tensor, seqs: Sequence[SequenceState], params: list[SamplingParams]
+        self, logits: torch.Tensor, seqs: Sequence[SamplingState], params: list[SamplingParams]
     ) -> list[int]:
         num_rows = len(params)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -112,7 +127,7 @@ class Sampler:
                 token_ids[sampled[row]] = token_id
         return token_ids
 
-    def _uniforms(self, seqs: Sequence[SequenceState]) -> torch.Tensor:
+    def _uniforms(self, seqs: Sequence[SamplingState]) -> torch.Tensor:
         """One uniform in [0, 1) per row: (seed, outputs so far) for a seeded row, else the generator's."""
         draws = torch.randint(0, 1 << 52, (len(seqs),), generator=self._generator, dtype=torch.float64)
         values: list[float] = (draws / float(1 << 52)).tolist()
@@ -161,7 +176,7 @@ def _pack_logprobs(
     return out
 
 
-def _penalise(logits: torch.Tensor, seqs: Sequence[SequenceState], params: list[SamplingParams]) -> None:
+def _penalise(logits: torch.Tensor, seqs: Sequence[SamplingState], params: list[SamplingParams]) -> None:
     repeat = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     counted = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
     if not repeat and not counted:
@@ -189,7 +204,7 @@ def _token_pairs(rows: list[tuple[int, list[int]]]) -> torch.Tensor:
     return torch.stack([row_ids, tokens])
 
 
-def _mask_stop_tokens(logits: torch.Tensor, seqs: Sequence[SequenceState], masked: list[int]) -> None:
+def _mask_stop_tokens(logits: torch.Tensor, seqs: Sequence[SamplingState], masked: list[int]) -> None:
     """Stop tokens to -inf in the rows still short of min_tokens outputs."""
     vocab = logits.shape[1]
     index = [i * vocab + t for i in masked for t in seqs[i].stop_token_ids if t < vocab]

@@ -8,6 +8,7 @@ sequence alone for every token (no cache, no batching, no paging).
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,12 @@ import torch
 from deepinfer.local_engine import LocalEngine
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
-from libs.protocol.messages import SamplingParams
+from libs.protocol.messages import SamplingParams, StructuredOutput, StructuredOutputKind
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.worker_scheduler import Limits
+from services.worker.grammar import Grammars
+from services.worker.main import grammar_vocab
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.reference import reference_greedy
 
@@ -96,3 +99,69 @@ def test_choices_share_the_prompt_in_fp32(
     engine = make_engine(model, 64, 2048, overlap=True)
     outputs = engine.run([(0, "q0", prompts["q0"], dataclasses.replace(GREEDY, n=2))])
     assert outputs == {"q0": reference["q0"], "q0#1": reference["q0"]}
+
+
+CODE = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+
+
+@pytest.mark.parametrize(("overlap", "num_blocks"), [(False, 256), (True, 24)])
+def test_speculative_decoding_keeps_the_tokens(
+    model: LlamaForCausalLM,
+    smollm2_path: Path,
+    model_cache_dir: Path,
+    prompts: dict[str, list[int]],
+    overlap: bool,
+    num_blocks: int,
+) -> None:
+    """n-gram drafts on SmolLM2 change no token: code that repeats itself accepts many drafts,
+    chat answers reject most; with a stop token inside an accepted draft (nothing after it is
+    kept), a grammar-constrained neighbour (it verifies none), and under preemption (24 blocks)."""
+    tokenizer = Tokenizer.from_gguf(smollm2_path, model_cache_dir)
+    vocab = grammar_vocab(smollm2_path, model_cache_dir, model.config.vocab_size)
+    params = dataclasses.replace(GREEDY, max_tokens=24)
+    plus = tokenizer.encode_plain(" +")  # the copied code writes it a few tokens in, inside a draft
+    assert len(plus) == 1
+    constrained = StructuredOutput(StructuredOutputKind.JSON)
+    arrivals = [
+        (0, "code", tokenizer.encode(CODE), params),
+        (1, "q1", prompts["q1"], params),
+        (2, "stop", tokenizer.encode(CODE), dataclasses.replace(params, stop_token_ids=(plus[0],))),
+        (
+            2,
+            "json",
+            prompts["q0"],
+            dataclasses.replace(params, ignore_eos=False, structured_output=constrained),
+        ),
+    ]
+    outputs = []
+    for k in (0, 5):
+        cfg = model.config
+        block_size = 4 if num_blocks < 32 else 16
+        limits = Limits(
+            num_blocks,
+            block_size,
+            8,
+            cfg.max_position_embeddings,
+            2048,
+            64,
+            0.0,
+            speculative_method="ngram" if k else "none",
+            num_speculative_tokens=k,
+        )
+        runner = ModelRunner(
+            model, ModelShape.of(cfg), num_blocks, block_size, torch.float32, grammars=Grammars(vocab)
+        )
+        engine = LocalEngine(runner, limits, cfg.eos_token_id, overlap=overlap, check=True)
+        outputs.append(engine.run(arrivals))
+        if num_blocks < 32:
+            assert engine.num_preemptions > 0
+    assert outputs[1] == outputs[0]
+    assert len(outputs[0]["stop"]) < params.max_tokens and outputs[0]["stop"][-1] == plus[0]
+    assert outputs[0]["stop"] == outputs[0]["code"][: len(outputs[0]["stop"])]
+    answer = outputs[0]["json"]
+    assert isinstance(
+        json.loads(tokenizer.decode(answer[:-1] if answer[-1] == model.config.eos_token_id else answer)), dict
+    )
+    stats = engine.core.speculator.stats
+    assert 0 < stats.num_accepted < stats.num_drafted
+    assert stats.num_accepted >= params.max_tokens // 3  # the repeated code is drafted right
