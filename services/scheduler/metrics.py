@@ -5,6 +5,10 @@ gauges are read from the cores at scrape time by ``QueueCollector``:
 
 - ``deepinfer_num_requests_running{worker_id}``: sequences running on that worker (its core's view)
 - ``deepinfer_num_requests_waiting{worker_id}``: sequences queued for that worker
+- ``deepinfer_spec_draft_tokens_total{worker_id,method}``, ``deepinfer_spec_accepted_tokens_total``,
+  ``deepinfer_spec_verifications_total``: speculative decoding (tokens drafted, drafts accepted,
+  sequence-steps that verified a draft) since that worker's core was made. Acceptance rate is
+  accepted / drafted; mean accepted length per verification is accepted / verifications
 - ``deepinfer_steps_total``: steps a worker ran and answered
 - ``deepinfer_step_seconds``: from a plan's send to its result (queueing at the worker included,
   with overlap on)
@@ -22,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from libs.protocol.errors import failure_reason
@@ -93,13 +97,22 @@ class QueueCollector(Collector):
         waiting = GaugeMetricFamily("deepinfer_num_requests_waiting", "sequences waiting", labels=labels)
         doc = "KV blocks allocation can take (free, or cached and unreferenced)"
         free = GaugeMetricFamily("deepinfer_num_free_kv_blocks", doc, labels=labels)
+        spec_labels = ["worker_id", "method"]
+        drafted = CounterMetricFamily("deepinfer_spec_draft_tokens", "tokens drafted", labels=spec_labels)
+        accepted = CounterMetricFamily("deepinfer_spec_accepted_tokens", "accepted", labels=spec_labels)
+        doc = "sequence-steps that verified a draft"
+        verified = CounterMetricFamily("deepinfer_spec_verifications", doc, labels=spec_labels)
         for worker_id, handle in list(self.workers.items()):
             running.add_metric([worker_id], handle.core.num_running)
             waiting.add_metric([worker_id], handle.core.num_waiting)
             free.add_metric([worker_id], handle.core.block_manager.num_free_blocks)
-        yield running
-        yield waiting
-        yield free
+            speculator = handle.core.speculator
+            if speculator.method != "none":
+                stats, where = speculator.stats, [worker_id, speculator.method]
+                drafted.add_metric(where, stats.num_drafted)
+                accepted.add_metric(where, stats.num_accepted)
+                verified.add_metric(where, stats.num_verified)
+        yield from (running, waiting, free, drafted, accepted, verified)
 
 
 def registry(workers: Mapping[str, WorkerHandle]) -> CollectorRegistry:

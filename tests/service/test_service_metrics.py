@@ -23,6 +23,7 @@ from services.scheduler.config import Config
 from tests.service.kvcache_harness import Clock, Publisher, lookup, running, stored
 from tests.service.scheduler_harness import running_service, submit
 from tests.unit.kvcache.test_store_scan import put
+from tests.unit.scheduler.fake_worker import VOCAB, next_token
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -148,3 +149,22 @@ async def test_the_kvcache_metrics_port_serves_its_index_and_counters(tmp_path: 
     assert value(samples, "deepinfer_kvcache_evicted_blocks_total", reason="expired") == 0
     assert any(name == "process_cpu_seconds_total" for name, _ in samples)
     assert start_metrics_server(0, kvcache_metrics.registry(svc)) is None  # port 0: not served
+
+
+async def test_speculative_drafts_are_counted_per_worker_and_method() -> None:
+    config = Config(scheduler_id="s1", speculative_method="ngram", speculative_max_tokens=3)
+    async with running_service(config) as (service, bus, worker, out):
+        registry = scheduler_metrics.registry(service.workers)
+        await until(lambda: worker.plans)
+        # The scripted worker's first token is y: "t y" came before, so the scheduler drafts "9 9 t"
+        pairs = ((t, y) for t in range(VOCAB) for y in range(VOCAB))
+        repeating = next(p for t, y in pairs if next_token(p := [t, y, 9, 9, t]) == y)
+        assert (await submit(bus, "r1", max_tokens=6, prompt=repeating)).status is SubmitStatus.ACCEPTED
+        assert set((await finished(out, 1)).values()) == {FinishReason.LENGTH}
+        samples = scrape(registry)
+        where = {"worker_id": "w1", "method": "ngram"}
+        drafted = value(samples, "deepinfer_spec_draft_tokens_total", **where)
+        verified = value(samples, "deepinfer_spec_verifications_total", **where)
+        assert drafted >= verified > 0
+        assert 0 <= value(samples, "deepinfer_spec_accepted_tokens_total", **where) <= drafted
+        assert any(plan.draft_token_ids for plan in worker.plans)

@@ -1,0 +1,131 @@
+"""Speculative decoding on SmolLM2 through the scheduler core and the real ModelRunner in one
+process (LocalEngine): output tokens/s with n-gram drafts of at most k = 3, 5, 7 against no
+speculation (the baseline, measured in the same run), per workload and concurrency, and each
+run's acceptance (accepted / drafted) and mean accepted drafts per verification.
+
+Workloads (greedy, fixed ``--max-tokens`` with ``ignore_eos``, so every run generates the same
+number of tokens):
+- code-edit: a function to repeat with one name changed (the output mostly repeats the prompt);
+- summarization: a passage, then "summarize it";
+- open chat: short questions.
+Every run's tokens are checked against the baseline's (speculation must change none).
+
+    python bench/spec_decode.py                     # every workload, concurrency 1, 4, 16
+    python bench/spec_decode.py --quick             # smoke run (tests/unit/worker/test_bench_spec_decode.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer.local_engine import LocalEngine
+from libs.modelfiles.registry import resolve_model_path
+from libs.models.gguf_loader import load_llama
+from libs.models.llama import LlamaForCausalLM
+from libs.protocol.messages import SamplingParams
+from libs.recipe.chat_template import render_chat
+from libs.recipe.tokenizer import Tokenizer
+from services.scheduler.worker_scheduler import Limits
+from services.worker.model_runner import ModelRunner, ModelShape
+
+CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+"""
+WORKLOADS = {
+    "code-edit": [f"Rename the variable subtotal to net in this code and show the whole code:\n\n{CODE}"],
+    "summarization": [
+        "Summarize this passage in two sentences: The harbour town woke early. Fishing boats left "
+        "before dawn, the bakery lit its ovens, and the ferry to the island ran every hour. In "
+        "summer the town filled with visitors who came for the beaches and the old lighthouse."
+    ],
+    "open-chat": ["What is the capital of France?", "Name three colours.", "Why is the sky blue?"],
+}
+
+
+def prompts(tokenizer: Tokenizer, workload: str, concurrency: int) -> list[list[int]]:
+    assert tokenizer.chat_template is not None
+    texts = WORKLOADS[workload]
+    return [
+        tokenizer.encode(
+            render_chat(tokenizer.chat_template, [{"role": "user", "content": texts[i % len(texts)]}])
+        )
+        for i in range(concurrency)
+    ]
+
+
+def run(
+    model: LlamaForCausalLM, batch: list[list[int]], k: int, max_tokens: int
+) -> tuple[float, dict[str, list[int]], tuple[int, int, int]]:
+    """Seconds for the whole batch (all arriving at once), the outputs, and (drafted, accepted, verified)."""
+    cfg = model.config
+    num_blocks, block_size = 1024, 16
+    limits = Limits(
+        num_blocks, block_size, len(batch), cfg.max_position_embeddings, 2048, 256, 0.0,
+        speculative_method="ngram" if k else "none", num_speculative_tokens=k,
+    )  # fmt: skip
+    runner = ModelRunner(model, ModelShape.of(cfg), num_blocks, block_size, torch.float32)
+    assert cfg.eos_token_id is not None
+    engine = LocalEngine(runner, limits, cfg.eos_token_id)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.run((0, f"r{i}", prompt, params) for i, prompt in enumerate(batch))
+    seconds = time.perf_counter() - start
+    stats = engine.core.speculator.stats
+    return seconds, outputs, (stats.num_drafted, stats.num_accepted, stats.num_verified)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--k", default="3,5,7", help="most drafted tokens per step, one run each")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="one workload, concurrency 1, 12 tokens, k=3")
+    args = parser.parse_args()
+    if args.quick:
+        args.workloads, args.concurrency, args.k, args.max_tokens = "code-edit", "1", "3", 12
+    torch.set_num_threads(args.threads)
+    cache = Path(tempfile.mkdtemp(prefix="spec-bench-"))
+    path = resolve_model_path("smollm2")
+    model = load_llama(path, cache, dtype=torch.float32)
+    tokenizer = Tokenizer.from_gguf(path, cache)
+    print(
+        f"SmolLM2 fp32, {args.threads} threads, load {os.getloadavg()[0]:.1f}; max_tokens {args.max_tokens}"
+    )
+    print(f"{'workload':<14} {'conc':>4} {'k':>3} {'tok/s':>8} {'x none':>7} {'accept':>7} {'mean acc':>8}")
+    mismatches = 0
+    for workload in args.workloads.split(","):
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            batch = prompts(tokenizer, workload, concurrency)
+            run(model, batch[:1], 0, 4)  # warm-up
+            base_s, base_out, _ = run(model, batch, 0, args.max_tokens)
+            num_tokens = concurrency * args.max_tokens
+            print(f"{workload:<14} {concurrency:>4} {'-':>3} {num_tokens / base_s:>8.1f} {1.0:>7.2f}")
+            for k in (int(k) for k in args.k.split(",")):
+                seconds, outputs, (drafted, accepted, verified) = run(model, batch, k, args.max_tokens)
+                mismatches += outputs != base_out
+                rate = accepted / drafted if drafted else 0.0
+                mean = accepted / verified if verified else 0.0
+                speed, ratio = num_tokens / seconds, base_s / seconds
+                print(f"{'':<14} {'':>4} {k:>3} {speed:>8.1f} {ratio:>7.2f} {rate:>7.2f} {mean:>8.2f}")
+    if mismatches:
+        print(f"ERROR: {mismatches} runs' tokens differ from the baseline's")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
