@@ -80,6 +80,7 @@ def _reset(seq: Sequence, same_chain: bool) -> None:
     """The target worker holds nothing of it: no KV computed, nothing sampled in flight."""
     seq.num_computed_tokens = 0
     seq.num_pending_tokens = 0
+    seq.draft_token_ids = []  # verified (or not) by the source worker, whose result is void
     seq.prompt_done_step = 0
     if same_chain:
         # Blocks sent in saves went to the shared store, unless the worker died first (or had
@@ -95,6 +96,7 @@ def _reset(seq: Sequence, same_chain: bool) -> None:
 
 def _forget(core: WorkerScheduler, seq: Sequence) -> None:
     del core.seqs[seq.seq_id]
+    core.speculator.forget(seq.seq_id)
     siblings = core._request_seqs.get(seq.request_id, [])
     if all(s not in core.seqs for s in siblings):
         core._request_seqs.pop(seq.request_id, None)

@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.bench_smoke import run_quick
 
 
 def test_models_bench_quick_runs() -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "models.py"), "--quick", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": ""},
-        check=False,
-    )
+    out = run_quick("models.py", "--threads", "1")
     assert out.returncode == 0, out.stderr
     assert "decode x8 @ ctx 256" in out.stdout and "routed/dense" in out.stdout

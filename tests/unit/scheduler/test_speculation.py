@@ -1,0 +1,97 @@
+"""The scheduler core's side of speculative decoding: n-gram drafts, and how a result of 1..k+1
+tokens is taken (accepted drafts count as computed, a stop inside them ends the sequence there,
+a result that does not follow the draft fails the sequence alone); integrity after each step."""
+
+from __future__ import annotations
+
+from array import array
+
+from libs.protocol.codec import unpack_tokens
+from libs.protocol.messages import FinishReason, SamplingParams
+from services.scheduler.sequence import Sequence
+from services.scheduler.speculation import RETRY_AFTER, Speculator, ngram_draft
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
+
+EOS = 2
+PROMPT = [10, 11, 12, 13, 10, 11]  # "10 11" came before, followed by "12 13"
+
+
+def test_ngram_draft_takes_the_longest_most_recent_match() -> None:
+    assert ngram_draft(array("I", PROMPT), 3) == [12, 13, 10]
+    assert ngram_draft(array("I", [1, 2, 9, 5, 2, 8, 5, 2]), 2) == [8, 5]  # "5 2": the latest
+    assert ngram_draft(array("I", [7, 1, 2, 3, 9, 2, 3, 4, 1, 2, 3]), 2) == [9, 2]  # "1 2 3" beats "2 3"
+    assert ngram_draft(array("I", [1, 2, 3, 4]), 3) == []
+    # Byte matches across token boundaries are not token matches.
+    assert ngram_draft(array("I", [0x0100, 0x0200, 0x0300, 0x0001, 0x0002, 0x0100, 0x0200]), 2) == [0x0300, 1]
+    assert ngram_draft(array("I", [0x0002_0000, 0x0000_0003, 0x0200, 0x0300]), 2) == []
+
+
+def test_a_sequence_with_no_match_overlaps_then_retries() -> None:
+    speculator = Speculator()
+    seq = Sequence("s", "g", [1, 2, 3], SamplingParams(max_tokens=50), EOS)
+    assert speculator.draft_for(seq, 4, 100) == []
+    assert [speculator.may_overlap("s") for _ in range(RETRY_AFTER + 1)] == [True] * RETRY_AFTER + [False]
+    seq.output_token_ids = [1, 2]  # now "1 2" came before
+    assert speculator.draft_for(seq, 4, 100) == [3, 1, 2]
+    assert not speculator.may_overlap("s")  # it drafts: it waits for its result
+    speculator.forget("s")
+    speculator.check_integrity(set())
+
+
+def core_with(k: int = 3) -> WorkerScheduler:
+    return WorkerScheduler(
+        Limits(32, 4, 4, 64, 256, 16, 0.0, speculative_method="ngram", num_speculative_tokens=k)
+    )
+
+
+def decode_once(core: WorkerScheduler, seq_id: str, token: int) -> None:
+    plan = core.schedule()
+    assert not plan.draft_token_ids or plan.draft_token_ids == (b"",) * len(plan.seq_ids)
+    core.postprocess((seq_id,), [token])
+    core.check_integrity()
+
+
+def test_accepted_drafts_count_as_computed_and_a_stop_inside_them_ends_it() -> None:
+    core = core_with()
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(13,))
+    core.add(Sequence("s", "g", list(PROMPT), params, EOS))
+    decode_once(core, "s", 12)  # the prefill's token: "11 12" came before, then "13 10 11"
+    seq = core.seqs["s"]
+    plan = core.schedule()
+    (draft,) = [unpack_tokens(d) for d in plan.draft_token_ids]
+    assert draft == [13, 10, 11] and seq.draft_token_ids == draft
+    assert len(core.block_manager.block_tables["s"]) * 4 >= seq.num_computed_tokens + len(draft)
+    assert core.schedule().num_scheduled_seqs == 0  # drafts in flight: in no later plan
+    core.check_integrity()
+    changed = core.postprocess(("s",), [13, 10], num_sampled=[2])  # one accepted, then its own 10
+    assert changed == [seq] and seq.finish_reason is FinishReason.STOP and seq.output_token_ids == [12, 13]
+    core.check_integrity()
+
+
+def test_a_partly_accepted_draft_goes_on_from_the_right_place() -> None:
+    core = core_with()
+    core.add(Sequence("s", "g", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=20), EOS))
+    decode_once(core, "s", 12)
+    seq = core.seqs["s"]
+    computed = seq.num_computed_tokens
+    core.schedule()  # drafts [13, 10, 11]
+    core.postprocess(("s",), [13, 10, 99], num_sampled=[3])  # two accepted, then 99
+    assert seq.output_token_ids == [12, 13, 10, 99]
+    assert seq.num_computed_tokens == computed + 1 + 2  # its input token and the accepted drafts
+    assert seq.num_tokens - seq.num_computed_tokens == 1  # 99 is the next input
+    core.check_integrity()
+    assert core.speculator.stats.num_drafted == 3 and core.speculator.stats.num_accepted == 2
+
+
+def test_a_result_that_does_not_follow_the_draft_fails_only_that_sequence() -> None:
+    core = core_with()
+    for seq_id in ("s", "t"):
+        core.add(Sequence(seq_id, "g", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=20), EOS))
+    core.schedule()
+    core.postprocess(("s", "t"), [12, 12])
+    core.schedule()  # both draft [13, 10, 11]
+    changed = core.postprocess(("s", "t"), [99, 10, 13, 10], num_sampled=[2, 2])
+    finished = {s.seq_id: s.finish_reason for s in changed if s.is_finished}
+    assert finished == {"s": FinishReason.ERROR}  # 99 is not its draft's first token
+    assert core.seqs["t"].output_token_ids == [12, 13, 10]
+    core.check_integrity()
