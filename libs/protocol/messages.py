@@ -99,6 +99,16 @@ class Logprobs:
     top_logprobs: bytes = b""  # float32 [num_tokens * num_top]
     num_top: int = 0
 
+    def head(self, num_tokens: int) -> Logprobs:
+        """The logprobs of the first ``num_tokens`` tokens only."""
+        width = 4 * num_tokens  # float32 / uint32 entries
+        return Logprobs(
+            token_logprobs=self.token_logprobs[:width],
+            top_token_ids=self.top_token_ids[: width * self.num_top],
+            top_logprobs=self.top_logprobs[: width * self.num_top],
+            num_top=self.num_top,
+        )
+
     @staticmethod
     def concat(parts: Sequence[Logprobs]) -> Logprobs | None:
         """The logprobs of consecutive tokens as one message (one sequence's; equal ``num_top``)."""

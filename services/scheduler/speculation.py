@@ -75,14 +75,19 @@ class Speculator:
             self._overlapped[seq.seq_id] = 0
         return draft
 
-    def may_overlap(self, seq_id: str) -> bool:
+    def may_overlap(self, seq: Sequence) -> bool:
         """Whether a decode of a sequence with a plan in flight goes in this plan (it cannot draft)
-        rather than waiting for that result (then the next plan can): see the module docstring."""
-        num_overlapped = self._overlapped.get(seq_id)
-        if num_overlapped is None or num_overlapped >= RETRY_AFTER:
-            return False
-        self._overlapped[seq_id] = num_overlapped + 1
-        return True
+        rather than waiting for that result (then the next plan can): see the module docstring.
+        A constrained sequence never drafts, so it never waits."""
+        if seq.sampling_params.structured_output is not None:
+            return True
+        num_overlapped = self._overlapped.get(seq.seq_id)
+        return num_overlapped is not None and num_overlapped < RETRY_AFTER
+
+    def overlapped(self, seq_id: str) -> None:
+        """A sequence went in a plan while its previous one was in flight (it could not draft)."""
+        if seq_id in self._overlapped:
+            self._overlapped[seq_id] = min(self._overlapped[seq_id] + 1, RETRY_AFTER)
 
     def draft(self, seq_id: str, prompt: list[int], output: list[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens to follow ``prompt + output`` (none when nothing matches)."""

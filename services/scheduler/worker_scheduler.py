@@ -214,30 +214,33 @@ class WorkerScheduler:
                 continue
             seq.num_pending_tokens -= 1
             seq.suspect = False  # it got through a step on this worker
-            if logprobs and logprobs[i] is not None:
-                seq.unsent_logprobs.append(logprobs[i])  # type: ignore[arg-type]
-            self._take_tokens(seq, sampled[offsets[i] : offsets[i + 1]])
+            num_kept = self._take_tokens(seq, sampled[offsets[i] : offsets[i + 1]])
+            step_logprobs = logprobs[i] if logprobs else None
+            if step_logprobs is not None and num_kept:
+                seq.unsent_logprobs.append(step_logprobs.head(num_kept))
             changed.append(seq)
         return changed
 
-    def _take_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
-        """One sequence's tokens of a step: its accepted drafts (computed now) and one more."""
+    def _take_tokens(self, seq: Sequence, token_ids: list[int]) -> int:
+        """One sequence's tokens of a step: its accepted drafts (computed now) and one more.
+        Returns how many it kept: up to a stop, none when the result is not one of its draft."""
         draft, seq.draft_token_ids = seq.draft_token_ids, []
         num_accepted = len(token_ids) - 1
         if not 0 <= num_accepted <= len(draft) or token_ids[:num_accepted] != draft[:num_accepted]:
             seq.error = f"the worker returned {len(token_ids)} tokens for a draft of {len(draft)}"
             self._finish(seq, FinishReason.ERROR)
-            return
+            return 0
         if draft:
             self.speculator.stats.record(len(draft), num_accepted)
         if seq.status is SequenceStatus.RUNNING:
             seq.num_computed_tokens += num_accepted
-        for token_id in token_ids:
+        for num_kept, token_id in enumerate(token_ids, 1):
             seq.output_token_ids.append(token_id)
             reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
-                return
+                return num_kept
+        return len(token_ids)
 
     def fail_all(self) -> list[Sequence]:
         """The worker is gone: finish every sequence with an error (nothing to tell the worker)."""
@@ -259,7 +262,7 @@ class WorkerScheduler:
         if seq.num_computed_tokens < seq.num_tokens:
             return True  # prefill (or recompute) still has known tokens to compute
         params, num_pending = seq.sampling_params, seq.num_pending_tokens
-        if num_pending and self.limits.num_speculative_tokens and not self.speculator.may_overlap(seq.seq_id):
+        if num_pending and self.limits.num_speculative_tokens and not self.speculator.may_overlap(seq):
             return False  # waits for its result, so that the next plan can draft for it
         return (
             seq.num_output_tokens + num_pending < params.max_tokens
@@ -270,9 +273,13 @@ class WorkerScheduler:
         num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
         target = seq.num_computed_tokens + num_tokens
         if num_tokens == 1 and self.limits.num_speculative_tokens:
+            if seq.num_pending_tokens:
+                self.speculator.overlapped(seq.seq_id)
             max_draft = min(self.limits.num_speculative_tokens, plan.budget - 1)
             draft = self.speculator.draft_for(seq, max_draft, self.limits.context_len)
-            if draft and self.block_manager.can_allocate(seq.seq_id, target + len(draft)):
+            # Drafts are a guess: they never take the block a later decode of this plan may need.
+            reserve = len(self._running) - len(plan.scheduled)  # (at most one new block each)
+            if draft and self.block_manager.can_allocate(seq.seq_id, target + len(draft), reserve=reserve):
                 self._add_to_plan(plan, seq, num_tokens, draft)
                 return
         while not self.block_manager.can_allocate(seq.seq_id, target):

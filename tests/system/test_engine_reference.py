@@ -164,4 +164,5 @@ def test_speculative_decoding_keeps_the_tokens(
     )
     stats = engine.core.speculator.stats
     assert 0 < stats.num_accepted < stats.num_drafted
-    assert stats.num_accepted >= params.max_tokens // 3  # the repeated code is drafted right
+    if num_blocks >= 32:  # (with few blocks, drafts never take one a decode may need: fewer of them)
+        assert stats.num_accepted >= params.max_tokens // 3  # the repeated code is drafted right

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 from array import array
 
-from libs.protocol.codec import unpack_tokens
-from libs.protocol.messages import FinishReason, SamplingParams
+from libs.protocol.codec import pack_floats, pack_tokens, unpack_tokens
+from libs.protocol.messages import (
+    FinishReason,
+    Logprobs,
+    SamplingParams,
+    StructuredOutput,
+    StructuredOutputKind,
+)
 from services.scheduler.sequence import Sequence
 from services.scheduler.speculation import RETRY_AFTER, Speculator, ngram_draft
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
@@ -29,11 +35,19 @@ def test_ngram_draft_takes_the_longest_most_recent_match() -> None:
 def test_a_sequence_with_no_match_overlaps_then_retries() -> None:
     speculator = Speculator()
     seq = Sequence("s", "g", [1, 2, 3], SamplingParams(max_tokens=50), EOS)
+    assert not speculator.may_overlap(seq)  # never tried: it waits, so the next plan can draft
     assert speculator.draft_for(seq, 4, 100) == []
-    assert [speculator.may_overlap("s") for _ in range(RETRY_AFTER + 1)] == [True] * RETRY_AFTER + [False]
+    overlaps = []
+    for _ in range(RETRY_AFTER + 1):
+        overlaps.append(speculator.may_overlap(seq))
+        speculator.overlapped("s")
+    assert overlaps == [True] * RETRY_AFTER + [False]
     seq.output_token_ids = [1, 2]  # now "1 2" came before
     assert speculator.draft_for(seq, 4, 100) == [3, 1, 2]
-    assert not speculator.may_overlap("s")  # it drafts: it waits for its result
+    assert not speculator.may_overlap(seq)  # it drafts: it waits for its result
+    constrained = StructuredOutput(StructuredOutputKind.JSON)
+    grammar = Sequence("j", "g", [1, 2, 1], SamplingParams(max_tokens=50, structured_output=constrained), EOS)
+    assert speculator.may_overlap(grammar) and speculator.draft_for(grammar, 4, 100) == []
     speculator.forget("s")
     speculator.check_integrity(set())
 
@@ -63,8 +77,13 @@ def test_accepted_drafts_count_as_computed_and_a_stop_inside_them_ends_it() -> N
     assert len(core.block_manager.block_tables["s"]) * 4 >= seq.num_computed_tokens + len(draft)
     assert core.schedule().num_scheduled_seqs == 0  # drafts in flight: in no later plan
     core.check_integrity()
-    changed = core.postprocess(("s",), [13, 10], num_sampled=[2])  # one accepted, then its own 10
+    step_logprobs = Logprobs(
+        pack_floats([-0.5, -0.25]), pack_tokens([13, 7, 10, 8]), pack_floats([-1, -2, -3, -4]), 2
+    )
+    changed = core.postprocess(("s",), [13, 10], (step_logprobs,), num_sampled=[2])  # 13 accepted: a stop
     assert changed == [seq] and seq.finish_reason is FinishReason.STOP and seq.output_token_ids == [12, 13]
+    (kept,) = seq.unsent_logprobs  # the logprobs of the kept token only
+    assert kept == Logprobs(pack_floats([-0.5]), pack_tokens([13, 7]), pack_floats([-1, -2]), 2)
     core.check_integrity()
 
 

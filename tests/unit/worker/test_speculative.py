@@ -31,6 +31,7 @@ PROMPTS = {
     "d": [3, 3, 3, 3],
     # every run of 3s so far ended in 9: drafts say 9 until the output's own run is the longest
     "e": [3, 3, 9, 3, 3, 3, 9, 3, 3, 3, 3, 9, 3, 3, 3, 3, 3, 9, 7, 3],
+    "f": [4, 4, 8, 4, 4, 4, 8, 4, 4, 4, 4, 8, 4, 4, 4, 4, 4, 8, 6, 4],
 }
 
 
