@@ -1,7 +1,13 @@
 """Speculative decoding on SmolLM2 through the scheduler core and the real ModelRunner in one
-process (LocalEngine): output tokens/s with n-gram drafts of at most k = 3, 5, 7 against no
-speculation (the baseline, measured in the same run), per workload and concurrency, and each
+process (LocalEngine): output tokens/s with drafts of at most k = 3, 5, 7 against no speculation
+(the baseline, measured in the same run), per workload, concurrency and draft source, and each
 run's acceptance (accepted / drafted) and mean accepted drafts per verification.
+
+Sources: ``ngram`` (prompt lookup) on every workload; ``prediction`` (OpenAI Predicted Outputs)
+where a client would have one: for code-edit, the code with the rename done, as an editor sends
+(SmolLM2-135M writes its own version rather than that, so this measures a prediction the model
+departs from); and ``oracle``, a prediction that is the text this model writes (sent as text,
+re-tokenized): what the source gives when the prediction is right.
 
 Workloads (greedy, fixed ``--max-tokens`` with ``ignore_eos``, so every run generates the same
 number of tokens):
@@ -17,6 +23,7 @@ Every run's tokens are checked against the baseline's (speculation must change n
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -51,6 +58,7 @@ WORKLOADS = {
     ],
     "open-chat": ["What is the capital of France?", "Name three colours.", "Why is the sky blue?"],
 }
+PREDICTIONS = {"code-edit": CODE.replace("subtotal", "net")}  # what the edit is expected to give
 
 
 def prompts(tokenizer: Tokenizer, workload: str, concurrency: int) -> list[list[int]]:
@@ -65,23 +73,30 @@ def prompts(tokenizer: Tokenizer, workload: str, concurrency: int) -> list[list[
 
 
 def run(
-    model: LlamaForCausalLM, batch: list[list[int]], k: int, max_tokens: int
+    model: LlamaForCausalLM,
+    batch: list[list[int]],
+    k: int,
+    max_tokens: int,
+    prediction: list[int] | None = None,
 ) -> tuple[float, dict[str, list[int]], tuple[int, int, int]]:
-    """Seconds for the whole batch (all arriving at once), the outputs, and (drafted, accepted, verified)."""
+    """Seconds for the whole batch (all arriving at once), the outputs, and (drafted, accepted,
+    verified). Drafts from ``prediction`` when one is given, else n-gram ones."""
     cfg = model.config
     num_blocks, block_size = 1024, 16
     limits = Limits(
         num_blocks, block_size, len(batch), cfg.max_position_embeddings, 2048, 256, 0.0,
-        speculative_method="ngram" if k else "none", num_speculative_tokens=k,
+        speculative_method="ngram" if k and prediction is None else "none", num_speculative_tokens=k,
     )  # fmt: skip
     runner = ModelRunner(model, ModelShape.of(cfg), num_blocks, block_size, torch.float32)
     assert cfg.eos_token_id is not None
     engine = LocalEngine(runner, limits, cfg.eos_token_id)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    outputs = engine.run((0, f"r{i}", prompt, params) for i, prompt in enumerate(batch))
+    for i, prompt in enumerate(batch):
+        engine.add(f"r{i}", prompt, params, prediction_token_ids=prediction)
+    outputs = engine.run()
     seconds = time.perf_counter() - start
-    stats = engine.core.speculator.stats
+    stats = engine.core.speculator.stats["ngram" if prediction is None else "prediction"]
     return seconds, outputs, (stats.num_drafted, stats.num_accepted, stats.num_verified)
 
 
@@ -94,7 +109,9 @@ def main() -> None:
     parser.add_argument("--k", default="3,5,7", help="most drafted tokens per step, one run each")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="one workload, concurrency 1, 12 tokens, k=3")
+    parser.add_argument(
+        "--quick", action="store_true", help="code-edit, concurrency 1, 12 tokens, k=3, both sources"
+    )
     args = parser.parse_args()
     if args.quick:
         args.workloads, args.concurrency, args.k, args.max_tokens = "code-edit", "1", "3", 12
@@ -106,7 +123,10 @@ def main() -> None:
     print(
         f"SmolLM2 fp32, {args.threads} threads, load {os.getloadavg()[0]:.1f}; max_tokens {args.max_tokens}"
     )
-    print(f"{'workload':<14} {'conc':>4} {'k':>3} {'tok/s':>8} {'x none':>7} {'accept':>7} {'mean acc':>8}")
+    print(
+        f"{'workload':<14} {'conc':>4} {'source':>10} {'k':>3} {'tok/s':>8} {'x none':>7} {'accept':>7} "
+        f"{'mean acc':>8}"
+    )
     mismatches = 0
     for workload in args.workloads.split(","):
         for concurrency in (int(c) for c in args.concurrency.split(",")):
@@ -114,14 +134,24 @@ def main() -> None:
             run(model, batch[:1], 0, 4)  # warm-up
             base_s, base_out, _ = run(model, batch, 0, args.max_tokens)
             num_tokens = concurrency * args.max_tokens
-            print(f"{workload:<14} {concurrency:>4} {'-':>3} {num_tokens / base_s:>8.1f} {1.0:>7.2f}")
-            for k in (int(k) for k in args.k.split(",")):
-                seconds, outputs, (drafted, accepted, verified) = run(model, batch, k, args.max_tokens)
+            base = f"{num_tokens / base_s:>8.1f} {1.0:>7.2f}"
+            print(f"{workload:<14} {concurrency:>4} {'none':>10} {'-':>3} {base}")
+            sources: list[tuple[str, list[int] | None]] = [("ngram", None)]
+            if workload in PREDICTIONS:
+                sources.append(("prediction", tokenizer.encode(PREDICTIONS[workload], add_bos=False)))
+                # The text this model writes, as a client would send it: the ceiling of the source
+                oracle = tokenizer.decode(base_out["r0"])
+                sources.append(("oracle", tokenizer.encode(oracle, add_bos=False)))
+            for (source, prediction), k in itertools.product(sources, (int(k) for k in args.k.split(","))):
+                seconds, outputs, (drafted, accepted, verified) = run(
+                    model, batch, k, args.max_tokens, prediction
+                )
                 mismatches += outputs != base_out
                 rate = accepted / drafted if drafted else 0.0
                 mean = accepted / verified if verified else 0.0
                 speed, ratio = num_tokens / seconds, base_s / seconds
-                print(f"{'':<14} {'':>4} {k:>3} {speed:>8.1f} {ratio:>7.2f} {rate:>7.2f} {mean:>8.2f}")
+                row = f"{speed:>8.1f} {ratio:>7.2f} {rate:>7.2f} {mean:>8.2f}"
+                print(f"{'':<14} {'':>4} {source:>10} {k:>3} {row}")
     if mismatches:
         print(f"ERROR: {mismatches} runs' tokens differ from the baseline's")
         sys.exit(1)

@@ -55,9 +55,16 @@ class LocalEngine:
         self.stored_hashes: set[bytes] = set()  # blocks the runner wrote to G3
 
     def add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0, tenant: str = ""
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        tenant: str = "",
+        prediction_token_ids: list[int] | None = None,
     ) -> list[Sequence]:
-        """Queue a request; returns its choices (``params.n`` of them)."""
+        """Queue a request; returns its choices (``params.n`` of them). ``prediction_token_ids``:
+        the output it is expected to be (Predicted Outputs: a draft source)."""
         self.apply_tier_events()
         chain = self.core.kv_tiers.prompt_chain(list(prompt), tenant)
         num_stored = next((i for i, h in enumerate(chain) if h not in self.stored_hashes), len(chain))
@@ -71,6 +78,7 @@ class LocalEngine:
             tenant=tenant,
             num_stored_blocks=num_stored if self.core.kv_tiers.enabled else 0,
             block_hashes=list(chain),
+            prediction_token_ids=list(prediction_token_ids or []),
         )
         return self.core.add(seq)
 

@@ -28,9 +28,7 @@ class TokenBytes(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
-def grammar_vocab(
-    tokenizer: TokenBytes, vocab_size: int, markup_ids: Collection[int] = ()
-) -> list[bytes]:
+def grammar_vocab(tokenizer: TokenBytes, vocab_size: int, markup_ids: Collection[int] = ()) -> list[bytes]:
     """The bytes of each token id as grammars see it: ``SPECIAL_BYTES`` for ``markup_ids``, the
     tokens a call syntax puts in its markup (never text: a structure reaches them by id), b"" for
     other special tokens and for ids past the tokenizer (a padded embedding table): never produced."""

@@ -143,6 +143,8 @@ class SubmitRequest:
     num_moves: int = 0  # moves to another scheduler so far (bounded by the migration limit)
     worker_id: str = ""  # the gateway's KV router picked this worker of the receiving scheduler
     num_crashes: int = 0  # worker crashes that found it in the batch so far (a suspect from one)
+    # OpenAI Predicted Outputs: packed uint32, the output the client expects (drafted from)
+    prediction_token_ids: bytes = b""
 
 
 class SubmitStatus(enum.IntEnum):
@@ -208,6 +210,10 @@ class RequestOutput:
     logprobs: Logprobs | None = None  # of new_token_ids, when the request asked for them
     # with finish_reason ERROR: the request may go on elsewhere (the error says why it left)
     handback: Handback | None = None
+    # since the last output of this choice: its prediction's tokens that were drafted and ended
+    # in the output (accepted) or were drafted and did not (rejected)
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

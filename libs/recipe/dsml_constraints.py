@@ -164,4 +164,3 @@ def _seq(*nodes: Node) -> Node:
             else:
                 items.append(item)
     return items[0] if len(items) == 1 else {"seq": items}
-

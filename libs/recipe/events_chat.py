@@ -26,7 +26,11 @@ def chat_usage(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "completion_tokens_details": {
+            "reasoning_tokens": usage.reasoning_tokens,
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens,
+        },
         "prompt_cache_hit_tokens": usage.cached_tokens,
         "prompt_cache_miss_tokens": usage.prompt_tokens - usage.cached_tokens,
     }

@@ -58,3 +58,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0  # of prompt_tokens, served from the prefix cache
     reasoning_tokens: int = 0  # of completion_tokens
+    # Predicted Outputs: of the prediction's tokens offered as drafts, those that ended in the
+    # output (accepted) and those that did not (rejected; counted in no other field)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0

@@ -55,7 +55,9 @@ class Admission:
         context: bytes = b"",
         background: bool = False,
         scope: CacheScope = UNSCOPED,
+        prediction: str = "",
     ) -> Admitted:
+        """Submit the request; ``prediction``: the output the client expects (Predicted Outputs)."""
         served = self.served
         # Every API's raw token ids meet the vocabulary here (rendered prompts pass trivially).
         served.check_token_ids(prompt.token_ids, sampling.base.stop_token_ids)
@@ -88,6 +90,7 @@ class Admission:
             background=background,
             tenant=scope.tenant,
         )
+        prediction_token_ids = await self._prediction(prediction) if prediction else None
         try:
             stream = await self.service.submit(
                 request_id,
@@ -97,8 +100,19 @@ class Admission:
                 record if resumable else None,
                 tenant=scope.tenant,
                 retention_class=scope.retention_class,
+                prediction_token_ids=prediction_token_ids,
             )
         except SubmitRejected as exc:
             status, type_, code = _REJECTED[exc.status]
             raise ApiError(status, str(exc), code=code, type_=type_) from exc
         return Admitted(record, stream)
+
+    async def _prediction(self, text: str) -> list[int]:
+        """A prediction's tokens, as the model would write that text (special tokens' spellings
+        are those tokens: a draft is only ever a guess the model checks). No longer than a whole
+        context can hold."""
+        token_ids = await asyncio.to_thread(self.served.tokenizer.encode, text, False)
+        if len(token_ids) > self.served.max_model_len:
+            why = f"the prediction is {len(token_ids)} tokens; the context holds {self.served.max_model_len}"
+            raise ApiError(400, why, param="prediction")
+        return token_ids

@@ -92,6 +92,7 @@ class Generation:
         self._logprobs = LogprobRenderer(tokenizer, record.top_logprobs) if record.logprobs else None
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
+        self._num_prediction_tokens = [0, 0]  # accepted, rejected
         self.error = ""
         self.usage = Usage(0, 0)
 
@@ -107,6 +108,8 @@ class Generation:
                 self._observer.tokens(delta.index)
             self._num_prompt_tokens = delta.num_prompt_tokens or self._num_prompt_tokens
             self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)
+            self._num_prediction_tokens[0] += delta.num_accepted_prediction_tokens
+            self._num_prediction_tokens[1] += delta.num_rejected_prediction_tokens
             if not opened:
                 opened = True
                 for event in self.renderer.open(Usage(self._num_prompt_tokens, 0, self._num_cached_tokens)):
@@ -130,6 +133,7 @@ class Generation:
             sum(c.num_output_tokens for c in self._choices),
             self._num_cached_tokens,
             sum(c.num_reasoning_tokens for c in self._choices),
+            *self._num_prediction_tokens,
         )
         if self._observer is not None:
             self._observer.ended_with(self.usage, self.error)

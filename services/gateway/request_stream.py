@@ -37,6 +37,9 @@ class Delta:
     error: str = ""
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+    # of its prediction's tokens drafted in this step: in the output, or not (Predicted Outputs)
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -166,6 +169,8 @@ class Pending:
                 error,
                 out.index,
                 logprobs,
+                out.num_accepted_prediction_tokens,
+                out.num_rejected_prediction_tokens,
             )
         )
 

@@ -38,6 +38,7 @@ class OpenAIRoutes:
                 resumable=chat.stream,
                 include_usage=chat.include_usage,
                 scope=scope,
+                prediction=chat.prediction,
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)

@@ -164,7 +164,6 @@ class ServedModel:
         return max_tokens
 
 
-
 def markup_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """The output parser's markers that the vocabulary has as one added token, special or not."""
     return tokenizer.added_token_ids(MARKER_SPELLINGS)

@@ -171,12 +171,14 @@ class GatewayService:
         *,
         tenant: str = "",
         retention_class: str = "",
+        prediction_token_ids: list[int] | None = None,
     ) -> RequestStream:
         """Admit the request (raises SubmitRejected) and return the stream of its deltas.
 
         ``record`` (its ``start_seq`` from ``next_out_seq``) makes the stream resumable: it is
         stored while the submit is under way, long before a client could ask to resume.
         ``tenant`` and ``retention_class``: whose cached KV it may use, and how long its own is kept.
+        ``prediction_token_ids``: the output the client predicts (drafted from; Predicted Outputs).
         """
         req = SubmitRequest(
             request_id,
@@ -186,6 +188,7 @@ class GatewayService:
             eos_token_id,
             tenant=tenant,
             retention_class=retention_class,
+            prediction_token_ids=pack_tokens(prediction_token_ids or []),
         )
         schedulers = functools.partial(self.members.live, MemberKind.SCHEDULER)
         submit = send_submit(

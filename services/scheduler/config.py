@@ -44,12 +44,14 @@ class Config:
     speculative_method: str = field(
         default="none",
         metadata={
-            "help": "speculative decoding: where drafts come from (none | ngram: the sequence's own earlier "
-            "tokens); the worker verifies them, so output is unchanged"
+            "help": "speculative decoding: where drafts come from besides a request's own prediction "
+            "(none | ngram: the sequence's own earlier tokens); the worker verifies them, so output is "
+            "unchanged"
         },
     )
     speculative_max_tokens: int = field(
-        default=5, metadata={"help": "the most tokens drafted for a sequence per step (with a method)"}
+        default=5,
+        metadata={"help": "the most tokens drafted for a sequence per step (0: none, predictions included)"},
     )
     kv_lookup_timeout_s: float = field(
         default=0.05,
@@ -122,8 +124,8 @@ class Config:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """Tokens a sequence may draft per step: 0 without a method."""
-        return self.speculative_max_tokens if self.speculative_method != "none" else 0
+        """Tokens a sequence may draft per step. A request's prediction drafts without a method."""
+        return self.speculative_max_tokens
 
     def __post_init__(self) -> None:
         if self.routing not in ("kv", "round_robin"):

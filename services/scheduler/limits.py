@@ -17,8 +17,8 @@ class Limits:
     watermark: float = 0.01  # share of blocks admission leaves free, so decodes rarely preempt
     enable_prefix_caching: bool = True  # reuse cached full blocks of a common prefix (G1)
     enable_kv_tiers: bool = True  # also load from G2 / G3 and save at store points (needs G1)
-    speculative_method: str = "none"  # where drafts come from: none | ngram (see speculation)
-    num_speculative_tokens: int = 0  # the most tokens drafted for a sequence per step
+    speculative_method: str = "none"  # automatic drafts: none | ngram (see speculation)
+    num_speculative_tokens: int = 0  # the most tokens drafted for a sequence per step (0: none)
 
     @property
     def context_len(self) -> int:

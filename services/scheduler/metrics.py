@@ -5,7 +5,7 @@ gauges are read from the cores at scrape time by ``QueueCollector``:
 
 - ``deepinfer_num_requests_running{worker_id}``: sequences running on that worker (its core's view)
 - ``deepinfer_num_requests_waiting{worker_id}``: sequences queued for that worker
-- ``deepinfer_spec_draft_tokens_total{worker_id,method}``, ``deepinfer_spec_accepted_tokens_total``,
+- ``deepinfer_spec_draft_tokens_total{worker_id,source}``, ``deepinfer_spec_accepted_tokens_total``,
   ``deepinfer_spec_verifications_total``: speculative decoding (tokens drafted, drafts accepted,
   sequence-steps that verified a draft) since that worker's core was made. Acceptance rate is
   accepted / drafted; mean accepted length per verification is accepted / verifications
@@ -97,7 +97,7 @@ class QueueCollector(Collector):
         waiting = GaugeMetricFamily("deepinfer_num_requests_waiting", "sequences waiting", labels=labels)
         doc = "KV blocks allocation can take (free, or cached and unreferenced)"
         free = GaugeMetricFamily("deepinfer_num_free_kv_blocks", doc, labels=labels)
-        spec_labels = ["worker_id", "method"]
+        spec_labels = ["worker_id", "source"]
         drafted = CounterMetricFamily("deepinfer_spec_draft_tokens", "tokens drafted", labels=spec_labels)
         accepted = CounterMetricFamily("deepinfer_spec_accepted_tokens", "accepted", labels=spec_labels)
         doc = "sequence-steps that verified a draft"
@@ -107,11 +107,12 @@ class QueueCollector(Collector):
             waiting.add_metric([worker_id], handle.core.num_waiting)
             free.add_metric([worker_id], handle.core.block_manager.num_free_blocks)
             speculator = handle.core.speculator
-            if speculator.method != "none":
-                stats, where = speculator.stats, [worker_id, speculator.method]
-                drafted.add_metric(where, stats.num_drafted)
-                accepted.add_metric(where, stats.num_accepted)
-                verified.add_metric(where, stats.num_verified)
+            for source, stats in speculator.stats.items():
+                if source == speculator.method or stats.num_verified:  # a source in use, or used
+                    where = [worker_id, source]
+                    drafted.add_metric(where, stats.num_drafted)
+                    accepted.add_metric(where, stats.num_accepted)
+                    verified.add_metric(where, stats.num_verified)
         yield from (running, waiting, free, drafted, accepted, verified)
 
 

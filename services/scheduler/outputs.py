@@ -51,6 +51,11 @@ def _take_output(seq: Sequence, error: str) -> RequestOutput:
     """The sequence's output since the last one sent (which it now counts as sent)."""
     new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
     seq.num_sent_tokens = seq.num_output_tokens
+    num_accepted, num_rejected = (
+        seq.num_unsent_accepted_prediction_tokens,
+        seq.num_unsent_rejected_prediction_tokens,
+    )
+    seq.num_unsent_accepted_prediction_tokens = seq.num_unsent_rejected_prediction_tokens = 0
     return RequestOutput(
         request_id=seq.request_id,
         new_token_ids=pack_tokens(new_tokens),
@@ -62,6 +67,8 @@ def _take_output(seq: Sequence, error: str) -> RequestOutput:
         index=seq.index,
         logprobs=_take_logprobs(seq),
         handback=seq.handback if seq.finish_reason is FinishReason.ERROR else None,
+        num_accepted_prediction_tokens=num_accepted,
+        num_rejected_prediction_tokens=num_rejected,
     )
 
 

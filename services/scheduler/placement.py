@@ -57,6 +57,8 @@ class Placement:
             outputs = resumed_outputs(req)
         except ValueError as exc:
             return SubmitReply(SubmitStatus.INVALID, f"bad resubmit: {exc}")
+        if len(req.prediction_token_ids) % 4:
+            return SubmitReply(SubmitStatus.INVALID, "prediction_token_ids is not packed uint32")
         # Hashing a long prompt takes a while: in a thread, so heartbeats and steps keep going.
         chains = await asyncio.to_thread(self._hash_chains, prompt, req.tenant, self._worker_tiers())
         kinds = self._chain_kinds(prompt, req.tenant, chains)
@@ -108,6 +110,7 @@ class Placement:
             num_stored_blocks=stored.get(kind, 0) if handle.load.has_kv_store else 0,
             block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
             handoff=worker_id != decode_id,
+            prediction_token_ids=unpack_tokens(req.prediction_token_ids),
         )
         if req.request_id in self.fleet.table:
             return self._again(req)

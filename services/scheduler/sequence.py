@@ -68,6 +68,12 @@ class Sequence:
     unsent_logprobs: list[Logprobs] = field(default_factory=list)
     # the drafts its plan in flight verifies ([]: none); it is in no later plan until that result
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_source: str = ""  # where its last draft came from (a speculation.SOURCES name)
+    # the request's predicted output (OpenAI Predicted Outputs), drafted from ([]: none)
+    prediction_token_ids: list[int] = field(default_factory=list)
+    # prediction tokens drafted since its last output message: ended in the output, or not
+    num_unsent_accepted_prediction_tokens: int = 0
+    num_unsent_rejected_prediction_tokens: int = 0
     stop_token_ids: frozenset[int] = field(init=False)  # EOS unless ignore_eos, plus the request's
 
     def __post_init__(self) -> None:
@@ -94,6 +100,7 @@ class Sequence:
             request_id=self.request_id,
             index=index,
             num_stored_blocks=self.num_stored_blocks,
+            prediction_token_ids=self.prediction_token_ids,
         )
 
     def going_on_from(self, output_token_ids: list[int]) -> Sequence:

@@ -1,9 +1,17 @@
-"""Drafts for speculative decoding, proposed by the scheduler core from a sequence's own tokens.
-Pure: no nats, asyncio or torch.
+"""Drafts for speculative decoding, proposed by the scheduler core. Pure: no nats, asyncio or torch.
 
-n-gram (prompt lookup): the longest of the sequence's last ``max_ngram`` .. ``min_ngram`` tokens
-that occurred before, most recent occurrence first; the draft is what followed it. Code edits,
-quoting and summaries repeat their prompt, and then a draft is often right whole.
+Two sources, tried in this order:
+
+- a **prediction** (OpenAI Predicted Outputs): the text the client expects most of the output to
+  be, e.g. the file an edit rewrites. The draft is what follows, in the prediction, the place the
+  output is aligned with: its start while the output is empty, later where the output's last
+  ``max_ngram`` .. 1 tokens occur in it (longest first; the first occurrence from where the last
+  draft was taken, so a repeated line does not throw the alignment back), which re-aligns the
+  draft after the output departs from the prediction and comes back to it.
+- **n-gram** (prompt lookup, ``--speculative-method ngram``): the longest of the sequence's last
+  ``max_ngram`` .. ``min_ngram`` tokens that occurred before, most recent occurrence first; the
+  draft is what followed it. Code edits, quoting and summaries repeat their prompt, and then a
+  draft is often right whole.
 
 A draft must follow the sequence's last token, so it is made when no plan is in flight for the
 sequence. With overlap scheduling (plan N+1 made before result N) a sequence therefore waits for
@@ -24,7 +32,8 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from services.scheduler.sequence import Sequence
 
-METHODS: Final = ("none", "ngram")
+METHODS: Final = ("none", "ngram")  # the automatic source; a request's prediction is its own
+SOURCES: Final = ("ngram", "prediction")  # where a draft came from (a label in /metrics)
 RETRY_AFTER: Final = 4  # plans a sequence whose draft attempt found nothing overlaps before retrying
 
 
@@ -49,8 +58,11 @@ class Speculator:
     method: str = "ngram"
     max_ngram: int = 4
     min_ngram: int = 2
-    stats: DraftStats = field(default_factory=DraftStats)
+    stats: dict[str, DraftStats] = field(default_factory=lambda: {s: DraftStats() for s in SOURCES})
     _tokens: dict[str, array[int]] = field(default_factory=dict)  # seq_id -> prompt + outputs
+    _predictions: dict[str, bytes] = field(default_factory=dict)  # seq_id -> its packed prediction
+    # seq_id -> where in its prediction its last prediction draft started (the alignment hint)
+    _aligned: dict[str, int] = field(default_factory=dict)
     # seq_id -> plans overlapped since its last draft attempt found nothing (absent: it found one)
     _overlapped: dict[str, int] = field(default_factory=dict)
 
@@ -63,23 +75,37 @@ class Speculator:
     def draft_for(self, seq: Sequence, max_tokens: int, context_len: int) -> list[int]:
         """A draft for a decode of ``seq`` with no plan in flight: at most ``max_tokens``, and never
         past its ``max_tokens`` or the context (so even a draft accepted whole stays inside them).
-        Constrained sequences get none (their grammar masks are per sampled position)."""
-        params = seq.sampling_params
-        if params.structured_output is not None or seq.num_pending_tokens:
+        Sets ``seq.draft_source``. Constrained sequences get none (their grammar masks are per
+        sampled position)."""
+        if not self.drafts(seq) or seq.num_pending_tokens:
             return []
+        params = seq.sampling_params
         room = min(params.max_tokens - seq.num_output_tokens, context_len - seq.num_tokens) - 1
-        draft = self.draft(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, min(max_tokens, room))
+        max_tokens = min(max_tokens, room)
+        draft: list[int] = []
+        if max_tokens > 0:
+            tokens = self._synced(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids)
+            if seq.prediction_token_ids:
+                draft, seq.draft_source = self._from_prediction(seq, tokens, max_tokens), "prediction"
+            if not draft and self.method == "ngram":
+                draft = ngram_draft(tokens, max_tokens, self.max_ngram, self.min_ngram)
+                seq.draft_source = "ngram"
         if draft:
             self._overlapped.pop(seq.seq_id, None)
         else:
             self._overlapped[seq.seq_id] = 0
         return draft
 
+    def drafts(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has a draft source at all (otherwise it is planned as without one)."""
+        has_source = self.method != "none" or bool(seq.prediction_token_ids)
+        return has_source and seq.sampling_params.structured_output is None
+
     def may_overlap(self, seq: Sequence) -> bool:
         """Whether a decode of a sequence with a plan in flight goes in this plan (it cannot draft)
         rather than waiting for that result (then the next plan can): see the module docstring.
-        A constrained sequence never drafts, so it never waits."""
-        if seq.sampling_params.structured_output is not None:
+        A sequence that never drafts never waits."""
+        if not self.drafts(seq):
             return True
         num_overlapped = self._overlapped.get(seq.seq_id)
         return num_overlapped is not None and num_overlapped < RETRY_AFTER
@@ -89,16 +115,39 @@ class Speculator:
         if seq_id in self._overlapped:
             self._overlapped[seq_id] = min(self._overlapped[seq_id] + 1, RETRY_AFTER)
 
+    def verified(self, seq: Sequence, num_drafted: int, num_accepted: int, num_kept: int) -> None:
+        """A draft's result came back: ``num_accepted`` drafts held, and the sequence kept
+        ``num_kept`` tokens of the result (fewer at a stop). A prediction's tokens count for the
+        request's usage as they end up in the output: accepted, or rejected (never output)."""
+        self.stats[seq.draft_source].record(num_drafted, num_accepted)
+        if seq.draft_source == "prediction":
+            num_output = min(num_accepted, num_kept)
+            seq.num_unsent_accepted_prediction_tokens += num_output
+            seq.num_unsent_rejected_prediction_tokens += num_drafted - num_output
+
     def draft(self, seq_id: str, prompt: list[int], output: list[int], max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` tokens to follow ``prompt + output`` (none when nothing matches)."""
+        """Up to ``max_tokens`` n-gram tokens to follow ``prompt + output`` (none when nothing matches)."""
         if self.method == "none" or max_tokens <= 0:
             return []
         tokens = self._synced(seq_id, prompt, output)
         return ngram_draft(tokens, max_tokens, self.max_ngram, self.min_ngram)
 
+    def _from_prediction(self, seq: Sequence, tokens: array[int], max_tokens: int) -> list[int]:
+        prediction = self._predictions.get(seq.seq_id)
+        if prediction is None:
+            prediction = self._predictions[seq.seq_id] = array("I", seq.prediction_token_ids).tobytes()
+        num_output = seq.num_output_tokens
+        output_tail = tokens[len(tokens) - min(num_output, self.max_ngram) :].tobytes() if num_output else b""
+        start = prediction_start(prediction, output_tail, self._aligned.get(seq.seq_id, 0), tokens.itemsize)
+        if start < 0:
+            return []
+        self._aligned[seq.seq_id] = start
+        width = tokens.itemsize
+        return array("I", prediction[start * width : (start + max_tokens) * width]).tolist()
+
     def forget(self, seq_id: str) -> None:
-        self._tokens.pop(seq_id, None)
-        self._overlapped.pop(seq_id, None)
+        for table in (self._tokens, self._predictions, self._aligned, self._overlapped):
+            table.pop(seq_id, None)
 
     def _synced(self, seq_id: str, prompt: list[int], output: list[int]) -> array[int]:
         """The sequence's packed tokens, extended by the outputs it gained since the last draft."""
@@ -112,6 +161,8 @@ class Speculator:
     def check_integrity(self, live_seq_ids: set[str]) -> None:
         assert self._tokens.keys() <= live_seq_ids, "tokens kept for a finished sequence"
         assert self._overlapped.keys() <= live_seq_ids, "a finished sequence's overlap count"
+        assert self._predictions.keys() <= live_seq_ids and self._aligned.keys() <= live_seq_ids
+        assert all(0 <= start <= len(self._predictions[s]) // 4 for s, start in self._aligned.items())
         assert all(0 <= n <= RETRY_AFTER for n in self._overlapped.values())
 
 
@@ -133,3 +184,34 @@ def ngram_draft(tokens: array[int], max_tokens: int, max_ngram: int = 4, min_ngr
                 return tokens[start : start + max_tokens].tolist()
             end = hit + len(suffix) - 1
     return []
+
+
+def prediction_start(prediction: bytes, output_tail: bytes, hint: int, width: int = 4) -> int:
+    """Where in ``prediction`` (packed tokens) the tokens after the output start: 0 for no output
+    yet; else right after the longest suffix of ``output_tail`` (packed, its last tokens) found
+    in it, the first occurrence ending at or after ``hint`` if there is one. A one-token suffix
+    is only looked for from ``hint`` on: anywhere else, one common token is a poor alignment.
+    -1: none, or the match ends the prediction."""
+    if not output_tail:
+        return 0 if prediction else -1
+    num_tail = len(output_tail) // width
+    for n in range(num_tail, 0, -1):
+        suffix = output_tail[(num_tail - n) * width :]
+        for lo in (max(hint - n, 0), 0) if n > 1 else (hint,):
+            hit = _find_aligned(prediction, suffix, lo * width, width)
+            if hit >= 0:
+                end = hit + n
+                return end if end * width < len(prediction) else -1
+    return -1
+
+
+def _find_aligned(data: bytes, needle: bytes, start: int, width: int) -> int:
+    """The first token-aligned occurrence of ``needle`` in ``data`` from byte ``start`` (a token
+    index), or -1."""
+    while True:
+        hit = data.find(needle, start)
+        if hit < 0:
+            return -1
+        if hit % width == 0:
+            return hit // width
+        start = hit + 1

@@ -230,17 +230,19 @@ class WorkerScheduler:
             seq.error = f"the worker returned {len(token_ids)} tokens for a draft of {len(draft)}"
             self._finish(seq, FinishReason.ERROR)
             return 0
-        if draft:
-            self.speculator.stats.record(len(draft), num_accepted)
         if seq.status is SequenceStatus.RUNNING:
             seq.num_computed_tokens += num_accepted
-        for num_kept, token_id in enumerate(token_ids, 1):
+        num_kept = len(token_ids)
+        for i, token_id in enumerate(token_ids):
             seq.output_token_ids.append(token_id)
             reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
-                return num_kept
-        return len(token_ids)
+                num_kept = i + 1
+                break
+        if draft:
+            self.speculator.verified(seq, len(draft), num_accepted, num_kept)
+        return num_kept
 
     def fail_all(self) -> list[Sequence]:
         """The worker is gone: finish every sequence with an error (nothing to tell the worker)."""

@@ -151,7 +151,7 @@ async def test_the_kvcache_metrics_port_serves_its_index_and_counters(tmp_path: 
     assert start_metrics_server(0, kvcache_metrics.registry(svc)) is None  # port 0: not served
 
 
-async def test_speculative_drafts_are_counted_per_worker_and_method() -> None:
+async def test_speculative_drafts_are_counted_per_worker_and_source() -> None:
     config = Config(scheduler_id="s1", speculative_method="ngram", speculative_max_tokens=3)
     async with running_service(config) as (service, bus, worker, out):
         registry = scheduler_metrics.registry(service.workers)
@@ -162,7 +162,7 @@ async def test_speculative_drafts_are_counted_per_worker_and_method() -> None:
         assert (await submit(bus, "r1", max_tokens=6, prompt=repeating)).status is SubmitStatus.ACCEPTED
         assert set((await finished(out, 1)).values()) == {FinishReason.LENGTH}
         samples = scrape(registry)
-        where = {"worker_id": "w1", "method": "ngram"}
+        where = {"worker_id": "w1", "source": "ngram"}
         drafted = value(samples, "deepinfer_spec_draft_tokens_total", **where)
         verified = value(samples, "deepinfer_spec_verifications_total", **where)
         assert drafted >= verified > 0

@@ -166,6 +166,7 @@ FIELDS = {
         "modalities",
         "user",
         "thinking",
+        "prediction",
     ],
     "/v1/completions": [
         "model",
@@ -287,6 +288,8 @@ SPECIFIC: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"logit_bias": {"x": 1}}),
     ("/v1/chat/completions", {"logit_bias": {str(VOCAB_SIZE): 1}}),
     ("/v1/chat/completions", {"top_logprobs": 10**6, "logprobs": True}),
+    ("/v1/chat/completions", {"prediction": {"type": "content", "content": [{"type": "text", "text": 1}]}}),
+    ("/v1/chat/completions", {"prediction": {"type": "content", "content": "word " * 20_000}}),  # > context
     ("/v1/chat/completions", {"stream_options": {"include_usage": "x"}, "stream": True}),
     ("/v1/responses", {"input": [{"type": "bogus"}]}),
     ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),

@@ -215,3 +215,39 @@ def test_stop_token_ids_and_ignore_eos(stack: Stack) -> None:
     )
     assert cut.choices[0].finish_reason == "stop" and cut.usage is not None
     assert cut.usage.completion_tokens == 4  # "The", " capital", " of", " France"
+
+
+def test_a_predicted_output_is_verified_and_counted_in_usage(stack: Stack) -> None:
+    """OpenAI Predicted Outputs: the prediction's tokens are drafts the worker verifies, so the
+    text is what it is without one; usage says how many of them ended in the output."""
+    sdk = client(stack)
+    messages = [
+        {"role": "user", "content": "Write a Python function that returns the sum of a list of numbers."}
+    ]
+    plain = sdk.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+    text = plain.choices[0].message.content or ""
+    assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    for content in (text, "def add(a, b):\n    return a + b\n" + text[:20]):
+        chunks = sdk.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=32,
+            prediction={"type": "content", "content": content},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(chunks)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens_details is not None
+        details = usage.completion_tokens_details
+        assert (
+            details.accepted_prediction_tokens is not None and details.rejected_prediction_tokens is not None
+        )
+        if content == text:  # almost all of it is drafted, and right
+            assert details.accepted_prediction_tokens >= 20 > details.rejected_prediction_tokens
+        else:  # its start is found after the unrelated function; the drafts past that are wrong
+            assert details.rejected_prediction_tokens > 0
+        assert usage.completion_tokens == 32

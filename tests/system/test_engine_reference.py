@@ -162,7 +162,7 @@ def test_speculative_decoding_keeps_the_tokens(
     assert isinstance(
         json.loads(tokenizer.decode(answer[:-1] if answer[-1] == model.config.eos_token_id else answer)), dict
     )
-    stats = engine.core.speculator.stats
+    stats = engine.core.speculator.stats["ngram"]
     assert 0 < stats.num_accepted < stats.num_drafted
     if num_blocks >= 32:  # (with few blocks, drafts never take one a decode may need: fewer of them)
         assert stats.num_accepted >= params.max_tokens // 3  # the repeated code is drafted right

@@ -6,6 +6,7 @@ Extensions accepted beside OpenAI's fields: DeepSeek's ``thinking: {type}``, ass
 constraint spelled ``response_format: {"type": "regex", "regex": "..."}`` (the wheel's spelling;
 vLLM's ``guided_regex`` is not accepted). An unknown top-level field is a 400, as at OpenAI.
 ``prompt_cache_retention`` is passed on as sent; ``prompt_cache_key`` is validated and unused.
+``prediction`` (Predicted Outputs) becomes ``ChatRequest.prediction``, its text.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ EXTENSION_FIELDS = (
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM sampling
 )  # fmt: skip
 # Known, but not implemented: a 400 beats silently ignoring them.
-UNSUPPORTED = ("logit_bias", "audio", "prediction", "functions", "function_call", "web_search_options")
+UNSUPPORTED = ("logit_bias", "audio", "functions", "function_call", "web_search_options")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     cache_retention: str | None = None  # prompt_cache_retention as sent: the gateway maps it
+    prediction: str = ""  # Predicted Outputs: the text the output is expected to be ("": none)
 
 
 def _tool(tool: Any, where: str) -> ToolDefinition:
@@ -128,6 +130,31 @@ def _conversation(body: dict[str, Any]) -> Conversation:
     )
 
 
+def _prediction(body: dict[str, Any]) -> str:
+    """``prediction: {"type": "content", "content": str | [{"type": "text", "text": str}, ...]}``."""
+    prediction = optional_dict(body, "prediction")
+    if prediction is None:
+        return ""
+    unknown = lambda key: f"Unrecognized request argument supplied: {key}"  # noqa: E731
+    check_fields(prediction, ("type", "content"), unknown, prefix="prediction.")
+    if prediction.get("type") != "content":
+        raise ApiError(400, "'prediction.type' must be 'content'", param="prediction.type")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        why = "'prediction.content' must be a string or an array of text parts"
+        raise ApiError(400, why, param="prediction.content")
+    texts = []
+    for i, part in enumerate(content):
+        where = f"prediction.content[{i}]"
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"'{where}' must be a part of type 'text' with a string 'text'", param=where)
+        check_fields(part, ("type", "text"), unknown, prefix=f"{where}.")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _check_unused(body: dict[str, Any]) -> None:
     """Fields accepted and validated, though nothing here acts on them."""
     optional_bool(body, "parallel_tool_calls")
@@ -155,4 +182,5 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stream=boolean(body, "stream"),
         include_usage=include_usage(body),
         cache_retention=prompt_cache_retention(body),
+        prediction=_prediction(body),
     )

@@ -250,9 +250,35 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
     "n": (body(n=100), "n", "between 1"),
     "modalities": (body(modalities=["audio"]), "modalities", "text"),
     "template_kwargs": (body(chat_template_kwargs=[1]), "chat_template_kwargs", "must be an object"),
+    "prediction": (body(prediction="x"), "prediction", "must be an object"),
+    "prediction_type": (body(prediction={"type": "text", "content": "x"}), "prediction.type", "'content'"),
+    "prediction_field": (body(prediction={"type": "content", "content": "", "x": 1}), "prediction.x", "x"),
+    "prediction_content": (
+        body(prediction={"type": "content", "content": 3}),
+        "prediction.content",
+        "string",
+    ),
+    "prediction_part": (
+        body(prediction={"type": "content", "content": [{"type": "image_url"}]}),
+        "prediction.content[0]",
+        "type 'text'",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input_is_a_400_naming_the_field(name: str) -> None:
     assert_names_field(parse_chat_request, *BAD[name])
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "def f():\n    return 1\n",
+        [{"type": "text", "text": "def f():\n"}, {"type": "text", "text": "    return 1\n"}],
+    ],
+)
+def test_a_prediction_is_its_text_in_a_string_or_text_parts(content: Any) -> None:
+    request = parse_chat_request(body(prediction={"type": "content", "content": content}))
+    assert request.prediction == "def f():\n    return 1\n"
+    assert parse_chat_request(body()).prediction == parse_chat_request(body(prediction=None)).prediction == ""

@@ -99,7 +99,8 @@ def test_a_partly_accepted_draft_goes_on_from_the_right_place() -> None:
     assert seq.num_computed_tokens == computed + 1 + 2  # its input token and the accepted drafts
     assert seq.num_tokens - seq.num_computed_tokens == 1  # 99 is the next input
     core.check_integrity()
-    assert core.speculator.stats.num_drafted == 3 and core.speculator.stats.num_accepted == 2
+    stats = core.speculator.stats["ngram"]
+    assert stats.num_drafted == 3 and stats.num_accepted == 2 and stats.num_verified == 1
 
 
 def test_a_result_that_does_not_follow_the_draft_fails_only_that_sequence() -> None:

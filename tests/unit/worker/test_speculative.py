@@ -15,7 +15,7 @@ import torch
 from deepinfer.local_engine import LocalEngine
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import unpack_floats, unpack_tokens
-from libs.protocol.messages import SamplingParams
+from libs.protocol.messages import FinishReason, SamplingParams
 from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.reference import reference_greedy
@@ -64,7 +64,7 @@ def serve(
 
 
 def assert_drafts_accepted_and_rejected(engine: LocalEngine) -> None:
-    stats = engine.core.speculator.stats
+    stats = engine.core.speculator.stats["ngram"]
     assert 0 < stats.num_accepted < stats.num_drafted, stats
 
 
@@ -108,3 +108,18 @@ def test_logprobs_are_those_without_speculation(model: LlamaForCausalLM) -> None
         assert len(chosen[1]) == GREEDY.max_tokens
         assert chosen[1] == pytest.approx(chosen[0], abs=1e-4) and top_ids[1] == top_ids[0]
     assert_drafts_accepted_and_rejected(engines[1])
+
+
+def test_a_predicted_token_outside_the_vocabulary_ends_the_draft_and_fails_nothing(
+    model: LlamaForCausalLM,
+) -> None:
+    """A client's prediction may hold any id: the draft is verified up to it (never sampled)."""
+    (seq_id, prompt), *_ = PROMPTS.items()
+    plain = serve(make_engine(model, 0), GREEDY, {seq_id: prompt})[seq_id]
+    engine = make_engine(model, 4)
+    prediction = [*plain[:3], TINY_LLAMA.vocab_size, 2**32 - 1, *plain[3:]]
+    engine.add(seq_id, prompt, GREEDY, prediction_token_ids=prediction)
+    assert engine.run() == {seq_id: plain}
+    seq = engine.finished[seq_id]
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert seq.num_unsent_accepted_prediction_tokens > 0 and seq.num_unsent_rejected_prediction_tokens > 0
