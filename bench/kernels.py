@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from libs.kernels import paged_attention
+from libs.kernels import paged_attention_torch
 from libs.kernels.activation import silu_and_mul, silu_and_mul_reference
 from libs.kernels.paged_attention import (
     PagedAttentionMetadata,
@@ -215,6 +215,31 @@ def bench_attention(g: torch.Generator) -> None:
         t = best_per_call({"plan": partial(backend.plan, meta)})["plan"]
         print(f"{'  its plan()':<22} {'once per step':<28} {_name(dtype):<9} {'':>10} {t * 1e6:>10.1f}")
         bench_decode_groups(dtype, g)
+        bench_short_rows(dtype, g)
+
+
+def bench_short_rows(dtype: torch.dtype, g: torch.Generator) -> None:
+    """32 decodes each verifying 5 drafted tokens (rows of 6 queries over 256-1024 cached tokens):
+    batched like decodes (the backend's way) against one SDPA per row (the baseline: the path of
+    every multi-token row before, MAX_SHORT_QUERY_LEN = 0)."""
+    contexts = torch.randint(256, 1025, (32,), generator=g).tolist()
+    meta, (q, k, v, k_cache, v_cache) = attention_step([6] * 32, contexts, dtype, g)
+    backends: dict[str, Callable[[], object]] = {}
+    module = paged_attention_torch
+    for name, max_len in (("per row", 0), ("batched", module.MAX_SHORT_QUERY_LEN)):
+        backend = make_attention_backend(torch.device("cpu"), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
+        saved, module.MAX_SHORT_QUERY_LEN = module.MAX_SHORT_QUERY_LEN, max_len
+        try:
+            backend.plan(meta)
+        finally:
+            module.MAX_SHORT_QUERY_LEN = saved
+        backends[name] = partial(backend.forward, q, k, v, k_cache, v_cache)
+    t = best_per_call(backends)
+    print(
+        f"{'paged_attention':<22} {'32 verify rows of 6':<28} {_name(dtype):<9}"
+        f" {t['per row'] * 1e6:>10.1f} {t['batched'] * 1e6:>10.1f} {t['batched'] / t['per row']:>6.2f}"
+        "  (one SDPA per row vs batched)"
+    )
 
 
 def bench_decode_groups(dtype: torch.dtype, g: torch.Generator) -> None:
@@ -224,13 +249,14 @@ def bench_decode_groups(dtype: torch.dtype, g: torch.Generator) -> None:
     contexts = [*torch.randint(32, 257, (16,), generator=g).tolist(), 4000]
     meta, (q, k, v, k_cache, v_cache) = attention_step([1] * 17, contexts, dtype, g)
     backends: dict[str, Callable[[], object]] = {}
-    for name, slack in (("one group", 1 << 30), ("grouped", paged_attention.DECODE_GROUP_SLACK_TOKENS)):
+    module = paged_attention_torch
+    for name, slack in (("one group", 1 << 30), ("grouped", module.DECODE_GROUP_SLACK_TOKENS)):
         backend = make_attention_backend(torch.device("cpu"), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
-        saved, paged_attention.DECODE_GROUP_SLACK_TOKENS = paged_attention.DECODE_GROUP_SLACK_TOKENS, slack
+        saved, module.DECODE_GROUP_SLACK_TOKENS = module.DECODE_GROUP_SLACK_TOKENS, slack
         try:
             backend.plan(meta)
         finally:
-            paged_attention.DECODE_GROUP_SLACK_TOKENS = saved
+            module.DECODE_GROUP_SLACK_TOKENS = saved
         backends[name] = partial(backend.forward, q, k, v, k_cache, v_cache)
     t = best_per_call(backends)
     print(

@@ -7,13 +7,11 @@ import pytest
 import torch
 
 from libs.kernels.paged_attention import (
-    DECODE_GROUP_SLACK_TOKENS,
     PagedAttentionMetadata,
-    TorchAttentionBackend,
-    decode_groups,
     make_attention_backend,
     paged_attention_reference,
 )
+from libs.kernels.paged_attention_torch import DECODE_GROUP_SLACK_TOKENS, TorchAttentionBackend, decode_groups
 
 Row = tuple[int, int]  # (query_len, context_len)
 
@@ -143,6 +141,9 @@ CASES: dict[str, list[Row]] = {
     # several decode groups (lengths far apart), rows of one group not adjacent in the batch
     "decodes_far_apart": [(5, 30), (1, 2), (1, 1200), (1, 9), (1, 3000), (1, 40), (1, 1100)],
     "prefill_without_context": [(33, 0)],
+    # decodes verifying drafts (short rows with context): batched, padded in queries and keys, in
+    # groups by length; the row one token past the bound takes its own SDPA
+    "verification_rows": [(6, 30), (2, 700), (16, 5), (3, 2), (17, 40), (4, 2900), (1, 17), (1, 300)],
 }
 
 
@@ -195,6 +196,17 @@ def test_cache_written_at_slots_and_nowhere_else() -> None:
     untouched[slots] = False
     assert torch.equal(flat_k[untouched], k_before.view(-1, 3, 64)[untouched])
     assert torch.equal(flat_v[untouched], v_before.view(-1, 3, 64)[untouched])
+
+
+def test_short_rows_with_context_share_sdpas_and_long_ones_do_not() -> None:
+    meta, _ = random_step(CASES["verification_rows"], 16, SMOLLM2, torch.float32)
+    backend = TorchAttentionBackend(*SMOLLM2, torch.float32)
+    backend.plan(meta)
+    assert [(r.start, r.end) for r in backend._prefills] == [(27, 44)]  # (17, 40): past the bound
+    # (rows, queries per row): grouped by padded length (16, 32, 48 | 704 | 2912 tokens), each row
+    # padded to its group's longest; the decodes' one batch has a query each
+    batches = [(b.num_rows, b.query_len) for b in backend._batches]
+    assert batches == [(3, 16), (1, 2), (1, 4), (2, 1)]
 
 
 def test_decode_padding_over_zeroed_cache_is_finite() -> None:

@@ -1,0 +1,259 @@
+"""The plain-torch paged attention backend (the CPU path; it also serves fp32 on CUDA): rows in
+batched SDPAs where they are short, one SDPA per long prefill row. Layout and reference:
+paged_attention.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from libs.kernels.paged_attention import PagedAttentionMetadata, write_kv
+
+# Rows of similar length share one padded SDPA: a row joins the group of the shortest rows while
+# its length stays within 2x theirs plus this slack (in tokens). Padding every row to the longest
+# one made a batch of short streams beside one 4k-token row cost 20x its keys' work.
+DECODE_GROUP_SLACK_TOKENS = 256
+# A row with context and at most this many new tokens (a decode verifying its drafts) is batched
+# like decodes, padded to its group's longest such row, instead of taking its own SDPA.
+MAX_SHORT_QUERY_LEN = 16
+
+
+def decode_groups(padded_lens: list[int]) -> list[list[int]]:
+    """Rows (by their padded lengths in tokens) in groups that share one SDPA: from the shortest
+    up, a row joins the current group while it is at most twice the group's shortest plus
+    DECODE_GROUP_SLACK_TOKENS. Each group lists row indices in ascending order; one group when
+    every row fits (the usual step)."""
+    order = sorted(range(len(padded_lens)), key=lambda i: padded_lens[i])
+    groups: list[list[int]] = []
+    bound = -1
+    for i in order:
+        if padded_lens[i] > bound:
+            groups.append([])
+            bound = 2 * padded_lens[i] + DECODE_GROUP_SLACK_TOKENS
+        groups[-1].append(i)
+    return [sorted(g) for g in groups]
+
+
+@dataclass(frozen=True)
+class _PrefillRow:
+    start: int  # first token of the row in the step's flat batch
+    end: int
+    kv_index: Tensor | None  # gather index (see _kv_index) over the row's pages; None: no context
+    mask: Tensor | None  # [query_len, padded_len] additive (0 / -inf), padded_len = blocks * block_size
+
+
+@dataclass(frozen=True)
+class _RowBatch:
+    """Rows sharing one SDPA: decodes (query_len 1), or short rows with context, each padded to
+    the group's longest row in keys and in queries (a shorter row repeats its last query)."""
+
+    start: int  # first token of the batch's part of the flat batch (its decodes: num_prefill_tokens)
+    num_rows: int
+    query_len: int  # queries per row
+    kv_index: Tensor  # gather index (see _kv_index) over the group's rows' pages, padded
+    mask: Tensor  # [num_rows, 1, 1 or query_len * group, padded_len] additive (0 / -inf)
+    # [num_rows * query_len] flat tokens read as queries; None: q[start:] as it is
+    query_index: Tensor | None
+    out_index: Tensor | None  # of the batch's num_rows * query_len outputs, the real ones; None: all
+    token_index: Tensor | None  # where those go in the flat batch; None: out[start:]
+
+
+class TorchAttentionBackend:
+    """The CPU backend: plain torch, SDPA's fused CPU kernel, no per-token Python work.
+
+    Decode rows are batched SDPAs, one per group of rows of similar length (most steps: one):
+    each row's keys are gathered and padded to the group's longest row; padded keys read real,
+    finite cache slots and are masked out, and no row is fully masked (seq_len >= 1), so padding
+    never yields NaN. The query group of a KV head is folded into SDPA's query-length dim
+    ([rows, kv_heads, group, head_dim]), which avoids SDPA's slower grouped-query route; the mask
+    does not depend on the query head, so this is exact. Short rows with context (a decode and
+    its drafts) batch the same way with [rows, kv_heads, query_len * group, head_dim] queries and
+    each query's offset causal mask. Other prefill rows (few, compute-bound) loop: a row without
+    context attends over its own new k/v with `is_causal`; a row with context gathers its keys
+    and uses the offset causal mask from plan().
+
+    Gathers are head-major ([rows, kv_heads, padded_len, head_dim], contiguous), which SDPA reads
+    about twice as fast as a transposed view of the cache's token-major pages, and they land in
+    two buffers kept across layers and steps (grown, never shrunk): a fresh multi-megabyte tensor
+    per layer costs more in page faults than the copy itself.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype = dtype
+        self.scale = head_dim**-0.5
+        self._meta: PagedAttentionMetadata | None = None
+        self._prefills: list[_PrefillRow] = []
+        self._batches: list[_RowBatch] = []
+        self._k_buf = torch.empty(0, head_dim, dtype=dtype)  # [gathered vectors, head_dim]
+        self._v_buf = torch.empty(0, head_dim, dtype=dtype)
+
+    def plan(self, meta: PagedAttentionMetadata) -> None:
+        device = meta.block_tables.device
+        block_size = meta.block_size
+        # Row lengths come from the metadata's host arrays: no device read-back.
+        starts = meta.query_start_loc.tolist()
+        context_lens = meta.context_lens.tolist()
+        num_pages = meta.kv_indptr.diff().tolist()  # [num_seqs] blocks in use
+        tables = meta.block_tables.long()
+        self._prefills, short = [], []
+        for row in range(meta.num_prefills):
+            start, end, context_len = starts[row], starts[row + 1], context_lens[row]
+            if context_len == 0:
+                self._prefills.append(_PrefillRow(start, end, None, None))
+                continue
+            if end - start <= MAX_SHORT_QUERY_LEN:
+                short.append(row)
+                continue
+            padded_len = num_pages[row] * block_size
+            key_pos = torch.arange(padded_len, device=device)
+            query_pos = context_len + torch.arange(end - start, device=device)
+            # Keys past seq_len are beyond every query position, so the causal test masks them too.
+            mask = self._additive(key_pos[None, :] <= query_pos[:, None])
+            kv_index = self._kv_index(tables[row : row + 1], padded_len, block_size)
+            self._prefills.append(_PrefillRow(start, end, kv_index, mask))
+        self._batches = []
+        for group in decode_groups([num_pages[r] * block_size for r in short]):
+            self._batches.append(self._short_batch(meta, [short[i] for i in group], tables))
+        first = meta.num_prefills
+        groups = decode_groups([n * block_size for n in num_pages[first:]])
+        for group in groups:
+            rows = [first + i for i in group]
+            padded_len = max(num_pages[r] for r in rows) * block_size
+            index = torch.tensor(rows, device=device)
+            kv_index = self._kv_index(tables[index], padded_len, block_size)
+            seq_lens = meta.seq_lens[rows].to(device=device, dtype=torch.long)
+            valid = torch.arange(padded_len, device=device)[None, :] < seq_lens[:, None]
+            mask = self._additive(valid).view(len(rows), 1, 1, padded_len)
+            # Decode row r's token sits at num_prefill_tokens + (r - num_prefills) in the flat batch.
+            tokens = None if len(groups) == 1 else index + (meta.num_prefill_tokens - first)
+            batch = _RowBatch(meta.num_prefill_tokens, len(rows), 1, kv_index, mask, tokens, None, tokens)
+            self._batches.append(batch)
+        self._reserve_buffers(device)
+        self._meta = meta
+
+    def _short_batch(self, meta: PagedAttentionMetadata, rows: list[int], tables: Tensor) -> _RowBatch:
+        """Short rows with context as one batch: row r's query t is its token min(t, len_r - 1),
+        which sees the keys up to its own position (context_len_r + that t)."""
+        device = tables.device
+        starts = meta.query_start_loc[rows].long()
+        query_lens = meta.query_start_loc[[r + 1 for r in rows]].long() - starts
+        context_lens = meta.context_lens[rows].long()
+        query_len = int(query_lens.max())
+        padded_len = int(meta.kv_indptr.diff()[rows].max()) * meta.block_size
+        t = torch.arange(query_len)
+        offsets = torch.minimum(t[None, :], query_lens[:, None] - 1)  # [rows, query_len]
+        query_index = (starts[:, None] + offsets).reshape(-1)
+        real = (t[None, :] < query_lens[:, None]).reshape(-1)
+        out_index = torch.nonzero(real).reshape(-1)
+        limits = context_lens[:, None] + offsets  # [rows, query_len]: the last key each query sees
+        allowed = torch.arange(padded_len)[None, None, :] <= limits[:, :, None]
+        group = self.num_heads // self.num_kv_heads
+        # Queries fold as (t, g) -> t * group + g, as in _batch_rows.
+        allowed = allowed[:, None, :, None, :].expand(-1, 1, -1, group, -1)
+        allowed = allowed.reshape(len(rows), 1, query_len * group, padded_len)
+        index = torch.tensor(rows, device=device)
+        return _RowBatch(
+            start=0,
+            num_rows=len(rows),
+            query_len=query_len,
+            kv_index=self._kv_index(tables[index], padded_len, meta.block_size),
+            mask=self._additive(allowed.to(device)),
+            query_index=query_index.to(device),
+            out_index=out_index.to(device),
+            token_index=query_index[real].to(device),
+        )
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        meta = self._meta
+        if meta is None:
+            raise RuntimeError("forward() before plan()")
+        if q.dtype != self.dtype:
+            raise ValueError(f"backend planned for {self.dtype}, got q in {q.dtype}")
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        k_vectors = k_cache.view(-1, self.head_dim)  # [num_slots * num_kv_heads, head_dim]
+        v_vectors = v_cache.view(-1, self.head_dim)
+        for row in self._prefills:
+            out[row.start : row.end] = self._prefill_row(row, q, k, v, k_vectors, v_vectors)
+        for batch in self._batches:
+            queries = q[batch.start :] if batch.query_index is None else q.index_select(0, batch.query_index)
+            attended = self._batch_rows(batch, queries, k_vectors, v_vectors)
+            if batch.out_index is not None:
+                attended = attended.index_select(0, batch.out_index)
+            if batch.token_index is None:
+                out[batch.start :] = attended
+            else:
+                out[batch.token_index] = attended
+        return out
+
+    def _prefill_row(
+        self, row: _PrefillRow, q: Tensor, k: Tensor, v: Tensor, k_vectors: Tensor, v_vectors: Tensor
+    ) -> Tensor:
+        """One prefill row's output, [query_len, num_heads, head_dim]."""
+        # SDPA's fused CPU kernel needs 4-D [batch, heads, len, head_dim]; 3-D takes the slow path.
+        queries = q[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
+        if row.kv_index is None:
+            keys = k[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, query_len, head_dim]
+            values = v[row.start : row.end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            keys = self._gather(
+                k_vectors, row.kv_index, 1, self._k_buf
+            )  # [1, kv_heads, padded_len, head_dim]
+            values = self._gather(v_vectors, row.kv_index, 1, self._v_buf)
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=row.mask, scale=self.scale, enable_gqa=True
+            )
+        return out[0].transpose(0, 1)
+
+    def _batch_rows(self, batch: _RowBatch, q: Tensor, k_vectors: Tensor, v_vectors: Tensor) -> Tensor:
+        """One batch's outputs (``q``: its queries, [num_rows * query_len, num_heads, head_dim]),
+        [num_rows * query_len, num_heads, head_dim]."""
+        n, t, group = batch.num_rows, batch.query_len, self.num_heads // self.num_kv_heads
+        # Query head h = kv_head * group + g: [rows, t, kv_heads, group, d] -> [rows, kv_heads, t * group, d]
+        queries = q.reshape(n, t, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
+        queries = queries.reshape(n, self.num_kv_heads, t * group, self.head_dim)
+        keys = self._gather(k_vectors, batch.kv_index, n, self._k_buf)  # [rows, kv, padded, d]
+        values = self._gather(v_vectors, batch.kv_index, n, self._v_buf)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=self.scale)
+        out = out.view(n, self.num_kv_heads, t, group, self.head_dim).transpose(1, 2)
+        return out.reshape(n * t, self.num_heads, self.head_dim)
+
+    def _kv_index(self, tables: Tensor, padded_len: int, block_size: int) -> Tensor:
+        """Gather index, head-major: entry (row, kv_head, j) is the cache vector (in the cache seen as
+        [num_slots * num_kv_heads, head_dim]) of position j of the row at that head.
+
+        tables: [rows, >= padded_len / block_size] int64. Returns [rows * num_kv_heads * padded_len]
+        int64. Positions past a row's seq_len read other real slots (spare or padding blocks).
+        """
+        pos = torch.arange(padded_len, device=tables.device)
+        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [rows, padded_len]
+        heads = torch.arange(self.num_kv_heads, device=tables.device)
+        return (slots[:, None, :] * self.num_kv_heads + heads[None, :, None]).reshape(-1)
+
+    def _gather(self, vectors: Tensor, kv_index: Tensor, num_rows: int, buf: Tensor) -> Tensor:
+        """[num_rows, num_kv_heads, padded_len, head_dim], contiguous, in buf's memory."""
+        gathered = buf[: kv_index.numel()]
+        torch.index_select(vectors, 0, kv_index, out=gathered)
+        return gathered.view(num_rows, self.num_kv_heads, -1, self.head_dim)
+
+    def _reserve_buffers(self, device: torch.device) -> None:
+        """Grow the gather buffers to the step's largest gather (one prefill row's, or a batch's)."""
+        indices = [r.kv_index for r in self._prefills if r.kv_index is not None]
+        indices += [batch.kv_index for batch in self._batches]
+        size = max((int(i.numel()) for i in indices), default=0)
+        if self._k_buf.device == device and self._k_buf.shape[0] >= size:
+            return
+        self._k_buf = torch.empty(size, self.head_dim, dtype=self.dtype, device=device)
+        self._v_buf = torch.empty(size, self.head_dim, dtype=self.dtype, device=device)
+
+    def _additive(self, allowed: Tensor) -> Tensor:
+        """0 where allowed, -inf elsewhere, in the compute dtype (SDPA adds it to the scores)."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
