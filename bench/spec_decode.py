@@ -1,7 +1,9 @@
 """Speculative decoding on SmolLM2 through the scheduler core and the real ModelRunner in one
-process (LocalEngine): output tokens/s with drafts of at most k = 3, 5, 7 against no speculation
-(the baseline, measured in the same run), per workload, concurrency and draft source, and each
-run's acceptance (accepted / drafted) and mean accepted drafts per verification.
+process (LocalEngine): output tokens/s with drafts verified whole (``--speculative-policy
+fixed``) at k = 3, 5, 7, and the adaptive policy drafting up to the largest k, against no
+speculation (the baseline, measured in the same run), per workload, concurrency and draft source,
+and each run's acceptance (accepted / drafted) and mean accepted drafts per verification. The
+adaptive rows also give their ratio to the best fixed k and to fixed k=5.
 
 Sources: ``ngram`` (prompt lookup) on every workload; ``prediction`` (OpenAI Predicted Outputs)
 where a client would have one: for code-edit, the code with the rename done, as an editor sends
@@ -16,14 +18,13 @@ number of tokens):
 - open chat: short questions.
 Every run's tokens are checked against the baseline's (speculation must change none).
 
-    python bench/spec_decode.py                     # every workload, concurrency 1, 4, 16
+    python bench/spec_decode.py                     # every workload, concurrency 1, 4, 16, 32
     python bench/spec_decode.py --quick             # smoke run (tests/unit/worker/test_bench_spec_decode.py)
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import tempfile
@@ -78,6 +79,7 @@ def run(
     k: int,
     max_tokens: int,
     prediction: list[int] | None = None,
+    policy: str = "fixed",
 ) -> tuple[float, dict[str, list[int]], tuple[int, int, int]]:
     """Seconds for the whole batch (all arriving at once), the outputs, and (drafted, accepted,
     verified). Drafts from ``prediction`` when one is given, else n-gram ones."""
@@ -86,6 +88,7 @@ def run(
     limits = Limits(
         num_blocks, block_size, len(batch), cfg.max_position_embeddings, 2048, 256, 0.0,
         speculative_method="ngram" if k and prediction is None else "none", num_speculative_tokens=k,
+        speculative_policy=policy,
     )  # fmt: skip
     runner = ModelRunner(model, ModelShape.of(cfg), num_blocks, block_size, torch.float32)
     assert cfg.eos_token_id is not None
@@ -105,12 +108,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--k", default="3,5,7", help="most drafted tokens per step, one run each")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
-        "--quick", action="store_true", help="code-edit, concurrency 1, 12 tokens, k=3, both sources"
+        "--quick", action="store_true", help="code-edit, concurrency 1, 12 tokens, k=3, every source"
     )
     args = parser.parse_args()
     if args.quick:
@@ -124,8 +127,8 @@ def main() -> None:
         f"SmolLM2 fp32, {args.threads} threads, load {os.getloadavg()[0]:.1f}; max_tokens {args.max_tokens}"
     )
     print(
-        f"{'workload':<14} {'conc':>4} {'source':>10} {'k':>3} {'tok/s':>8} {'x none':>7} {'accept':>7} "
-        f"{'mean acc':>8}"
+        f"{'workload':<14} {'conc':>4} {'source':>10} {'k':>8} {'tok/s':>8} {'x none':>7} {'accept':>7} "
+        f"{'mean acc':>8} {'x best k':>8} {'x k=5':>6}"
     )
     mismatches = 0
     for workload in args.workloads.split(","):
@@ -135,23 +138,32 @@ def main() -> None:
             base_s, base_out, _ = run(model, batch, 0, args.max_tokens)
             num_tokens = concurrency * args.max_tokens
             base = f"{num_tokens / base_s:>8.1f} {1.0:>7.2f}"
-            print(f"{workload:<14} {concurrency:>4} {'none':>10} {'-':>3} {base}")
+            print(f"{workload:<14} {concurrency:>4} {'none':>10} {'-':>8} {base}")
             sources: list[tuple[str, list[int] | None]] = [("ngram", None)]
             if workload in PREDICTIONS:
                 sources.append(("prediction", tokenizer.encode(PREDICTIONS[workload], add_bos=False)))
                 # The text this model writes, as a client would send it: the ceiling of the source
                 oracle = tokenizer.decode(base_out["r0"])
                 sources.append(("oracle", tokenizer.encode(oracle, add_bos=False)))
-            for (source, prediction), k in itertools.product(sources, (int(k) for k in args.k.split(","))):
-                seconds, outputs, (drafted, accepted, verified) = run(
-                    model, batch, k, args.max_tokens, prediction
-                )
-                mismatches += outputs != base_out
-                rate = accepted / drafted if drafted else 0.0
-                mean = accepted / verified if verified else 0.0
-                speed, ratio = num_tokens / seconds, base_s / seconds
-                row = f"{speed:>8.1f} {ratio:>7.2f} {rate:>7.2f} {mean:>8.2f}"
-                print(f"{'':<14} {'':>4} {source:>10} {k:>3} {row}")
+            ks = [int(k) for k in args.k.split(",")]
+            for source, prediction in sources:
+                speeds: dict[str, float] = {}
+                for k, policy in [(k, "fixed") for k in ks] + [(max(ks), "adaptive")]:
+                    seconds, outputs, (drafted, accepted, verified) = run(
+                        model, batch, k, args.max_tokens, prediction, policy
+                    )
+                    mismatches += outputs != base_out
+                    rate = accepted / drafted if drafted else 0.0
+                    mean = accepted / verified if verified else 0.0
+                    speed, ratio = num_tokens / seconds, base_s / seconds
+                    label = str(k) if policy == "fixed" else f"adapt<={k}"
+                    row = f"{speed:>8.1f} {ratio:>7.2f} {rate:>7.2f} {mean:>8.2f}"
+                    if policy == "adaptive":
+                        best = max(speeds.values())
+                        vs_five = f"{speed / speeds['5']:>6.2f}" if "5" in speeds else f"{'-':>6}"
+                        row += f" {speed / best:>8.2f} {vs_five}"
+                    speeds[label] = speed
+                    print(f"{'':<14} {'':>4} {source:>10} {label:>8} {row}")
     if mismatches:
         print(f"ERROR: {mismatches} runs' tokens differ from the baseline's")
         sys.exit(1)

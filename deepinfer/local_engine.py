@@ -128,6 +128,7 @@ class LocalEngine:
             failed_loads = dict(zip(result.failed_load_seq_ids, result.failed_load_num_blocks, strict=True))
             num_host, num_store = result.num_loaded_host_blocks, result.num_loaded_store_blocks
             self.core.record_loads(result.step_id, num_host, num_store, failed_loads)
+            self.core.record_step_time(result.step_id, result.forward_time_s)
             sampled = unpack_tokens(result.sampled_token_ids)
             failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
             counts = unpack_tokens(result.num_sampled_tokens) if result.num_sampled_tokens else None

@@ -309,6 +309,7 @@ class ModelRunnerOutput:
     failed_load_num_blocks: tuple[int, ...] = ()
     # packed uint32, tokens per seq_id in sampled_token_ids; b"": one each (no drafts in the plan)
     num_sampled_tokens: bytes = b""
+    forward_time_s: float = 0.0  # the worker's time computing and sampling this step (0: not measured)
 
 
 # --- liveness and load ----------------------------------------------------------------------

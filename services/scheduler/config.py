@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from services.scheduler.spec_policy import POLICIES
 from services.scheduler.speculation import METHODS
 
 
@@ -52,6 +53,14 @@ class Config:
     speculative_max_tokens: int = field(
         default=5,
         metadata={"help": "the most tokens drafted for a sequence per step (0: none, predictions included)"},
+    )
+    speculative_policy: str = field(
+        default="adaptive",
+        metadata={
+            "help": "how much of each draft a step verifies: adaptive (the prefix that makes the most "
+            "tokens per second, from measured acceptance and step times; none when it does not pay) "
+            "| fixed (all of it)"
+        },
     )
     kv_lookup_timeout_s: float = field(
         default=0.05,
@@ -133,6 +142,9 @@ class Config:
         if self.speculative_method not in METHODS:
             methods = ", ".join(METHODS)
             raise ValueError(f"speculative_method must be one of {methods}, got {self.speculative_method!r}")
+        if self.speculative_policy not in POLICIES:
+            policies = ", ".join(POLICIES)
+            raise ValueError(f"speculative_policy must be one of {policies}, got {self.speculative_policy!r}")
         if not 0 <= self.speculative_max_tokens <= 64:
             raise ValueError(f"speculative_max_tokens must be in 0..64, got {self.speculative_max_tokens}")
         if self.migration_limit < 0:

@@ -19,6 +19,7 @@ class Limits:
     enable_kv_tiers: bool = True  # also load from G2 / G3 and save at store points (needs G1)
     speculative_method: str = "none"  # automatic drafts: none | ngram (see speculation)
     num_speculative_tokens: int = 0  # the most tokens drafted for a sequence per step (0: none)
+    speculative_policy: str = "adaptive"  # how much of each draft is verified (see spec_policy)
 
     @property
     def context_len(self) -> int:

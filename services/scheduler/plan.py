@@ -22,6 +22,7 @@ class Plan:
     num_computed_before: dict[str, int] = field(default_factory=dict)
     kv_loads: dict[str, KVLoad] = field(default_factory=dict)  # new seq_id -> blocks from G2 / G3
     drafts: dict[str, list[int]] = field(default_factory=dict)  # seq_id -> tokens drafted after its input
+    num_sampling: int = 0  # scheduled sequences that sample a token
     preempted: bool = False
 
     def to_output(

@@ -69,6 +69,7 @@ class Sequence:
     # the drafts its plan in flight verifies ([]: none); it is in no later plan until that result
     draft_token_ids: list[int] = field(default_factory=list)
     draft_source: str = ""  # where its last draft came from (a speculation.SOURCES name)
+    draft_match_len: int = 0  # tokens of its context the last draft's source matched
     # the request's predicted output (OpenAI Predicted Outputs), drafted from ([]: none)
     prediction_token_ids: list[int] = field(default_factory=list)
     # prediction tokens drafted since its last output message: ended in the output, or not

@@ -253,6 +253,7 @@ class SchedulerService:
             enable_kv_tiers=self.config.enable_kv_tiers,
             speculative_method=self.config.speculative_method,
             num_speculative_tokens=self.config.num_speculative_tokens,
+            speculative_policy=self.config.speculative_policy,
         )
         core = WorkerScheduler(limits, self.config.scheduler_id, load.model_fingerprint or load.model)
         handle = WorkerHandle(load, core, time.monotonic())

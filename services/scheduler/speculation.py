@@ -26,10 +26,14 @@ them: no per-sequence index to grow or evict. The worker verifies a draft agains
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
+from services.scheduler.spec_policy import VerifyPolicy
+
 if TYPE_CHECKING:
+    from services.scheduler.plan import Plan
     from services.scheduler.sequence import Sequence
 
 METHODS: Final = ("none", "ngram")  # the automatic source; a request's prediction is its own
@@ -53,11 +57,13 @@ class DraftStats:
 
 @dataclass(slots=True)
 class Speculator:
-    """Proposes drafts per sequence (``draft``) and counts how they fare (``stats``)."""
+    """Proposes drafts per sequence (``draft_for``), lets ``policy`` cut each plan's drafts to what
+    pays (``trim``), and counts how they fare (``stats``, and the policy's acceptance record)."""
 
     method: str = "ngram"
     max_ngram: int = 4
     min_ngram: int = 2
+    policy: VerifyPolicy = field(default_factory=VerifyPolicy)
     stats: dict[str, DraftStats] = field(default_factory=lambda: {s: DraftStats() for s in SOURCES})
     _tokens: dict[str, array[int]] = field(default_factory=dict)  # seq_id -> prompt + outputs
     _predictions: dict[str, bytes] = field(default_factory=dict)  # seq_id -> its packed prediction
@@ -75,8 +81,8 @@ class Speculator:
     def draft_for(self, seq: Sequence, max_tokens: int, context_len: int) -> list[int]:
         """A draft for a decode of ``seq`` with no plan in flight: at most ``max_tokens``, and never
         past its ``max_tokens`` or the context (so even a draft accepted whole stays inside them).
-        Sets ``seq.draft_source``. Constrained sequences get none (their grammar masks are per
-        sampled position)."""
+        Sets ``seq.draft_source`` and ``seq.draft_match_len``. Constrained sequences get none (their
+        grammar masks are per sampled position)."""
         if not self.drafts(seq) or seq.num_pending_tokens:
             return []
         params = seq.sampling_params
@@ -86,9 +92,11 @@ class Speculator:
         if max_tokens > 0:
             tokens = self._synced(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids)
             if seq.prediction_token_ids:
-                draft, seq.draft_source = self._from_prediction(seq, tokens, max_tokens), "prediction"
+                draft, seq.draft_match_len = self._from_prediction(seq, tokens, max_tokens)
+                seq.draft_source = "prediction"
             if not draft and self.method == "ngram":
-                draft = ngram_draft(tokens, max_tokens, self.max_ngram, self.min_ngram)
+                start, seq.draft_match_len = ngram_match(tokens, self.max_ngram, self.min_ngram)
+                draft = tokens[start : start + max_tokens].tolist() if start >= 0 else []
                 seq.draft_source = "ngram"
         if draft:
             self._overlapped.pop(seq.seq_id, None)
@@ -120,10 +128,36 @@ class Speculator:
         ``num_kept`` tokens of the result (fewer at a stop). A prediction's tokens count for the
         request's usage as they end up in the output: accepted, or rejected (never output)."""
         self.stats[seq.draft_source].record(num_drafted, num_accepted)
+        source, match_len = seq.draft_source, seq.draft_match_len
+        predictor = self.policy.predictor
+        predictor.record(seq.seq_id, source, match_len, num_drafted, num_accepted, not seq.is_finished)
         if seq.draft_source == "prediction":
             num_output = min(num_accepted, num_kept)
             seq.num_unsent_accepted_prediction_tokens += num_output
             seq.num_unsent_rejected_prediction_tokens += num_drafted - num_output
+
+    def finish_plan(self, plan: Plan, seqs: Mapping[str, Sequence]) -> None:
+        """Cut the plan's drafts to the prefixes the policy verifies, and tell it the plan's size.
+        The cut tokens' blocks stay with their sequences (later tokens fill them); a sequence
+        left with no draft overlaps as one whose attempt found nothing (it may go in the next plan)."""
+        self._trim(plan, seqs)
+        num_tokens = sum(plan.scheduled.values()) + sum(len(d) for d in plan.drafts.values())
+        self.policy.planned(plan.step_id, num_tokens, len(plan.drafts))
+
+    def _trim(self, plan: Plan, seqs: Mapping[str, Sequence]) -> None:
+        if not plan.drafts or self.policy.name == "fixed":
+            return
+        drafted = [(seqs[s], d) for s, d in plan.drafts.items()]
+        shapes = [(seq.seq_id, seq.draft_source, seq.draft_match_len, len(d)) for seq, d in drafted]
+        lengths = self.policy.lengths(shapes, plan.num_sampling, sum(plan.scheduled.values()))
+        for (seq, draft), num_verified in zip(drafted, lengths, strict=True):
+            plan.budget += len(draft) - num_verified
+            if num_verified:
+                plan.drafts[seq.seq_id] = seq.draft_token_ids = draft[:num_verified]
+            else:
+                del plan.drafts[seq.seq_id]
+                seq.draft_token_ids = []
+                self._overlapped[seq.seq_id] = 0
 
     def draft(self, seq_id: str, prompt: list[int], output: list[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` n-gram tokens to follow ``prompt + output`` (none when nothing matches)."""
@@ -132,22 +166,25 @@ class Speculator:
         tokens = self._synced(seq_id, prompt, output)
         return ngram_draft(tokens, max_tokens, self.max_ngram, self.min_ngram)
 
-    def _from_prediction(self, seq: Sequence, tokens: array[int], max_tokens: int) -> list[int]:
+    def _from_prediction(self, seq: Sequence, tokens: array[int], max_tokens: int) -> tuple[list[int], int]:
+        """The prediction's draft, and how many output tokens its alignment matched."""
         prediction = self._predictions.get(seq.seq_id)
         if prediction is None:
             prediction = self._predictions[seq.seq_id] = array("I", seq.prediction_token_ids).tobytes()
         num_output = seq.num_output_tokens
         output_tail = tokens[len(tokens) - min(num_output, self.max_ngram) :].tobytes() if num_output else b""
-        start = prediction_start(prediction, output_tail, self._aligned.get(seq.seq_id, 0), tokens.itemsize)
+        hint = self._aligned.get(seq.seq_id, 0)
+        start, match_len = prediction_match(prediction, output_tail, hint, tokens.itemsize)
         if start < 0:
-            return []
+            return [], 0
         self._aligned[seq.seq_id] = start
         width = tokens.itemsize
-        return array("I", prediction[start * width : (start + max_tokens) * width]).tolist()
+        return array("I", prediction[start * width : (start + max_tokens) * width]).tolist(), match_len
 
     def forget(self, seq_id: str) -> None:
         for table in (self._tokens, self._predictions, self._aligned, self._overlapped):
             table.pop(seq_id, None)
+        self.policy.predictor.forget(seq_id)
 
     def _synced(self, seq_id: str, prompt: list[int], output: list[int]) -> array[int]:
         """The sequence's packed tokens, extended by the outputs it gained since the last draft."""
@@ -164,10 +201,18 @@ class Speculator:
         assert self._predictions.keys() <= live_seq_ids and self._aligned.keys() <= live_seq_ids
         assert all(0 <= start <= len(self._predictions[s]) // 4 for s, start in self._aligned.items())
         assert all(0 <= n <= RETRY_AFTER for n in self._overlapped.values())
+        self.policy.predictor.check_integrity(live_seq_ids)
 
 
 def ngram_draft(tokens: array[int], max_tokens: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
     """What followed the most recent earlier occurrence of the longest matching suffix n-gram."""
+    start, _ = ngram_match(tokens, max_ngram, min_ngram)
+    return tokens[start : start + max_tokens].tolist() if start >= 0 else []
+
+
+def ngram_match(tokens: array[int], max_ngram: int = 4, min_ngram: int = 2) -> tuple[int, int]:
+    """Where the draft starts (after the most recent earlier occurrence of the longest suffix
+    n-gram that occurred before) and that n; (-1, 0) for none."""
     num_tokens = len(tokens)
     data = tokens.tobytes()
     width = tokens.itemsize
@@ -180,20 +225,25 @@ def ngram_draft(tokens: array[int], max_tokens: int, max_ngram: int = 4, min_ngr
             if hit < 0:
                 break
             if hit % width == 0:
-                start = hit // width + n
-                return tokens[start : start + max_tokens].tolist()
+                return hit // width + n, n
             end = hit + len(suffix) - 1
-    return []
+    return -1, 0
 
 
 def prediction_start(prediction: bytes, output_tail: bytes, hint: int, width: int = 4) -> int:
+    """``prediction_match``'s start alone."""
+    return prediction_match(prediction, output_tail, hint, width)[0]
+
+
+def prediction_match(prediction: bytes, output_tail: bytes, hint: int, width: int = 4) -> tuple[int, int]:
     """Where in ``prediction`` (packed tokens) the tokens after the output start: 0 for no output
     yet; else right after the longest suffix of ``output_tail`` (packed, its last tokens) found
     in it, the first occurrence ending at or after ``hint`` if there is one. A one-token suffix
     is only looked for from ``hint`` on: anywhere else, one common token is a poor alignment.
-    -1: none, or the match ends the prediction."""
+    Also returns how many tail tokens matched (0 at the start). -1: none, or the match ends the
+    prediction."""
     if not output_tail:
-        return 0 if prediction else -1
+        return (0 if prediction else -1), 0
     num_tail = len(output_tail) // width
     for n in range(num_tail, 0, -1):
         suffix = output_tail[(num_tail - n) * width :]
@@ -201,8 +251,8 @@ def prediction_start(prediction: bytes, output_tail: bytes, hint: int, width: in
             hit = _find_aligned(prediction, suffix, lo * width, width)
             if hit >= 0:
                 end = hit + n
-                return end if end * width < len(prediction) else -1
-    return -1
+                return (end, n) if end * width < len(prediction) else (-1, 0)
+    return -1, 0
 
 
 def _find_aligned(data: bytes, needle: bytes, start: int, width: int) -> int:

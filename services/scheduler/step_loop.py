@@ -127,6 +127,7 @@ class StepLoop:
         core.record_loads(result.step_id, num_host, num_store, failed_loads)
         core.kv_tiers.record_partial_loads(result.num_loaded_partial_blocks, result.num_failed_partial_blocks)
         metrics.STEPS.inc()
+        core.record_step_time(result.step_id, result.forward_time_s)
         failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
         metrics.count_failed(failed.values())
         num_sampled = unpack_tokens(result.num_sampled_tokens) if result.num_sampled_tokens else None

@@ -53,6 +53,7 @@ from services.scheduler.limits import Limits as Limits  # re-exported: callers i
 from services.scheduler.plan import Plan
 from services.scheduler.prefix_cache import BlockHasher, PrefixCacheStats
 from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.spec_policy import VerifyPolicy
 from services.scheduler.speculation import Speculator
 
 
@@ -74,7 +75,8 @@ class WorkerScheduler:
         self._front_arrivals = itertools.count(-1, -1)  # moved sequences queue ahead (see moving)
         self._step_ids = itertools.count(1)
         self.num_preemptions = 0  # since start: a count for metrics
-        self.speculator = Speculator(limits.speculative_method)
+        policy = VerifyPolicy(limits.speculative_policy)
+        self.speculator = Speculator(limits.speculative_method, policy=policy)
 
     @property
     def num_waiting(self) -> int:
@@ -164,6 +166,7 @@ class WorkerScheduler:
                     self._schedule_running(plan, seq)
         if not plan.preempted:
             self._admit_waiting(plan)
+        self.speculator.finish_plan(plan, self.seqs)
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         tables = self.block_manager.block_tables
         return plan.to_output(self.seqs, tables, finished, self.scheduler_id, kv_saves, handoff)
@@ -181,6 +184,10 @@ class WorkerScheduler:
         plan = self.schedule()
         work = plan.num_scheduled_seqs or plan.finished_seq_ids or plan.kv_saves or plan.partial_saves
         return plan if work or plan.handoff_drops else None
+
+    def record_step_time(self, step_id: int, seconds: float) -> None:
+        """How long the worker's forward of plan ``step_id`` took (for the speculative policy)."""
+        self.speculator.policy.measured(step_id, seconds)
 
     def postprocess(
         self,
@@ -409,6 +416,7 @@ class WorkerScheduler:
             self.kv_reuse.save(seq, seq.num_prompt_tokens)  # store point: the end of the user input
         if samples:
             seq.num_pending_tokens += 1
+            plan.num_sampling += 1
 
     # --- finishing -------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -153,7 +154,9 @@ class ModelRunner:
         rows += self._held_rows(plan)
         for row in rows:
             self._check_row(row)
+        started = time.perf_counter()
         sampled = self._run(rows, failed) if rows else _NO_SAMPLES
+        forward_time_s = time.perf_counter() - started if rows else 0.0
         self._drop(failed)
         failed.update(sampled.failed)
         logprobs = sampled.logprobs
@@ -174,6 +177,7 @@ class ModelRunner:
             failed_load_seq_ids=tuple(seq_id for seq_id, r in loads.items() if r.num_failed_blocks),
             failed_load_num_blocks=tuple(r.num_failed_blocks for r in loads.values() if r.num_failed_blocks),
             num_sampled_tokens=pack_tokens(counts) if any(n != 1 for n in counts) else b"",
+            forward_time_s=forward_time_s,
         )
 
     def prefetch(self, plan: SchedulerOutput) -> None:

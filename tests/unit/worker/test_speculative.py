@@ -16,6 +16,7 @@ from deepinfer.local_engine import LocalEngine
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import unpack_floats, unpack_tokens
 from libs.protocol.messages import FinishReason, SamplingParams
+from services.scheduler.spec_policy import StepTimeModel
 from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.reference import reference_greedy
@@ -41,6 +42,7 @@ def make_engine(
     overlap: bool = False,
     num_blocks: int = 96,
     max_num_seqs: int = 8,
+    policy: str = "fixed",
 ) -> LocalEngine:
     limits = Limits(
         num_blocks,
@@ -52,9 +54,21 @@ def make_engine(
         0.0,
         speculative_method="ngram" if num_speculative_tokens else "none",
         num_speculative_tokens=num_speculative_tokens,
+        speculative_policy=policy,
     )
     runner = ModelRunner(model, ModelShape.of(TINY_LLAMA), num_blocks, BLOCK_SIZE, torch.float32)
-    return LocalEngine(runner, limits, TINY_LLAMA.eos_token_id, overlap, check=True)
+    engine = LocalEngine(runner, limits, TINY_LLAMA.eos_token_id, overlap, check=True)
+    if policy == "adaptive":  # decisions from acceptance alone: step times as the prior, not measured
+        engine.core.speculator.policy.step_time = FrozenStepTime()
+    return engine
+
+
+class FrozenStepTime(StepTimeModel):
+    """The prior step-time model, deaf to measured steps (so a test's drafts do not depend on the
+    machine's speed)."""
+
+    def observe(self, num_tokens: int, num_draft_rows: int, seconds: float) -> None:
+        pass
 
 
 def serve(
@@ -69,10 +83,12 @@ def assert_drafts_accepted_and_rejected(engine: LocalEngine) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_tokens_are_those_without_speculation(model: LlamaForCausalLM, overlap: bool, k: int) -> None:
+@pytest.mark.parametrize(("k", "policy"), [(1, "fixed"), (3, "fixed"), (5, "fixed"), (5, "adaptive")])
+def test_greedy_tokens_are_those_without_speculation(
+    model: LlamaForCausalLM, overlap: bool, k: int, policy: str
+) -> None:
     plain = serve(make_engine(model, 0, overlap), GREEDY)
-    engine = make_engine(model, k, overlap)
+    engine = make_engine(model, k, overlap, policy=policy)
     assert serve(engine, GREEDY) == plain
     assert plain == {s: reference_greedy(model, p, GREEDY.max_tokens) for s, p in PROMPTS.items()}
     assert_drafts_accepted_and_rejected(engine)
@@ -82,7 +98,7 @@ def test_greedy_tokens_are_those_without_speculation(model: LlamaForCausalLM, ov
 def test_seeded_samples_are_those_without_speculation(model: LlamaForCausalLM, overlap: bool) -> None:
     for prompts in (PROMPTS, {"e": PROMPTS["e"]}):  # in a batch and alone
         plain = serve(make_engine(model, 0, overlap), SEEDED, prompts)
-        engine = make_engine(model, 4, overlap)
+        engine = make_engine(model, 4, overlap, policy="adaptive" if overlap else "fixed")
         assert serve(engine, SEEDED, prompts) == plain
         assert_drafts_accepted_and_rejected(engine)
 

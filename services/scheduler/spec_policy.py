@@ -1,0 +1,251 @@
+"""How much of each draft a step verifies (``--speculative-policy``). Pure: no nats, asyncio or torch.
+
+``fixed`` verifies every draft whole (up to ``--speculative-max-tokens``). ``adaptive`` (after
+DeepSeek's DSpark and vLLM's confidence-scheduled verification) verifies, per plan, the prefix of
+each draft that makes the most tokens per second of step time:
+
+- ``AcceptancePredictor`` estimates, for each drafted position j, the chance it is accepted given
+  that the ones before it were: smoothed counts by source, match length and position, pulled
+  toward the sequence's own record (a request that copies its prompt keeps copying).
+- ``StepTimeModel`` predicts a step's time from its tokens and its drafted rows, fitted to the
+  worker's measured forward times (prior pseudo-steps stand in until the first come back).
+- ``verify_lengths`` maximizes (sampling rows + expected accepted drafts) / step time over the
+  prefix length of every draft (Dinkelbach's ratio iteration; per sequence the gains fall with
+  the position, so a few rounds settle it). Under a long step (many rows, a prefill chunk) or low
+  acceptance a drafted token does not pay for its share of the step, and nothing is verified.
+
+A source nobody verifies would keep its estimate forever, so one drafted token of a source is
+verified every ``EXPLORE_EVERY`` plans that drafted it without verifying any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+POLICIES: Final = ("adaptive", "fixed")
+EXPLORE_EVERY: Final = 32  # plans a source may draft without any of it verified
+MAX_MATCH_BUCKET: Final = 4  # longer matches count as this long
+HALVE_AT: Final = 4096.0  # counts halve past this many reached positions, to follow a change
+
+
+@dataclass(slots=True)
+class _Tally:
+    num_accepted: float = 0.0
+    num_reached: float = 0.0  # verified positions whose earlier drafts were all accepted
+
+    def add(self, num_accepted: float, num_reached: float) -> None:
+        self.num_accepted += num_accepted
+        self.num_reached += num_reached
+        if self.num_reached > HALVE_AT:
+            self.num_accepted /= 2
+            self.num_reached /= 2
+
+    def rate(self, prior: float, weight: float) -> float:
+        """The acceptance rate, smoothed toward ``prior`` as if ``weight`` positions had it."""
+        return (self.num_accepted + weight * prior) / (self.num_reached + weight)
+
+
+@dataclass(slots=True)
+class AcceptancePredictor:
+    """P(drafted position j accepted | positions 1..j-1 accepted) per (source, match length, j).
+
+    Three levels, each smoothed toward the one above: per source and position (toward
+    ``prior``), per match length too, then the sequence's own record (all positions pooled)."""
+
+    prior: float = 0.5
+    position_weight: float = 2.0
+    match_weight: float = 4.0
+    seq_weight: float = 4.0
+    _by_position: dict[tuple[str, int], _Tally] = field(default_factory=dict)
+    _by_match: dict[tuple[str, int, int], _Tally] = field(default_factory=dict)
+    _by_seq: dict[str, _Tally] = field(default_factory=dict)
+
+    def probabilities(self, seq_id: str, source: str, match_len: int, num_drafted: int) -> list[float]:
+        """The conditional acceptance of each of ``num_drafted`` positions (1-based j = index + 1)."""
+        bucket = min(match_len, MAX_MATCH_BUCKET)
+        own = self._by_seq.get(seq_id)
+        rates: list[float] = []
+        for j in range(1, num_drafted + 1):
+            position = self._by_position.get((source, j), _Tally()).rate(self.prior, self.position_weight)
+            match = self._by_match.get((source, bucket, j), _Tally()).rate(position, self.match_weight)
+            rates.append(own.rate(match, self.seq_weight) if own is not None else match)
+        return rates
+
+    def record(
+        self,
+        seq_id: str,
+        source: str,
+        match_len: int,
+        num_verified: int,
+        num_accepted: int,
+        live: bool = True,
+    ) -> None:
+        """A verified draft prefix of ``num_verified`` held for its first ``num_accepted``; the
+        sequence keeps a record only if ``live`` (not finished)."""
+        bucket = min(match_len, MAX_MATCH_BUCKET)
+        for j in range(1, min(num_accepted + 1, num_verified) + 1):
+            accepted = float(j <= num_accepted)
+            self._by_position.setdefault((source, j), _Tally()).add(accepted, 1.0)
+            self._by_match.setdefault((source, bucket, j), _Tally()).add(accepted, 1.0)
+        num_reached = min(num_accepted + 1, num_verified)
+        if live:
+            self._by_seq.setdefault(seq_id, _Tally()).add(float(num_accepted), float(num_reached))
+
+    def forget(self, seq_id: str) -> None:
+        self._by_seq.pop(seq_id, None)
+
+    def check_integrity(self, live_seq_ids: set[str]) -> None:
+        assert self._by_seq.keys() <= live_seq_ids, "a finished sequence's acceptance record"
+        for tally in (*self._by_position.values(), *self._by_match.values(), *self._by_seq.values()):
+            assert 0 <= tally.num_accepted <= tally.num_reached <= HALVE_AT
+
+
+# Features of a step: (1, tokens computed, rows verifying a draft). Before measured steps come
+# back, two prior pseudo-steps in seconds (a decode, and a prefill chunk, as of a small model on a
+# CPU) give a and b; they weigh a hundredth of a step each, so real steps soon set the scale. The
+# cost of a drafted row beyond its tokens starts at 0, held there as firmly as by one step: the
+# optimistic guess, so that drafts get verified and their real cost measured.
+_PRIOR_STEPS: Final = (((1.0, 1.0, 0.0), 0.010), ((1.0, 256.0, 0.0), 0.060))
+_PRIOR_WEIGHT: Final = 0.01
+_ROW_COST_WEIGHT: Final = 1.0
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a @ x = b for a symmetric positive definite 3x3 ``a`` (Gaussian elimination)."""
+    m = [[*row, v] for row, v in zip(a, b, strict=True)]
+    for i in range(3):
+        pivot = max(range(i, 3), key=lambda r: abs(m[r][i]))
+        m[i], m[pivot] = m[pivot], m[i]
+        for r in range(i + 1, 3):
+            f = m[r][i] / m[i][i]
+            for c in range(i, 4):
+                m[r][c] -= f * m[i][c]
+    x = [0.0, 0.0, 0.0]
+    for i in (2, 1, 0):
+        x[i] = (m[i][3] - sum(m[i][c] * x[c] for c in range(i + 1, 3))) / m[i][i]
+    return x
+
+
+@dataclass(slots=True)
+class StepTimeModel:
+    """Step seconds = a + b * num_tokens + c * num_draft_rows, by least squares over measured
+    steps, older ones weighing ``decay`` as much per step (recursive least squares)."""
+
+    decay: float = 0.98
+    _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _xty: list[float] = field(default_factory=lambda: [0.0] * 3)
+    num_observed: int = 0
+    coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        self._fit()
+
+    def observe(self, num_tokens: int, num_draft_rows: int, seconds: float) -> None:
+        x = (1.0, float(num_tokens), float(num_draft_rows))
+        for i in range(3):
+            self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
+            for j in range(3):
+                self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
+        self.num_observed += 1
+        self._fit()
+
+    def seconds(self, num_tokens: int, num_draft_rows: int) -> float:
+        a, b, c = self.coef
+        return a + b * num_tokens + c * num_draft_rows
+
+    def _fit(self) -> None:
+        xtx = [row[:] for row in self._xtx]
+        xty = self._xty[:]
+        for x, seconds in _PRIOR_STEPS:
+            for i in range(3):
+                xty[i] += _PRIOR_WEIGHT * x[i] * seconds
+                for j in range(3):
+                    xtx[i][j] += _PRIOR_WEIGHT * x[i] * x[j]
+        xtx[2][2] += _ROW_COST_WEIGHT  # c toward 0
+        a, b, c = _solve3(xtx, xty)
+        # A step costs something, and more work never less time (noise can fit a negative slope).
+        self.coef = (max(a, 1e-6), max(b, 0.0), max(c, 0.0))
+
+
+def verify_lengths(
+    acceptance: list[list[float]], num_sampling: int, num_tokens: int, step_time: StepTimeModel
+) -> list[int]:
+    """How many drafted tokens to verify per drafted sequence (a prefix of its draft).
+
+    ``acceptance``: per drafted sequence, the conditional acceptance of each drafted position;
+    ``num_sampling``: rows of the plan that sample a token anyway; ``num_tokens``: tokens the plan
+    computes besides drafts. Maximizes (num_sampling + expected accepted drafts) / step seconds."""
+    gains: list[list[float]] = []  # expected tokens from verifying 1..k: cumulative products
+    for rates in acceptance:
+        cumulative: list[float] = []
+        reach = 1.0
+        for rate in rates:
+            reach *= rate
+            cumulative.append((cumulative[-1] if cumulative else 0.0) + reach)
+        gains.append(cumulative)
+    _, b, c = step_time.coef
+    lengths = [0] * len(gains)
+    ratio = num_sampling / step_time.seconds(num_tokens, 0)
+    for _ in range(16):
+        for i, cumulative in enumerate(gains):
+            best, lengths[i] = 0.0, 0
+            for k, gain in enumerate(cumulative, start=1):
+                value = gain - ratio * (b * k + c)
+                if value > best:
+                    best, lengths[i] = value, k
+        expected = num_sampling + sum(g[k - 1] for g, k in zip(gains, lengths, strict=True) if k)
+        seconds = step_time.seconds(num_tokens + sum(lengths), sum(1 for k in lengths if k))
+        new_ratio = expected / seconds
+        if new_ratio <= ratio * (1 + 1e-9):
+            break  # Dinkelbach's iteration only ever raises the ratio; it stopped: optimal
+        ratio = new_ratio
+    return lengths
+
+
+@dataclass(slots=True)
+class VerifyPolicy:
+    """The policy a scheduler core asks how much of each draft a plan verifies."""
+
+    name: str = "adaptive"
+    predictor: AcceptancePredictor = field(default_factory=AcceptancePredictor)
+    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    # source -> plans since one of its drafts was verified, while it drafted
+    _unexplored: dict[str, int] = field(default_factory=dict)
+    _planned: dict[int, tuple[int, int]] = field(default_factory=dict)  # step_id -> its features
+
+    def planned(self, step_id: int, num_tokens: int, num_draft_rows: int) -> None:
+        """A plan went out computing ``num_tokens`` (drafts included), ``num_draft_rows`` drafted."""
+        if num_tokens:
+            self._planned[step_id] = (num_tokens, num_draft_rows)
+
+    def measured(self, step_id: int, seconds: float) -> None:
+        """The worker's forward time of plan ``step_id`` (results come back in plan order, so
+        earlier plans with none are forgotten: they failed)."""
+        features = self._planned.pop(step_id, None)
+        for stale in [s for s in self._planned if s < step_id]:
+            del self._planned[stale]
+        if features is not None and seconds > 0:
+            self.step_time.observe(*features, seconds)
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown speculative policy {self.name!r}: one of {', '.join(POLICIES)}")
+
+    def lengths(
+        self, drafts: list[tuple[str, str, int, int]], num_sampling: int, num_tokens: int
+    ) -> list[int]:
+        """Tokens to verify of each draft, given as (seq_id, source, match length, its length)."""
+        if self.name == "fixed":
+            return [num_drafted for *_, num_drafted in drafts]
+        rates = [self.predictor.probabilities(s, src, m, n) for s, src, m, n in drafts]
+        lengths = verify_lengths(rates, num_sampling, num_tokens, self.step_time)
+        for source in {src for _, src, _, _ in drafts}:
+            chosen = [i for i, d in enumerate(drafts) if d[1] == source]
+            if any(lengths[i] for i in chosen):
+                self._unexplored[source] = 0
+                continue
+            self._unexplored[source] = self._unexplored.get(source, 0) + 1
+            if self._unexplored[source] >= EXPLORE_EVERY:
+                lengths[chosen[0]], self._unexplored[source] = 1, 0
+        return lengths

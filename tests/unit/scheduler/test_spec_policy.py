@@ -1,0 +1,166 @@
+"""The adaptive verification policy: acceptance estimates from counts, the step-time fit, the
+verified lengths against an exhaustive search, and the core cutting a plan's drafts to them."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from libs.protocol.codec import unpack_tokens
+from libs.protocol.messages import SamplingParams
+from services.scheduler.sequence import Sequence
+from services.scheduler.spec_policy import (
+    EXPLORE_EVERY,
+    HALVE_AT,
+    AcceptancePredictor,
+    StepTimeModel,
+    VerifyPolicy,
+    verify_lengths,
+)
+from services.scheduler.worker_scheduler import Limits, WorkerScheduler
+
+EOS = 2
+
+
+def fitted(a: float, b: float, c: float) -> StepTimeModel:
+    """A model fitted to noiseless steps of a + b * tokens + c * drafted rows."""
+    model = StepTimeModel()
+    for num_tokens, num_rows in itertools.product((1, 4, 32, 300), (0, 1, 4)):
+        if num_rows <= num_tokens:
+            model.observe(num_tokens, num_rows, a + b * num_tokens + c * num_rows)
+    return model
+
+
+def test_the_step_time_fit_finds_the_coefficients_of_measured_steps() -> None:
+    model = fitted(0.05, 0.001, 0.004)
+    assert model.coef == pytest.approx((0.05, 0.001, 0.004), rel=0.02)
+    assert model.seconds(10, 2) == pytest.approx(0.05 + 0.01 + 0.008, rel=0.02)
+    # Before any step: the prior, with a drafted row's own cost at 0 (so drafts get tried).
+    a, b, c = StepTimeModel().coef
+    assert a > 0 and b > 0 and c == 0
+    # Newer steps outweigh older ones: the machine got twice as slow.
+    for _ in range(300):
+        model.observe(1, 0, 0.1)
+        model.observe(300, 0, 0.1 + 0.6)
+    assert model.coef[:2] == pytest.approx((0.1, 0.002), rel=0.05)
+
+
+def test_acceptance_estimates_follow_position_match_length_and_the_sequence() -> None:
+    predictor = AcceptancePredictor()
+    assert predictor.probabilities("s", "ngram", 3, 2) == [0.5, 0.5]  # the prior
+    for i in range(200):  # the first drafted token always holds, the second never
+        predictor.record(f"x{i % 3}", "ngram", 3, num_verified=3, num_accepted=1)
+    p1, p2, p3 = predictor.probabilities("new", "ngram", 3, 3)
+    assert p1 > 0.95 and p2 < 0.05 and p3 == pytest.approx(0.5)  # position 3 never reached
+    # Another match length starts from the per-position estimate; another source from the prior.
+    assert predictor.probabilities("new", "ngram", 2, 1)[0] > 0.9
+    assert predictor.probabilities("new", "prediction", 3, 1) == [0.5]
+    # A sequence's own record pulls its estimate: this one keeps being accepted whole.
+    for _ in range(20):
+        predictor.record("copier", "ngram", 3, num_verified=3, num_accepted=3)
+    assert (
+        predictor.probabilities("copier", "ngram", 3, 2)[1]
+        > 0.5
+        > predictor.probabilities("x0", "ngram", 3, 2)[1]
+    )
+    predictor.check_integrity({"x0", "x1", "x2", "copier"})
+    predictor.forget("copier")
+    with pytest.raises(AssertionError):
+        predictor.check_integrity({"copier"})
+
+
+def test_counts_halve_so_the_estimate_follows_a_change() -> None:
+    predictor = AcceptancePredictor()
+    for _ in range(int(HALVE_AT) * 2):
+        predictor.record("s", "ngram", 2, num_verified=1, num_accepted=1)
+    for _ in range(int(HALVE_AT) // 2):
+        predictor.record("s", "ngram", 2, num_verified=1, num_accepted=0)
+    assert predictor.probabilities("t", "ngram", 2, 1)[0] < 0.6  # not the 0.8 that all-time counts give
+    predictor.check_integrity({"s"})
+
+
+def expected_rate(
+    rates: list[list[float]], lengths: tuple[int, ...], base: tuple[int, int], model: StepTimeModel
+) -> float:
+    num_sampling, num_tokens = base
+    gain = 0.0
+    for r, k in zip(rates, lengths, strict=True):
+        reach = 1.0
+        for p in r[:k]:
+            reach *= p
+            gain += reach
+    seconds = model.seconds(num_tokens + sum(lengths), sum(1 for k in lengths if k))
+    return (num_sampling + gain) / seconds
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_verified_lengths_are_the_best_of_every_choice(seed: int) -> None:
+    rng = random.Random(seed)
+    model = fitted(rng.uniform(0.005, 0.06), rng.uniform(1e-4, 4e-3), rng.choice([0.0, rng.uniform(0, 0.02)]))
+    rates = [[rng.random() for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]
+    base = (len(rates) + rng.randint(0, 8), len(rates) + rng.randint(0, 200))
+    lengths = verify_lengths(rates, *base, model)
+    best = max(
+        expected_rate(rates, choice, base, model)
+        for choice in itertools.product(*(range(len(r) + 1) for r in rates))
+    )
+    assert expected_rate(rates, tuple(lengths), base, model) == pytest.approx(best, rel=1e-9)
+
+
+def test_drafts_pay_alone_and_not_in_a_long_step() -> None:
+    model = fitted(0.05, 0.001, 0.002)  # a decode costs 50 drafted tokens' worth
+    assert verify_lengths([[0.6] * 5], 1, 1, model) == [5]
+    assert verify_lengths([[0.6] * 5, [0.02] * 5], 2, 2, model) == [5, 0]  # a prefix per sequence
+    # Where tokens cost most of a step (64 decodes), a draft accepted at 0.3 does not pay ...
+    crowded = fitted(0.01, 0.001, 0.002)
+    assert verify_lengths([[0.3] * 5] * 8, 64, 64, crowded) == [0] * 8
+    # ... alone it does; and beside a long prefill chunk, which makes every token cheap
+    assert verify_lengths([[0.3] * 5], 1, 1, crowded) == [1]
+    assert verify_lengths([[0.3] * 5], 1, 1 + 2048, crowded) == [5]
+
+
+def test_a_source_no_plan_verifies_is_tried_again_now_and_then() -> None:
+    policy = VerifyPolicy("adaptive", step_time=fitted(0.01, 0.001, 0.05))  # a drafted row is dear
+    for _ in range(10):
+        policy.predictor.record("s", "ngram", 2, num_verified=1, num_accepted=0)
+    drafts = [("s", "ngram", 2, 4)]
+    verified = [policy.lengths(drafts, 1, 1)[0] for _ in range(3 * EXPLORE_EVERY)]
+    assert verified.count(1) == 3 and set(verified) == {0, 1}
+    assert VerifyPolicy("fixed").lengths(drafts, 1, 1) == [4]
+    with pytest.raises(ValueError, match="policy"):
+        VerifyPolicy("sometimes")
+
+
+def test_the_core_cuts_drafts_to_what_pays_and_lets_the_undrafted_overlap() -> None:
+    limits = Limits(64, 4, 4, 128, 256, 16, 0.0, speculative_method="ngram", num_speculative_tokens=4)
+    core = WorkerScheduler(limits)
+    policy = core.speculator.policy
+    policy.step_time = fitted(0.01, 0.0001, 0.0)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]  # a repeating prompt: n-gram drafts at once
+    core.add(Sequence("s", "g", prompt, params, EOS))
+    core.schedule()
+    core.postprocess(("s",), [7])  # the prefill
+    core.check_integrity()
+    plan = core.schedule()
+    assert [unpack_tokens(d) for d in plan.draft_token_ids] == [[8, 9, 5, 6]]  # cheap tokens: all of it
+    core.postprocess(("s",), [8, 9, 5, 6, 7], num_sampled=[5])
+    core.check_integrity()
+    # Drafted rows turn dear: the next draft is cut whole, and the sequence overlaps its next plan.
+    policy.step_time = fitted(0.01, 0.001, 1.0)
+    plan = core.schedule()
+    assert plan.draft_token_ids == () and plan.seq_ids == ("s",)
+    assert core.seqs["s"].draft_token_ids == []
+    assert core.schedule().seq_ids == ("s",)  # the second plan in flight (overlap)
+    core.check_integrity()
+    core.postprocess(("s",), [8])
+    core.postprocess(("s",), [9])
+    core.check_integrity()
+    # Step times come back by step id; the fit learns from them.
+    before = policy.step_time.num_observed
+    core.record_step_time(plan.step_id, 0.02)
+    assert policy.step_time.num_observed == before + 1
+    core.record_step_time(plan.step_id, 0.02)  # (a step's time counts once)
+    assert policy.step_time.num_observed == before + 1
