@@ -25,6 +25,7 @@ Every run's tokens are checked against the baseline's (speculation must change n
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -134,11 +135,8 @@ def main() -> None:
     for workload in args.workloads.split(","):
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             batch = prompts(tokenizer, workload, concurrency)
-            run(model, batch[:1], 0, 4)  # warm-up
-            base_s, base_out, _ = run(model, batch, 0, args.max_tokens)
-            num_tokens = concurrency * args.max_tokens
-            base = f"{num_tokens / base_s:>8.1f} {1.0:>7.2f}"
-            print(f"{workload:<14} {concurrency:>4} {'none':>10} {'-':>8} {base}")
+            run(model, batch, 0, 4)  # warm-up, at this batch's shapes
+            first_s, base_out, _ = run(model, batch, 0, args.max_tokens)
             sources: list[tuple[str, list[int] | None]] = [("ngram", None)]
             if workload in PREDICTIONS:
                 sources.append(("prediction", tokenizer.encode(PREDICTIONS[workload], add_bos=False)))
@@ -146,24 +144,34 @@ def main() -> None:
                 oracle = tokenizer.decode(base_out["r0"])
                 sources.append(("oracle", tokenizer.encode(oracle, add_bos=False)))
             ks = [int(k) for k in args.k.split(",")]
-            for source, prediction in sources:
-                speeds: dict[str, float] = {}
-                for k, policy in [(k, "fixed") for k in ks] + [(max(ks), "adaptive")]:
-                    seconds, outputs, (drafted, accepted, verified) = run(
-                        model, batch, k, args.max_tokens, prediction, policy
-                    )
-                    mismatches += outputs != base_out
-                    rate = accepted / drafted if drafted else 0.0
-                    mean = accepted / verified if verified else 0.0
-                    speed, ratio = num_tokens / seconds, base_s / seconds
-                    label = str(k) if policy == "fixed" else f"adapt<={k}"
-                    row = f"{speed:>8.1f} {ratio:>7.2f} {rate:>7.2f} {mean:>8.2f}"
-                    if policy == "adaptive":
-                        best = max(speeds.values())
-                        vs_five = f"{speed / speeds['5']:>6.2f}" if "5" in speeds else f"{'-':>6}"
-                        row += f" {speed / best:>8.2f} {vs_five}"
-                    speeds[label] = speed
-                    print(f"{'':<14} {'':>4} {source:>10} {label:>8} {row}")
+            rows: list[tuple[str, str, float, float, float]] = []  # source, k, seconds, rate, mean
+            for (source, prediction), (k, policy) in itertools.product(
+                sources, [(k, "fixed") for k in ks] + [(max(ks), "adaptive")]
+            ):
+                seconds, outputs, (drafted, accepted, verified) = run(
+                    model, batch, k, args.max_tokens, prediction, policy
+                )
+                mismatches += outputs != base_out
+                label = str(k) if policy == "fixed" else f"adapt<={k}"
+                rows.append((source, label, seconds, accepted / max(drafted, 1), accepted / max(verified, 1)))
+            # The machine's speed drifts over minutes: the baseline is run before and after.
+            last_s, _, _ = run(model, batch, 0, args.max_tokens)
+            base_s = (first_s + last_s) / 2
+            num_tokens = concurrency * args.max_tokens
+            before_after = f"(before {num_tokens / first_s:.1f}, after {num_tokens / last_s:.1f})"
+            speed = num_tokens / base_s
+            head = f"{workload:<14} {concurrency:>4} {'none':>10} {'-':>8}"
+            print(f"{head} {speed:>8.1f} {1.0:>7.2f}  {before_after}")
+            speeds: dict[tuple[str, str], float] = {}
+            for source, label, seconds, rate, mean in rows:
+                speed = num_tokens / seconds
+                row = f"{speed:>8.1f} {base_s / seconds:>7.2f} {rate:>7.2f} {mean:>8.2f}"
+                if label.startswith("adapt"):
+                    best = max(v for (src, _), v in speeds.items() if src == source)
+                    five = speeds.get((source, "5"))
+                    row += f" {speed / best:>8.2f} " + (f"{speed / five:>6.2f}" if five else f"{'-':>6}")
+                speeds[source, label] = speed
+                print(f"{'':<14} {'':>4} {source:>10} {label:>8} {row}")
     if mismatches:
         print(f"ERROR: {mismatches} runs' tokens differ from the baseline's")
         sys.exit(1)

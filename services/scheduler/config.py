@@ -46,8 +46,8 @@ class Config:
         default="none",
         metadata={
             "help": "speculative decoding: where drafts come from besides a request's own prediction "
-            "(none | ngram: the sequence's own earlier tokens); the worker verifies them, so output is "
-            "unchanged"
+            "(none | ngram: the sequence's own earlier tokens | suffix: ngram, then what followed the "
+            "same tokens in other requests' outputs); the worker verifies them, so output is unchanged"
         },
     )
     speculative_max_tokens: int = field(

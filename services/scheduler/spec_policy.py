@@ -8,7 +8,7 @@ each draft that makes the most tokens per second of step time:
   that the ones before it were: smoothed counts by source, match length and position, pulled
   toward the sequence's own record (a request that copies its prompt keeps copying).
 - ``StepTimeModel`` predicts a step's time from its tokens and its drafted rows, fitted to the
-  worker's measured forward times (prior pseudo-steps stand in until the first come back).
+  worker's measured forward times (weak priors stand in until the first come back).
 - ``verify_lengths`` maximizes (sampling rows + expected accepted drafts) / step time over the
   prefix length of every draft (Dinkelbach's ratio iteration; per sequence the gains fall with
   the position, so a few rounds settle it). Under a long step (many rows, a prefill chunk) or low
@@ -50,8 +50,9 @@ class _Tally:
 class AcceptancePredictor:
     """P(drafted position j accepted | positions 1..j-1 accepted) per (source, match length, j).
 
-    Three levels, each smoothed toward the one above: per source and position (toward
-    ``prior``), per match length too, then the sequence's own record (all positions pooled)."""
+    Three levels, each smoothed toward the one above: per source and position (toward the
+    position before, the first toward ``prior``), per match length too, then the sequence's own
+    record (all positions pooled)."""
 
     prior: float = 0.5
     position_weight: float = 2.0
@@ -66,8 +67,11 @@ class AcceptancePredictor:
         bucket = min(match_len, MAX_MATCH_BUCKET)
         own = self._by_seq.get(seq_id)
         rates: list[float] = []
+        position = self.prior
         for j in range(1, num_drafted + 1):
-            position = self._by_position.get((source, j), _Tally()).rate(self.prior, self.position_weight)
+            # A position seldom reached starts from the one before it: verifying only short
+            # prefixes must not leave the later positions at the prior for ever.
+            position = self._by_position.get((source, j), _Tally()).rate(position, self.position_weight)
             match = self._by_match.get((source, bucket, j), _Tally()).rate(position, self.match_weight)
             rates.append(own.rate(match, self.seq_weight) if own is not None else match)
         return rates
@@ -101,71 +105,83 @@ class AcceptancePredictor:
             assert 0 <= tally.num_accepted <= tally.num_reached <= HALVE_AT
 
 
-# Features of a step: (1, tokens computed, rows verifying a draft). Before measured steps come
-# back, two prior pseudo-steps in seconds (a decode, and a prefill chunk, as of a small model on a
-# CPU) give a and b; they weigh a hundredth of a step each, so real steps soon set the scale. The
-# cost of a drafted row beyond its tokens starts at 0, held there as firmly as by one step: the
-# optimistic guess, so that drafts get verified and their real cost measured.
-_PRIOR_STEPS: Final = (((1.0, 1.0, 0.0), 0.010), ((1.0, 256.0, 0.0), 0.060))
-_PRIOR_WEIGHT: Final = 0.01
-_ROW_COST_WEIGHT: Final = 1.0
+# Features of a step: (1, tokens computed, drafted tokens among them, rows verifying a draft).
+# Drafted tokens get their own term: in a decode row they cost what decode tokens cost, which on a
+# CPU is well above the per-token cost of a long prefill chunk. Prior pseudo-rows (features,
+# seconds, weight) never decay, so they matter only until measured steps outweigh them:
+# - a decode costs about as much as 40 tokens (a - 40 b = 0): scale-free, so the first measured
+#   step (often a long prefill) already gives a sensible a and b;
+# - a decode takes 10 ms, weighing almost nothing: only the scale before any step is measured;
+# - a drafted token or row costs nothing beyond a token (d = c = 0), as firmly as one step: the
+#   optimistic guess, so that drafts get verified and their real cost measured.
+_NUM_FEATURES: Final = 4
+_PRIOR_ROWS: Final = (
+    ((1.0, -40.0, 0.0, 0.0), 0.0, 1.0),
+    ((1.0, 1.0, 0.0, 0.0), 0.010, 1e-4),
+    ((0.0, 0.0, 1.0, 0.0), 0.0, 1.0),
+    ((0.0, 0.0, 0.0, 1.0), 0.0, 1.0),
+)
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a @ x = b for a symmetric positive definite 3x3 ``a`` (Gaussian elimination)."""
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a @ x = b for a symmetric positive definite ``a`` (Gaussian elimination, pivoting)."""
+    n = len(b)
     m = [[*row, v] for row, v in zip(a, b, strict=True)]
-    for i in range(3):
-        pivot = max(range(i, 3), key=lambda r: abs(m[r][i]))
+    for i in range(n):
+        pivot = max(range(i, n), key=lambda r: abs(m[r][i]))
         m[i], m[pivot] = m[pivot], m[i]
-        for r in range(i + 1, 3):
+        for r in range(i + 1, n):
             f = m[r][i] / m[i][i]
-            for c in range(i, 4):
+            for c in range(i, n + 1):
                 m[r][c] -= f * m[i][c]
-    x = [0.0, 0.0, 0.0]
-    for i in (2, 1, 0):
-        x[i] = (m[i][3] - sum(m[i][c] * x[c] for c in range(i + 1, 3))) / m[i][i]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][c] * x[c] for c in range(i + 1, n))) / m[i][i]
     return x
 
 
 @dataclass(slots=True)
 class StepTimeModel:
-    """Step seconds = a + b * num_tokens + c * num_draft_rows, by least squares over measured
-    steps, older ones weighing ``decay`` as much per step (recursive least squares)."""
+    """Step seconds = a + b * num_tokens + d * num_draft_tokens + c * num_draft_rows, by least
+    squares over measured steps, older ones weighing ``decay`` as much per step (recursive least
+    squares). ``coef`` is (a, b, d, c)."""
 
     decay: float = 0.98
-    _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    _xty: list[float] = field(default_factory=lambda: [0.0] * 3)
+    _xtx: list[list[float]] = field(
+        default_factory=lambda: [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
+    )
+    _xty: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
     num_observed: int = 0
-    coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
         self._fit()
 
-    def observe(self, num_tokens: int, num_draft_rows: int, seconds: float) -> None:
-        x = (1.0, float(num_tokens), float(num_draft_rows))
-        for i in range(3):
+    def observe(self, num_tokens: int, num_draft_tokens: int, num_draft_rows: int, seconds: float) -> None:
+        x = (1.0, float(num_tokens), float(num_draft_tokens), float(num_draft_rows))
+        for i in range(_NUM_FEATURES):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
-            for j in range(3):
+            for j in range(_NUM_FEATURES):
                 self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
         self.num_observed += 1
         self._fit()
 
-    def seconds(self, num_tokens: int, num_draft_rows: int) -> float:
-        a, b, c = self.coef
-        return a + b * num_tokens + c * num_draft_rows
+    def seconds(self, num_tokens: int, num_draft_tokens: int = 0, num_draft_rows: int = 0) -> float:
+        a, b, d, c = self.coef
+        return a + b * num_tokens + d * num_draft_tokens + c * num_draft_rows
 
     def _fit(self) -> None:
         xtx = [row[:] for row in self._xtx]
         xty = self._xty[:]
-        for x, seconds in _PRIOR_STEPS:
-            for i in range(3):
-                xty[i] += _PRIOR_WEIGHT * x[i] * seconds
-                for j in range(3):
-                    xtx[i][j] += _PRIOR_WEIGHT * x[i] * x[j]
-        xtx[2][2] += _ROW_COST_WEIGHT  # c toward 0
-        a, b, c = _solve3(xtx, xty)
+        for x, seconds, weight in _PRIOR_ROWS:
+            for i in range(_NUM_FEATURES):
+                xty[i] += weight * x[i] * seconds
+                for j in range(_NUM_FEATURES):
+                    xtx[i][j] += weight * x[i] * x[j]
+        a, b, d, c = _solve(xtx, xty)
         # A step costs something, and more work never less time (noise can fit a negative slope).
-        self.coef = (max(a, 1e-6), max(b, 0.0), max(c, 0.0))
+        b = max(b, 0.0)
+        self.coef = (max(a, 1e-6), b, max(d, -b), max(c, 0.0))
 
 
 def verify_lengths(
@@ -184,18 +200,20 @@ def verify_lengths(
             reach *= rate
             cumulative.append((cumulative[-1] if cumulative else 0.0) + reach)
         gains.append(cumulative)
-    _, b, c = step_time.coef
+    _, b, d, c = step_time.coef
+    per_token = b + d  # what one more drafted token adds to the step
     lengths = [0] * len(gains)
-    ratio = num_sampling / step_time.seconds(num_tokens, 0)
+    ratio = num_sampling / step_time.seconds(num_tokens)
     for _ in range(16):
         for i, cumulative in enumerate(gains):
             best, lengths[i] = 0.0, 0
             for k, gain in enumerate(cumulative, start=1):
-                value = gain - ratio * (b * k + c)
+                value = gain - ratio * (per_token * k + c)
                 if value > best:
                     best, lengths[i] = value, k
         expected = num_sampling + sum(g[k - 1] for g, k in zip(gains, lengths, strict=True) if k)
-        seconds = step_time.seconds(num_tokens + sum(lengths), sum(1 for k in lengths if k))
+        num_drafted = sum(lengths)
+        seconds = step_time.seconds(num_tokens + num_drafted, num_drafted, sum(1 for k in lengths if k))
         new_ratio = expected / seconds
         if new_ratio <= ratio * (1 + 1e-9):
             break  # Dinkelbach's iteration only ever raises the ratio; it stopped: optimal
@@ -212,12 +230,13 @@ class VerifyPolicy:
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     # source -> plans since one of its drafts was verified, while it drafted
     _unexplored: dict[str, int] = field(default_factory=dict)
-    _planned: dict[int, tuple[int, int]] = field(default_factory=dict)  # step_id -> its features
+    _planned: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # step_id -> its features
 
-    def planned(self, step_id: int, num_tokens: int, num_draft_rows: int) -> None:
-        """A plan went out computing ``num_tokens`` (drafts included), ``num_draft_rows`` drafted."""
+    def planned(self, step_id: int, num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> None:
+        """A plan went out computing ``num_tokens``, ``num_draft_tokens`` of them drafted in
+        ``num_draft_rows`` rows."""
         if num_tokens:
-            self._planned[step_id] = (num_tokens, num_draft_rows)
+            self._planned[step_id] = (num_tokens, num_draft_tokens, num_draft_rows)
 
     def measured(self, step_id: int, seconds: float) -> None:
         """The worker's forward time of plan ``step_id`` (results come back in plan order, so

@@ -1,6 +1,6 @@
 """Drafts for speculative decoding, proposed by the scheduler core. Pure: no nats, asyncio or torch.
 
-Two sources, tried in this order:
+Three sources, tried in this order:
 
 - a **prediction** (OpenAI Predicted Outputs): the text the client expects most of the output to
   be, e.g. the file an edit rewrites. The draft is what follows, in the prediction, the place the
@@ -12,6 +12,8 @@ Two sources, tried in this order:
   ``max_ngram`` .. ``min_ngram`` tokens that occurred before, most recent occurrence first; the
   draft is what followed it. Code edits, quoting and summaries repeat their prompt, and then a
   draft is often right whole.
+- **suffix** (``--speculative-method suffix``: n-gram first, then this): what followed the
+  sequence's last tokens in other requests' outputs (``SuffixIndex``, fed as sequences finish).
 
 A draft must follow the sequence's last token, so it is made when no plan is in flight for the
 sequence. With overlap scheduling (plan N+1 made before result N) a sequence therefore waits for
@@ -31,13 +33,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from services.scheduler.spec_policy import VerifyPolicy
+from services.scheduler.suffix_index import SuffixIndex
 
 if TYPE_CHECKING:
     from services.scheduler.plan import Plan
     from services.scheduler.sequence import Sequence
 
-METHODS: Final = ("none", "ngram")  # the automatic source; a request's prediction is its own
-SOURCES: Final = ("ngram", "prediction")  # where a draft came from (a label in /metrics)
+METHODS: Final = ("none", "ngram", "suffix")  # automatic sources; a request's prediction is its own
+SOURCES: Final = ("ngram", "suffix", "prediction")  # where a draft came from (a label in /metrics)
 RETRY_AFTER: Final = 4  # plans a sequence whose draft attempt found nothing overlaps before retrying
 
 
@@ -64,6 +67,7 @@ class Speculator:
     max_ngram: int = 4
     min_ngram: int = 2
     policy: VerifyPolicy = field(default_factory=VerifyPolicy)
+    suffix: SuffixIndex = field(default_factory=SuffixIndex)  # other requests' outputs (method suffix)
     stats: dict[str, DraftStats] = field(default_factory=lambda: {s: DraftStats() for s in SOURCES})
     _tokens: dict[str, array[int]] = field(default_factory=dict)  # seq_id -> prompt + outputs
     _predictions: dict[str, bytes] = field(default_factory=dict)  # seq_id -> its packed prediction
@@ -94,10 +98,13 @@ class Speculator:
             if seq.prediction_token_ids:
                 draft, seq.draft_match_len = self._from_prediction(seq, tokens, max_tokens)
                 seq.draft_source = "prediction"
-            if not draft and self.method == "ngram":
+            if not draft and self.method != "none":
                 start, seq.draft_match_len = ngram_match(tokens, self.max_ngram, self.min_ngram)
                 draft = tokens[start : start + max_tokens].tolist() if start >= 0 else []
                 seq.draft_source = "ngram"
+            if not draft and self.method == "suffix":
+                draft, seq.draft_match_len = self.suffix.draft(tokens, max_tokens)
+                seq.draft_source = "suffix"
         if draft:
             self._overlapped.pop(seq.seq_id, None)
         else:
@@ -141,8 +148,10 @@ class Speculator:
         The cut tokens' blocks stay with their sequences (later tokens fill them); a sequence
         left with no draft overlaps as one whose attempt found nothing (it may go in the next plan)."""
         self._trim(plan, seqs)
-        num_tokens = sum(plan.scheduled.values()) + sum(len(d) for d in plan.drafts.values())
-        self.policy.planned(plan.step_id, num_tokens, len(plan.drafts))
+        num_drafted = sum(len(d) for d in plan.drafts.values())
+        self.policy.planned(
+            plan.step_id, sum(plan.scheduled.values()) + num_drafted, num_drafted, len(plan.drafts)
+        )
 
     def _trim(self, plan: Plan, seqs: Mapping[str, Sequence]) -> None:
         if not plan.drafts or self.policy.name == "fixed":
@@ -181,6 +190,14 @@ class Speculator:
         width = tokens.itemsize
         return array("I", prediction[start * width : (start + max_tokens) * width]).tolist(), match_len
 
+    def finished(self, seq: Sequence, completed: bool) -> None:
+        """``seq`` is done here; a ``completed`` output (a stop, or its length) feeds the suffix
+        source, led in by its prompt's last tokens."""
+        if completed and self.method == "suffix" and seq.output_token_ids:
+            lead = seq.prompt_token_ids[-self.suffix.max_context :]
+            self.suffix.add(array("I", lead + seq.output_token_ids), len(lead))
+        self.forget(seq.seq_id)
+
     def forget(self, seq_id: str) -> None:
         for table in (self._tokens, self._predictions, self._aligned, self._overlapped):
             table.pop(seq_id, None)
@@ -202,6 +219,7 @@ class Speculator:
         assert all(0 <= start <= len(self._predictions[s]) // 4 for s, start in self._aligned.items())
         assert all(0 <= n <= RETRY_AFTER for n in self._overlapped.values())
         self.policy.predictor.check_integrity(live_seq_ids)
+        self.suffix.check_integrity()
 
 
 def ngram_draft(tokens: array[int], max_tokens: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
@@ -238,8 +256,9 @@ def prediction_start(prediction: bytes, output_tail: bytes, hint: int, width: in
 def prediction_match(prediction: bytes, output_tail: bytes, hint: int, width: int = 4) -> tuple[int, int]:
     """Where in ``prediction`` (packed tokens) the tokens after the output start: 0 for no output
     yet; else right after the longest suffix of ``output_tail`` (packed, its last tokens) found
-    in it, the first occurrence ending at or after ``hint`` if there is one. A one-token suffix
-    is only looked for from ``hint`` on: anywhere else, one common token is a poor alignment.
+    in it, the first occurrence ending after ``hint`` (where the last draft started: the output
+    has grown since) if there is one. A one-token suffix is only looked for from ``hint`` on:
+    anywhere else, one common token is a poor alignment.
     Also returns how many tail tokens matched (0 at the start). -1: none, or the match ends the
     prediction."""
     if not output_tail:
@@ -247,7 +266,7 @@ def prediction_match(prediction: bytes, output_tail: bytes, hint: int, width: in
     num_tail = len(output_tail) // width
     for n in range(num_tail, 0, -1):
         suffix = output_tail[(num_tail - n) * width :]
-        for lo in (max(hint - n, 0), 0) if n > 1 else (hint,):
+        for lo in (max(hint - n + 1, 0), 0) if n > 1 else (hint,):
             hit = _find_aligned(prediction, suffix, lo * width, width)
             if hit >= 0:
                 end = hit + n

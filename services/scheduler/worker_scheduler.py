@@ -449,7 +449,7 @@ class WorkerScheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
-        self.speculator.forget(seq.seq_id)
+        self.speculator.finished(seq, reason in (FinishReason.STOP, FinishReason.LENGTH))
         siblings = self._request_seqs.get(seq.request_id, [])
         if all(s not in self.seqs for s in siblings):
             self._request_seqs.pop(seq.request_id, None)

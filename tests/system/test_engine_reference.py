@@ -104,7 +104,9 @@ def test_choices_share_the_prompt_in_fp32(
 CODE = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
 
 
-@pytest.mark.parametrize(("overlap", "num_blocks"), [(False, 256), (True, 24)])
+@pytest.mark.parametrize(
+    ("overlap", "num_blocks", "policy"), [(False, 256, "fixed"), (True, 24, "fixed"), (True, 256, "adaptive")]
+)
 def test_speculative_decoding_keeps_the_tokens(
     model: LlamaForCausalLM,
     smollm2_path: Path,
@@ -112,10 +114,12 @@ def test_speculative_decoding_keeps_the_tokens(
     prompts: dict[str, list[int]],
     overlap: bool,
     num_blocks: int,
+    policy: str,
 ) -> None:
     """n-gram drafts on SmolLM2 change no token: code that repeats itself accepts many drafts,
     chat answers reject most; with a stop token inside an accepted draft (nothing after it is
-    kept), a grammar-constrained neighbour (it verifies none), and under preemption (24 blocks)."""
+    kept), a grammar-constrained neighbour (it verifies none), under preemption (24 blocks), and
+    with the adaptive policy on the machine's own measured step times."""
     tokenizer = Tokenizer.from_gguf(smollm2_path, model_cache_dir)
     vocab = grammar_vocab(smollm2_path, model_cache_dir, model.config.vocab_size)
     params = dataclasses.replace(GREEDY, max_tokens=24)
@@ -147,6 +151,7 @@ def test_speculative_decoding_keeps_the_tokens(
             0.0,
             speculative_method="ngram" if k else "none",
             num_speculative_tokens=k,
+            speculative_policy=policy,
         )
         runner = ModelRunner(
             model, ModelShape.of(cfg), num_blocks, block_size, torch.float32, grammars=Grammars(vocab)
@@ -164,5 +169,30 @@ def test_speculative_decoding_keeps_the_tokens(
     )
     stats = engine.core.speculator.stats["ngram"]
     assert 0 < stats.num_accepted < stats.num_drafted
+    if policy == "adaptive":  # it measured steps, and they are what it decided on
+        assert engine.core.speculator.policy.step_time.num_observed > 0
     if num_blocks >= 32:  # (with few blocks, drafts never take one a decode may need: fewer of them)
         assert stats.num_accepted >= params.max_tokens // 3  # the repeated code is drafted right
+
+
+def test_suffix_drafts_come_from_earlier_outputs(
+    model: LlamaForCausalLM, prompts: dict[str, list[int]], reference: dict[str, list[int]]
+) -> None:
+    """With the suffix source, requests that write what earlier ones wrote draft it from their
+    outputs, and no token changes."""
+    cfg = model.config
+    limits = Limits(
+        256, 16, 8, cfg.max_position_embeddings, 2048, 64, 0.0,
+        speculative_method="suffix", num_speculative_tokens=5,
+    )  # fmt: skip
+    runner = ModelRunner(model, ModelShape.of(cfg), 256, 16, torch.float32)
+    engine = LocalEngine(runner, limits, cfg.eos_token_id, overlap=True, check=True)
+    first = dict(engine.run([(i, name, p, GREEDY) for i, (name, p) in enumerate(prompts.items())]))
+    suffix = engine.core.speculator.stats["suffix"]
+    drafted_before = suffix.num_drafted
+    outputs = engine.run([(0, f"{name}-again", prompt, GREEDY) for name, prompt in prompts.items()])
+    assert first == reference
+    assert {name: outputs[f"{name}-again"] for name in prompts} == reference
+    assert suffix.num_drafted > drafted_before and suffix.num_accepted > 0
+    total = engine.core.speculator.stats
+    assert sum(s.num_accepted for s in total.values()) < sum(s.num_drafted for s in total.values())

@@ -40,6 +40,9 @@ def test_a_repeated_line_keeps_the_alignment_that_the_hint_gives() -> None:
     prediction = [1, 2, 3, 9, 1, 2, 3, 8]  # "1 2 3" twice
     assert start([1, 2, 3], hint=0, prediction=prediction) == 3
     assert start([1, 2, 3], hint=4, prediction=prediction) == 7  # the second time round
+    # A draft started at 3 and the output grew since: its tail ends past 3, even if the tokens
+    # that ended there come again (a draft accepted whole up to a repeat).
+    assert start([1, 2, 3], hint=3, prediction=prediction) == 7
     assert start([5, 1, 2, 3], hint=8, prediction=prediction) == 3  # none ends past the hint: from 0
     # one token is looked for from the hint only: a lone common token elsewhere aligns nothing
     assert start([7, 9], hint=4, prediction=prediction) == -1

@@ -24,26 +24,33 @@ from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 EOS = 2
 
 
-def fitted(a: float, b: float, c: float) -> StepTimeModel:
-    """A model fitted to noiseless steps of a + b * tokens + c * drafted rows."""
+def fitted(a: float, b: float, c: float, d: float = 0.0) -> StepTimeModel:
+    """A model fitted to noiseless steps of a + b * tokens + d * drafted tokens + c * drafted rows."""
     model = StepTimeModel()
-    for num_tokens, num_rows in itertools.product((1, 4, 32, 300), (0, 1, 4)):
-        if num_rows <= num_tokens:
-            model.observe(num_tokens, num_rows, a + b * num_tokens + c * num_rows)
+    for _ in range(4):
+        for num_tokens, num_rows, k in itertools.product((1, 4, 32, 300), (0, 1, 4), (1, 3, 5)):
+            if num_rows * (k + 1) <= num_tokens or num_rows == 0:
+                drafted = num_rows * k
+                model.observe(num_tokens, drafted, num_rows, a + b * num_tokens + d * drafted + c * num_rows)
     return model
 
 
 def test_the_step_time_fit_finds_the_coefficients_of_measured_steps() -> None:
-    model = fitted(0.05, 0.001, 0.004)
-    assert model.coef == pytest.approx((0.05, 0.001, 0.004), rel=0.02)
-    assert model.seconds(10, 2) == pytest.approx(0.05 + 0.01 + 0.008, rel=0.02)
-    # Before any step: the prior, with a drafted row's own cost at 0 (so drafts get tried).
-    a, b, c = StepTimeModel().coef
-    assert a > 0 and b > 0 and c == 0
+    model = fitted(0.05, 0.001, 0.004, d=0.002)
+    assert model.coef == pytest.approx((0.05, 0.001, 0.002, 0.004), rel=0.02)
+    assert model.seconds(10, 4, 2) == pytest.approx(0.05 + 0.01 + 0.008 + 0.008, rel=0.02)
+    # Before any step: the prior, with a drafted token's and row's own cost at 0 (drafts get tried).
+    a, b, d, c = StepTimeModel().coef
+    assert a > 0 and b > 0 and d == c == 0
+    # One long prefill is enough for a sensible split of a decode's cost from a token's.
+    model = StepTimeModel()
+    model.observe(520, 0, 0, 0.8)
+    assert 0.02 < model.coef[0] < 0.2
     # Newer steps outweigh older ones: the machine got twice as slow.
+    model = fitted(0.05, 0.001, 0.004)
     for _ in range(300):
-        model.observe(1, 0, 0.1)
-        model.observe(300, 0, 0.1 + 0.6)
+        model.observe(1, 0, 0, 0.1)
+        model.observe(300, 0, 0, 0.1 + 0.6)
     assert model.coef[:2] == pytest.approx((0.1, 0.002), rel=0.05)
 
 
@@ -53,7 +60,7 @@ def test_acceptance_estimates_follow_position_match_length_and_the_sequence() ->
     for i in range(200):  # the first drafted token always holds, the second never
         predictor.record(f"x{i % 3}", "ngram", 3, num_verified=3, num_accepted=1)
     p1, p2, p3 = predictor.probabilities("new", "ngram", 3, 3)
-    assert p1 > 0.95 and p2 < 0.05 and p3 == pytest.approx(0.5)  # position 3 never reached
+    assert p1 > 0.95 and p2 < 0.05 and p3 < 0.05  # never reached: starts from the one before
     # Another match length starts from the per-position estimate; another source from the prior.
     assert predictor.probabilities("new", "ngram", 2, 1)[0] > 0.9
     assert predictor.probabilities("new", "prediction", 3, 1) == [0.5]
@@ -91,14 +98,15 @@ def expected_rate(
         for p in r[:k]:
             reach *= p
             gain += reach
-    seconds = model.seconds(num_tokens + sum(lengths), sum(1 for k in lengths if k))
+    seconds = model.seconds(num_tokens + sum(lengths), sum(lengths), sum(1 for k in lengths if k))
     return (num_sampling + gain) / seconds
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_verified_lengths_are_the_best_of_every_choice(seed: int) -> None:
     rng = random.Random(seed)
-    model = fitted(rng.uniform(0.005, 0.06), rng.uniform(1e-4, 4e-3), rng.choice([0.0, rng.uniform(0, 0.02)]))
+    row_cost = rng.choice([0.0, rng.uniform(0, 0.02)])
+    model = fitted(rng.uniform(0.005, 0.06), rng.uniform(1e-4, 4e-3), row_cost, d=rng.uniform(0, 3e-3))
     rates = [[rng.random() for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]
     base = (len(rates) + rng.randint(0, 8), len(rates) + rng.randint(0, 200))
     lengths = verify_lengths(rates, *base, model)
@@ -117,7 +125,7 @@ def test_drafts_pay_alone_and_not_in_a_long_step() -> None:
     crowded = fitted(0.01, 0.001, 0.002)
     assert verify_lengths([[0.3] * 5] * 8, 64, 64, crowded) == [0] * 8
     # ... alone it does; and beside a long prefill chunk, which makes every token cheap
-    assert verify_lengths([[0.3] * 5], 1, 1, crowded) == [1]
+    assert verify_lengths([[0.3] * 5], 1, 1, crowded)[0] > 0
     assert verify_lengths([[0.3] * 5], 1, 1 + 2048, crowded) == [5]
 
 
