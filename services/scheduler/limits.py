@@ -17,7 +17,7 @@ class Limits:
     watermark: float = 0.01  # share of blocks admission leaves free, so decodes rarely preempt
     enable_prefix_caching: bool = True  # reuse cached full blocks of a common prefix (G1)
     enable_kv_tiers: bool = True  # also load from G2 / G3 and save at store points (needs G1)
-    speculative_method: str = "none"  # automatic drafts: none | ngram (see speculation)
+    speculative_method: str = "none"  # automatic drafts: none | ngram | suffix (see speculation)
     num_speculative_tokens: int = 0  # the most tokens drafted for a sequence per step (0: none)
     speculative_policy: str = "adaptive"  # how much of each draft is verified (see spec_policy)
 

@@ -6,8 +6,9 @@ gauges are read from the cores at scrape time by ``QueueCollector``:
 - ``deepinfer_num_requests_running{worker_id}``: sequences running on that worker (its core's view)
 - ``deepinfer_num_requests_waiting{worker_id}``: sequences queued for that worker
 - ``deepinfer_spec_draft_tokens_total{worker_id,source}``, ``deepinfer_spec_accepted_tokens_total``,
-  ``deepinfer_spec_verifications_total``: speculative decoding (tokens drafted, drafts accepted,
-  sequence-steps that verified a draft) since that worker's core was made. Acceptance rate is
+  ``deepinfer_spec_verifications_total``: speculative decoding (drafted tokens sent for
+  verification, those accepted, sequence-steps that verified a draft) since that worker's core
+  was made (a draft the policy cut is counted as far as it was verified). Acceptance rate is
   accepted / drafted; mean accepted length per verification is accepted / verifications
 - ``deepinfer_steps_total``: steps a worker ran and answered
 - ``deepinfer_step_seconds``: from a plan's send to its result (queueing at the worker included,
@@ -98,7 +99,9 @@ class QueueCollector(Collector):
         doc = "KV blocks allocation can take (free, or cached and unreferenced)"
         free = GaugeMetricFamily("deepinfer_num_free_kv_blocks", doc, labels=labels)
         spec_labels = ["worker_id", "source"]
-        drafted = CounterMetricFamily("deepinfer_spec_draft_tokens", "tokens drafted", labels=spec_labels)
+        drafted = CounterMetricFamily(
+            "deepinfer_spec_draft_tokens", "drafted tokens verified", labels=spec_labels
+        )
         accepted = CounterMetricFamily("deepinfer_spec_accepted_tokens", "accepted", labels=spec_labels)
         doc = "sequence-steps that verified a draft"
         verified = CounterMetricFamily("deepinfer_spec_verifications", doc, labels=spec_labels)

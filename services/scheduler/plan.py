@@ -15,7 +15,7 @@ from services.scheduler.sequence import Sequence
 @dataclass(slots=True)
 class Plan:
     step_id: int
-    budget: int  # tokens still to hand out
+    budget: int  # tokens still to hand out (a trim of drafts gives some back)
     scheduled: dict[str, int] = field(default_factory=dict)  # seq_id -> tokens to compute, in plan order
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
     new_seq_ids: set[str] = field(default_factory=set)

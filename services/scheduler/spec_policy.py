@@ -7,26 +7,32 @@ each draft that makes the most tokens per second of step time:
 - ``AcceptancePredictor`` estimates, for each drafted position j, the chance it is accepted given
   that the ones before it were: smoothed counts by source, match length and position, pulled
   toward the sequence's own record (a request that copies its prompt keeps copying).
-- ``StepTimeModel`` predicts a step's time from its tokens and its drafted rows, fitted to the
-  worker's measured forward times (weak priors stand in until the first come back).
+- ``StepTimeModel`` predicts a step's time from its tokens, its drafted tokens and its drafted
+  rows, fitted to the worker's measured forward times (weak priors stand in until then).
 - ``verify_lengths`` maximizes (sampling rows + expected accepted drafts) / step time over the
   prefix length of every draft (Dinkelbach's ratio iteration; per sequence the gains fall with
-  the position, so a few rounds settle it). Under a long step (many rows, a prefill chunk) or low
-  acceptance a drafted token does not pay for its share of the step, and nothing is verified.
+  the position, so a few rounds settle it). Where tokens are most of a step's cost (many decode
+  rows) or acceptance is low, a drafted token does not pay for its share of the step and nothing
+  is verified; beside a long prefill chunk, which makes the step long anyway, drafts come cheap.
 
 A source nobody verifies would keep its estimate forever, so one drafted token of a source is
-verified every ``EXPLORE_EVERY`` plans that drafted it without verifying any.
+verified every ``EXPLORE_EVERY`` plans that drafted it without verifying any; and one slow step
+(a first run of new shapes, a pause) must not stop drafting for long, so a measured step counts
+as at most ``MAX_SURPRISE`` times what the model predicted for it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Final
 
 POLICIES: Final = ("adaptive", "fixed")
-EXPLORE_EVERY: Final = 32  # plans a source may draft without any of it verified
+EXPLORE_EVERY: Final = 8  # plans a source may draft without any of it verified
 MAX_MATCH_BUCKET: Final = 4  # longer matches count as this long
 HALVE_AT: Final = 4096.0  # counts halve past this many reached positions, to follow a change
+SEQ_HALVE_AT: Final = 32.0  # ... and a sequence's own, sooner: a request copies, then writes anew
+MAX_SURPRISE: Final = 2.0  # a measured step counts as at most this many times its prediction
 
 
 @dataclass(slots=True)
@@ -34,10 +40,10 @@ class _Tally:
     num_accepted: float = 0.0
     num_reached: float = 0.0  # verified positions whose earlier drafts were all accepted
 
-    def add(self, num_accepted: float, num_reached: float) -> None:
+    def add(self, num_accepted: float, num_reached: float, halve_at: float = HALVE_AT) -> None:
         self.num_accepted += num_accepted
         self.num_reached += num_reached
-        if self.num_reached > HALVE_AT:
+        if self.num_reached > halve_at:
             self.num_accepted /= 2
             self.num_reached /= 2
 
@@ -94,7 +100,9 @@ class AcceptancePredictor:
             self._by_match.setdefault((source, bucket, j), _Tally()).add(accepted, 1.0)
         num_reached = min(num_accepted + 1, num_verified)
         if live:
-            self._by_seq.setdefault(seq_id, _Tally()).add(float(num_accepted), float(num_reached))
+            self._by_seq.setdefault(seq_id, _Tally()).add(
+                float(num_accepted), float(num_reached), SEQ_HALVE_AT
+            )
 
     def forget(self, seq_id: str) -> None:
         self._by_seq.pop(seq_id, None)
@@ -158,6 +166,8 @@ class StepTimeModel:
         self._fit()
 
     def observe(self, num_tokens: int, num_draft_tokens: int, num_draft_rows: int, seconds: float) -> None:
+        if self.num_observed >= 3:  # (the first steps set the scale, whatever the prior said)
+            seconds = min(seconds, MAX_SURPRISE * self.seconds(num_tokens, num_draft_tokens, num_draft_rows))
         x = (1.0, float(num_tokens), float(num_draft_tokens), float(num_draft_rows))
         for i in range(_NUM_FEATURES):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
@@ -230,7 +240,12 @@ class VerifyPolicy:
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     # source -> plans since one of its drafts was verified, while it drafted
     _unexplored: dict[str, int] = field(default_factory=dict)
+    _num_explored: int = 0  # explorations so far: they take the drafted sequences in turn
     _planned: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # step_id -> its features
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown speculative policy {self.name!r}: one of {', '.join(POLICIES)}")
 
     def planned(self, step_id: int, num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> None:
         """A plan went out computing ``num_tokens``, ``num_draft_tokens`` of them drafted in
@@ -240,16 +255,13 @@ class VerifyPolicy:
 
     def measured(self, step_id: int, seconds: float) -> None:
         """The worker's forward time of plan ``step_id`` (results come back in plan order, so
-        earlier plans with none are forgotten: they failed)."""
+        earlier plans with none are forgotten: they failed). A time that is not a positive
+        finite number is not a measurement."""
         features = self._planned.pop(step_id, None)
         for stale in [s for s in self._planned if s < step_id]:
             del self._planned[stale]
-        if features is not None and seconds > 0:
+        if features is not None and math.isfinite(seconds) and seconds > 0:
             self.step_time.observe(*features, seconds)
-
-    def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"unknown speculative policy {self.name!r}: one of {', '.join(POLICIES)}")
 
     def lengths(
         self, drafts: list[tuple[str, str, int, int]], num_sampling: int, num_tokens: int
@@ -259,12 +271,14 @@ class VerifyPolicy:
             return [num_drafted for *_, num_drafted in drafts]
         rates = [self.predictor.probabilities(s, src, m, n) for s, src, m, n in drafts]
         lengths = verify_lengths(rates, num_sampling, num_tokens, self.step_time)
-        for source in {src for _, src, _, _ in drafts}:
+        for source in sorted({src for _, src, _, _ in drafts}):
             chosen = [i for i, d in enumerate(drafts) if d[1] == source]
             if any(lengths[i] for i in chosen):
                 self._unexplored[source] = 0
                 continue
             self._unexplored[source] = self._unexplored.get(source, 0) + 1
             if self._unexplored[source] >= EXPLORE_EVERY:
-                lengths[chosen[0]], self._unexplored[source] = 1, 0
+                # In turn, so a sequence whose own record shut it out gets tried again too.
+                lengths[chosen[self._num_explored % len(chosen)]] = 1
+                self._unexplored[source], self._num_explored = 0, self._num_explored + 1
         return lengths

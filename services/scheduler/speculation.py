@@ -5,15 +5,16 @@ Three sources, tried in this order:
 - a **prediction** (OpenAI Predicted Outputs): the text the client expects most of the output to
   be, e.g. the file an edit rewrites. The draft is what follows, in the prediction, the place the
   output is aligned with: its start while the output is empty, later where the output's last
-  ``max_ngram`` .. 1 tokens occur in it (longest first; the first occurrence from where the last
-  draft was taken, so a repeated line does not throw the alignment back), which re-aligns the
+  ``max_ngram`` .. 1 tokens occur in it (longest first; the first occurrence ending after where
+  the last draft was taken, so a repeated line does not throw the alignment back), which re-aligns the
   draft after the output departs from the prediction and comes back to it.
 - **n-gram** (prompt lookup, ``--speculative-method ngram``): the longest of the sequence's last
   ``max_ngram`` .. ``min_ngram`` tokens that occurred before, most recent occurrence first; the
   draft is what followed it. Code edits, quoting and summaries repeat their prompt, and then a
   draft is often right whole.
 - **suffix** (``--speculative-method suffix``: n-gram first, then this): what followed the
-  sequence's last tokens in other requests' outputs (``SuffixIndex``, fed as sequences finish).
+  sequence's last tokens in the same tenant's other outputs (``SuffixIndex``, fed as sequences
+  finish).
 
 A draft must follow the sequence's last token, so it is made when no plan is in flight for the
 sequence. With overlap scheduling (plan N+1 made before result N) a sequence therefore waits for
@@ -61,7 +62,7 @@ class DraftStats:
 @dataclass(slots=True)
 class Speculator:
     """Proposes drafts per sequence (``draft_for``), lets ``policy`` cut each plan's drafts to what
-    pays (``trim``), and counts how they fare (``stats``, and the policy's acceptance record)."""
+    pays (``trim``, ``planned``), and counts how they fare (``stats``, the policy's record)."""
 
     method: str = "ngram"
     max_ngram: int = 4
@@ -103,7 +104,7 @@ class Speculator:
                 draft = tokens[start : start + max_tokens].tolist() if start >= 0 else []
                 seq.draft_source = "ngram"
             if not draft and self.method == "suffix":
-                draft, seq.draft_match_len = self.suffix.draft(tokens, max_tokens)
+                draft, seq.draft_match_len = self.suffix.draft(tokens, max_tokens, seq.tenant)
                 seq.draft_source = "suffix"
         if draft:
             self._overlapped.pop(seq.seq_id, None)
@@ -143,22 +144,18 @@ class Speculator:
             seq.num_unsent_accepted_prediction_tokens += num_output
             seq.num_unsent_rejected_prediction_tokens += num_drafted - num_output
 
-    def finish_plan(self, plan: Plan, seqs: Mapping[str, Sequence]) -> None:
-        """Cut the plan's drafts to the prefixes the policy verifies, and tell it the plan's size.
-        The cut tokens' blocks stay with their sequences (later tokens fill them); a sequence
-        left with no draft overlaps as one whose attempt found nothing (it may go in the next plan)."""
-        self._trim(plan, seqs)
-        num_drafted = sum(len(d) for d in plan.drafts.values())
-        self.policy.planned(
-            plan.step_id, sum(plan.scheduled.values()) + num_drafted, num_drafted, len(plan.drafts)
-        )
-
-    def _trim(self, plan: Plan, seqs: Mapping[str, Sequence]) -> None:
+    def trim(self, plan: Plan, seqs: Mapping[str, Sequence], num_more_tokens: int = 0) -> None:
+        """Cut the plan's drafts to the prefixes the policy verifies, before the plan's prefill
+        chunks and admissions take the budget the cut gives back (``num_more_tokens``: what
+        they are expected to take). The cut tokens' blocks stay with their sequences (later
+        tokens fill them); a sequence left with no draft overlaps as one whose attempt found
+        nothing (it may go in the next plan)."""
         if not plan.drafts or self.policy.name == "fixed":
             return
         drafted = [(seqs[s], d) for s, d in plan.drafts.items()]
         shapes = [(seq.seq_id, seq.draft_source, seq.draft_match_len, len(d)) for seq, d in drafted]
-        lengths = self.policy.lengths(shapes, plan.num_sampling, sum(plan.scheduled.values()))
+        num_tokens = sum(plan.scheduled.values()) + num_more_tokens
+        lengths = self.policy.lengths(shapes, plan.num_sampling, num_tokens)
         for (seq, draft), num_verified in zip(drafted, lengths, strict=True):
             plan.budget += len(draft) - num_verified
             if num_verified:
@@ -167,6 +164,12 @@ class Speculator:
                 del plan.drafts[seq.seq_id]
                 seq.draft_token_ids = []
                 self._overlapped[seq.seq_id] = 0
+
+    def planned(self, plan: Plan) -> None:
+        """The plan is complete: the policy learns its size, to match with its measured time."""
+        num_drafted = sum(len(d) for d in plan.drafts.values())
+        num_tokens = sum(plan.scheduled.values()) + num_drafted
+        self.policy.planned(plan.step_id, num_tokens, num_drafted, len(plan.drafts))
 
     def draft(self, seq_id: str, prompt: list[int], output: list[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` n-gram tokens to follow ``prompt + output`` (none when nothing matches)."""
@@ -195,7 +198,7 @@ class Speculator:
         source, led in by its prompt's last tokens."""
         if completed and self.method == "suffix" and seq.output_token_ids:
             lead = seq.prompt_token_ids[-self.suffix.max_context :]
-            self.suffix.add(array("I", lead + seq.output_token_ids), len(lead))
+            self.suffix.add(array("I", lead + seq.output_token_ids), len(lead), seq.tenant)
         self.forget(seq.seq_id)
 
     def forget(self, seq_id: str) -> None:

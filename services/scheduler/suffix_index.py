@@ -9,8 +9,10 @@ matches the longest context the index holds at the end of the sequence, then fol
 frequent continuation token by token while it is frequent enough (``min_share`` of the times the
 context was seen), each step on the longest context known.
 
-Contexts are the packed tokens (4 bytes a token) as dict keys: no tree to balance; the table is
-bounded (``max_contexts``), forgetting the contexts least recently written first.
+Contexts are keyed by a scope (the tenant: one tenant's outputs never draft for another, whose
+latency would otherwise tell it what the first one was sent) and the packed tokens (4 bytes a
+token): no tree to balance. The table is bounded (``max_contexts``), forgetting the contexts
+least recently written first.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class SuffixIndex:
     min_context: int = 2
     min_share: float = 0.3  # a continuation drafts only if it followed at least this share of the time
     max_contexts: int = 100_000
-    _next: OrderedDict[bytes, Counter[int]] = field(default_factory=OrderedDict)
+    _next: OrderedDict[tuple[str, bytes], Counter[int]] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_context <= self.max_context:
@@ -35,13 +37,13 @@ class SuffixIndex:
     def __len__(self) -> int:
         return len(self._next)
 
-    def add(self, tokens: array[int], num_prompt_tokens: int) -> None:
+    def add(self, tokens: array[int], num_prompt_tokens: int, scope: str = "") -> None:
         """Index a finished sequence's output (``tokens``: its prompt then its output, packed)."""
         first = max(num_prompt_tokens, self.min_context)
         for end in range(first, len(tokens)):
             token_id = tokens[end]
             for n in range(self.min_context, min(self.max_context, end) + 1):
-                key = tokens[end - n : end].tobytes()
+                key = (scope, tokens[end - n : end].tobytes())
                 counts = self._next.get(key)
                 if counts is None:
                     counts = self._next[key] = Counter()
@@ -51,14 +53,14 @@ class SuffixIndex:
         while len(self._next) > self.max_contexts:
             self._next.popitem(last=False)
 
-    def draft(self, tokens: array[int], max_tokens: int) -> tuple[list[int], int]:
+    def draft(self, tokens: array[int], max_tokens: int, scope: str = "") -> tuple[list[int], int]:
         """Up to ``max_tokens`` tokens to follow ``tokens`` (packed), and the length of the context
         the first one matched (0: none matched, and the draft is empty)."""
         context = tokens[max(len(tokens) - self.max_context, 0) :]
         draft: list[int] = []
         first_match = 0
         while len(draft) < max_tokens:
-            token_id, match_len = self._follow(context)
+            token_id, match_len = self._follow(context, scope)
             if token_id < 0:
                 break
             first_match = first_match or match_len
@@ -67,11 +69,11 @@ class SuffixIndex:
             del context[: max(len(context) - self.max_context, 0)]
         return draft, first_match
 
-    def _follow(self, context: array[int]) -> tuple[int, int]:
+    def _follow(self, context: array[int], scope: str) -> tuple[int, int]:
         """The most frequent next token after the longest known suffix of ``context``, and that
         suffix's length; (-1, 0) if none is known or no continuation is frequent enough."""
         for n in range(min(self.max_context, len(context)), self.min_context - 1, -1):
-            counts = self._next.get(context[len(context) - n :].tobytes())
+            counts = self._next.get((scope, context[len(context) - n :].tobytes()))
             if counts:
                 token_id, count = counts.most_common(1)[0]
                 if count >= self.min_share * counts.total():
@@ -81,6 +83,6 @@ class SuffixIndex:
 
     def check_integrity(self) -> None:
         assert len(self._next) <= self.max_contexts, "the index outgrew its bound"
-        for key, counts in self._next.items():
+        for (_, key), counts in self._next.items():
             assert self.min_context * 4 <= len(key) <= self.max_context * 4 and len(key) % 4 == 0
             assert counts and all(n > 0 for n in counts.values()), "an empty continuation count"

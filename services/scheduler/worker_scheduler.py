@@ -164,12 +164,25 @@ class WorkerScheduler:
                 is_decode = seq.num_uncomputed_tokens == 1
                 if seq.status is SequenceStatus.RUNNING and is_decode == decoding and self._can_grow(seq):
                     self._schedule_running(plan, seq)
+            if decoding:  # what the drafts do not verify goes back to the prefills
+                self.speculator.trim(plan, self.seqs, self._prefill_demand(plan))
         if not plan.preempted:
             self._admit_waiting(plan)
-        self.speculator.finish_plan(plan, self.seqs)
+        self.speculator.planned(plan)
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         tables = self.block_manager.block_tables
         return plan.to_output(self.seqs, tables, finished, self.scheduler_id, kv_saves, handoff)
+
+    def _prefill_demand(self, plan: Plan) -> int:
+        """Tokens the rest of the plan (prefill chunks, admissions) would take if every draft were
+        cut: running prefills' and waiting sequences' tokens, up to the budget."""
+        limit = plan.budget + sum(len(d) for d in plan.drafts.values())
+        demand = sum(s.num_uncomputed_tokens for s in self._running if s.num_uncomputed_tokens > 1)
+        for _, seq_id in self._waiting:
+            if demand >= limit:
+                break
+            demand += self.seqs[seq_id].num_tokens
+        return min(demand, limit)
 
     def next_plan(self, num_in_flight: int, max_in_flight: int) -> SchedulerOutput | None:
         """The plan to send now, or None: then the caller waits for its oldest result in flight

@@ -44,7 +44,18 @@ def generate(
 ) -> tuple[list[int], tuple[int, int]]:
     """The request's tokens, and (accepted, rejected) prediction tokens."""
     cfg = model.config
-    limits = Limits(64, 16, 4, cfg.max_position_embeddings, 2048, 64, 0.0, num_speculative_tokens=k)
+    # fixed: the counts below are of drafts verified whole (the adaptive policy is tested elsewhere)
+    limits = Limits(
+        64,
+        16,
+        4,
+        cfg.max_position_embeddings,
+        2048,
+        64,
+        0.0,
+        num_speculative_tokens=k,
+        speculative_policy="fixed",
+    )
     runner = ModelRunner(model, ModelShape.of(cfg), 64, 16, torch.float32)
     assert cfg.eos_token_id is not None
     engine = LocalEngine(runner, limits, cfg.eos_token_id, overlap=overlap, check=True)

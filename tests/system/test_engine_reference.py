@@ -183,7 +183,7 @@ def test_suffix_drafts_come_from_earlier_outputs(
     cfg = model.config
     limits = Limits(
         256, 16, 8, cfg.max_position_embeddings, 2048, 64, 0.0,
-        speculative_method="suffix", num_speculative_tokens=5,
+        speculative_method="suffix", num_speculative_tokens=5, speculative_policy="fixed",
     )  # fmt: skip
     runner = ModelRunner(model, ModelShape.of(cfg), 256, 16, torch.float32)
     engine = LocalEngine(runner, limits, cfg.eos_token_id, overlap=True, check=True)

@@ -136,6 +136,15 @@ def test_a_source_no_plan_verifies_is_tried_again_now_and_then() -> None:
     drafts = [("s", "ngram", 2, 4)]
     verified = [policy.lengths(drafts, 1, 1)[0] for _ in range(3 * EXPLORE_EVERY)]
     assert verified.count(1) == 3 and set(verified) == {0, 1}
+    # Explorations take the drafted sequences in turn, not always the first.
+    two = [("s", "ngram", 2, 4), ("t", "ngram", 2, 4)]
+    explored = [policy.lengths(two, 2, 2) for _ in range(2 * EXPLORE_EVERY)]
+    assert sorted(x for x in explored if any(x)) == [[0, 1], [1, 0]]
+    # A time that is no measurement is dropped.
+    policy.planned(7, 10, 0, 0)
+    before = policy.step_time.num_observed
+    policy.measured(7, float("inf"))
+    assert policy.step_time.num_observed == before
     assert VerifyPolicy("fixed").lengths(drafts, 1, 1) == [4]
     with pytest.raises(ValueError, match="policy"):
         VerifyPolicy("sometimes")

@@ -37,6 +37,14 @@ def test_a_draft_follows_the_most_frequent_continuation_of_the_longest_context()
     index.check_integrity()
 
 
+def test_one_tenants_outputs_never_draft_for_another() -> None:
+    index = SuffixIndex()
+    index.add(packed([1, 2, 3, 4, 5]), 2, scope="acme")
+    assert index.draft(packed([1, 2]), 3, scope="acme") == ([3, 4, 5], 2)
+    assert index.draft(packed([1, 2]), 3, scope="globex") == ([], 0)
+    assert index.draft(packed([1, 2]), 3) == ([], 0)
+
+
 def test_an_even_split_drafts_nothing_below_the_share() -> None:
     index = SuffixIndex(min_share=0.6)
     index.add(packed([1, 2, 3]), 2)
