@@ -141,9 +141,10 @@ CASES: dict[str, list[Row]] = {
     # several decode groups (lengths far apart), rows of one group not adjacent in the batch
     "decodes_far_apart": [(5, 30), (1, 2), (1, 1200), (1, 9), (1, 3000), (1, 40), (1, 1100)],
     "prefill_without_context": [(33, 0)],
-    # decodes verifying drafts (short rows with context): batched, padded in queries and keys, in
-    # groups by length; the row one token past the bound takes its own SDPA
+    # decodes verifying drafts (short rows with context): batched, padded in queries and keys; the
+    # row one token past the bound and those with many keys take their own SDPA
     "verification_rows": [(6, 30), (2, 700), (16, 5), (3, 2), (17, 40), (4, 2900), (1, 17), (1, 300)],
+    "verification_groups": [(6, 30), (2, 200), (16, 5), (3, 2), (1, 17), (1, 300)],
 }
 
 
@@ -202,11 +203,11 @@ def test_short_rows_with_context_share_sdpas_and_long_ones_do_not() -> None:
     meta, _ = random_step(CASES["verification_rows"], 16, SMOLLM2, torch.float32)
     backend = TorchAttentionBackend(*SMOLLM2, torch.float32)
     backend.plan(meta)
-    assert [(r.start, r.end) for r in backend._prefills] == [(27, 44)]  # (17, 40): past the bound
-    # (rows, queries per row): grouped by padded length (16, 32, 48 | 704 | 2912 tokens), each row
-    # padded to its group's longest; the decodes' one batch has a query each
-    batches = [(b.num_rows, b.query_len) for b in backend._batches]
-    assert batches == [(3, 16), (1, 2), (1, 4), (2, 1)]
+    # (17, 40): one token past the bound; (2, 700) and (4, 2900): keys past MAX_SHORT_KEYS
+    assert [(r.start, r.end) for r in backend._prefills] == [(6, 8), (27, 44), (44, 48)]
+    # (rows, queries per row): the short rows padded to their longest (16, 32, 48 keys: one
+    # group), then the decodes' one batch with a query each
+    assert [(b.num_rows, b.query_len) for b in backend._batches] == [(3, 16), (2, 1)]
 
 
 def test_decode_padding_over_zeroed_cache_is_finite() -> None:
