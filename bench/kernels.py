@@ -218,28 +218,47 @@ def bench_attention(g: torch.Generator) -> None:
         bench_short_rows(dtype, g)
 
 
+def compare_settings(
+    label: str,
+    query_lens: list[int],
+    contexts: list[int],
+    dtype: torch.dtype,
+    g: torch.Generator,
+    setting: str,
+    values: tuple[tuple[str, int], tuple[str, int]],
+    what: str,
+) -> None:
+    """One step planned under two values of a module setting of paged_attention_torch (the
+    baseline first), each forward timed; prints both and their ratio."""
+    meta, (q, k, v, k_cache, v_cache) = attention_step(query_lens, contexts, dtype, g)
+    backends: dict[str, Callable[[], object]] = {}
+    for name, value in values:
+        backend = make_attention_backend(torch.device("cpu"), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
+        saved = getattr(paged_attention_torch, setting)
+        setattr(paged_attention_torch, setting, value)
+        try:
+            backend.plan(meta)
+        finally:
+            setattr(paged_attention_torch, setting, saved)
+        backends[name] = partial(backend.forward, q, k, v, k_cache, v_cache)
+    t = best_per_call(backends)
+    (base, _), (fast, _) = values
+    print(
+        f"{'paged_attention':<22} {label:<28} {_name(dtype):<9}"
+        f" {t[base] * 1e6:>10.1f} {t[fast] * 1e6:>10.1f} {t[fast] / t[base]:>6.2f}  ({what})"
+    )
+
+
 def bench_short_rows(dtype: torch.dtype, g: torch.Generator) -> None:
     """32 decodes each verifying 5 drafted tokens (rows of 6 queries over 64-448 cached tokens,
     inside MAX_SHORT_KEYS): batched like decodes (the backend's way) against one SDPA per row
     (the baseline: the path of every multi-token row before, MAX_SHORT_QUERY_LEN = 0)."""
     contexts = torch.randint(64, 449, (32,), generator=g).tolist()
-    meta, (q, k, v, k_cache, v_cache) = attention_step([6] * 32, contexts, dtype, g)
-    backends: dict[str, Callable[[], object]] = {}
-    module = paged_attention_torch
-    for name, max_len in (("per row", 0), ("batched", module.MAX_SHORT_QUERY_LEN)):
-        backend = make_attention_backend(torch.device("cpu"), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
-        saved, module.MAX_SHORT_QUERY_LEN = module.MAX_SHORT_QUERY_LEN, max_len
-        try:
-            backend.plan(meta)
-        finally:
-            module.MAX_SHORT_QUERY_LEN = saved
-        backends[name] = partial(backend.forward, q, k, v, k_cache, v_cache)
-    t = best_per_call(backends)
-    print(
-        f"{'paged_attention':<22} {'32 verify rows of 6, ctx<=448':<28} {_name(dtype):<9}"
-        f" {t['per row'] * 1e6:>10.1f} {t['batched'] * 1e6:>10.1f} {t['batched'] / t['per row']:>6.2f}"
-        "  (one SDPA per row vs batched)"
-    )
+    values = (("per row", 0), ("batched", paged_attention_torch.MAX_SHORT_QUERY_LEN))
+    compare_settings(
+        "32 verify rows of 6, ctx<=448", [6] * 32, contexts, dtype, g,
+        "MAX_SHORT_QUERY_LEN", values, "one SDPA per row vs batched",
+    )  # fmt: skip
 
 
 def bench_decode_groups(dtype: torch.dtype, g: torch.Generator) -> None:
@@ -247,23 +266,11 @@ def bench_decode_groups(dtype: torch.dtype, g: torch.Generator) -> None:
     grouped by length (the backend's rule) against one group padded to the longest row (the
     baseline: DECODE_GROUP_SLACK_TOKENS unbounded)."""
     contexts = [*torch.randint(32, 257, (16,), generator=g).tolist(), 4000]
-    meta, (q, k, v, k_cache, v_cache) = attention_step([1] * 17, contexts, dtype, g)
-    backends: dict[str, Callable[[], object]] = {}
-    module = paged_attention_torch
-    for name, slack in (("one group", 1 << 30), ("grouped", module.DECODE_GROUP_SLACK_TOKENS)):
-        backend = make_attention_backend(torch.device("cpu"), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
-        saved, module.DECODE_GROUP_SLACK_TOKENS = module.DECODE_GROUP_SLACK_TOKENS, slack
-        try:
-            backend.plan(meta)
-        finally:
-            module.DECODE_GROUP_SLACK_TOKENS = saved
-        backends[name] = partial(backend.forward, q, k, v, k_cache, v_cache)
-    t = best_per_call(backends)
-    print(
-        f"{'paged_attention':<22} {'16 decodes + 1 at 4000':<28} {_name(dtype):<9}"
-        f" {t['one group'] * 1e6:>10.1f} {t['grouped'] * 1e6:>10.1f} {t['grouped'] / t['one group']:>6.2f}"
-        "  (one padded group vs grouped by length)"
-    )
+    values = (("one group", 1 << 30), ("grouped", paged_attention_torch.DECODE_GROUP_SLACK_TOKENS))
+    compare_settings(
+        "16 decodes + 1 at 4000", [1] * 17, contexts, dtype, g,
+        "DECODE_GROUP_SLACK_TOKENS", values, "one padded group vs grouped by length",
+    )  # fmt: skip
 
 
 def main() -> None:
