@@ -100,6 +100,10 @@ class Serve:
                 raise AssertionError(f"no {what} after {timeout_s:.0f} s:\n{self.text()[-4000:]}")
             time.sleep(0.3)
 
+    def announced_ready(self) -> bool:
+        """serve's own health probe passed: it logs this once (the test's probe can pass first)."""
+        return "deepinfer ready" in self.text()
+
     def healthy(self) -> bool:
         try:
             return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
