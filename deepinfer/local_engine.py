@@ -132,7 +132,10 @@ class LocalEngine:
             sampled = unpack_tokens(result.sampled_token_ids)
             failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
             counts = unpack_tokens(result.num_sampled_tokens) if result.num_sampled_tokens else None
-            for seq in self.core.postprocess(result.seq_ids, sampled, result.logprobs, failed, counts):
+            changed = self.core.postprocess(
+                result.seq_ids, sampled, result.logprobs, failed, counts, result.drafts()
+            )
+            for seq in changed:
                 if seq.is_finished:
                     self._record(seq)
         if self.check:

@@ -24,7 +24,7 @@ import torch
 
 from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.models.deepseek_loader import write_checkpoint
-from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
+from libs.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MTP
 
 INIT_STD = 0.08
 
@@ -88,6 +88,30 @@ def random_deepseek(
             noise = torch.randn(param.shape, generator=generator) * INIT_STD
             param.copy_(1 + noise if "norm" in name else noise)
     return model.eval().requires_grad_(False)
+
+
+def lookahead_deepseek(seed: int = 0, vocab_size: int = 320, mtp_noise: float = 0.0) -> DeepseekV3ForCausalLM:
+    """A one-layer tiny model whose MTP module drafts well, as random MTP weights never do: the
+    module is a copy of the layer that reads only the next token's embedding (eh_proj = [I ; 0],
+    embedding rows at unit RMS so enorm passes them through, the final norm as its own). Its
+    output at position i is then the main model's at i + 1 except that its context lacks the
+    first token (RoPE is relative), so its greedy draft is mostly the token the model samples
+    next. ``mtp_noise``: the std of noise added to eh_proj's identity, to draft worse."""
+    config_json = tiny_config_json(vocab_size)
+    config_json.update(num_hidden_layers=1, first_k_dense_replace=0)
+    model = random_deepseek(DeepseekV3Config.from_hf_config(config_json), seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        embed = model.embed_tokens.weight
+        embed /= embed.pow(2).mean(dim=-1, keepdim=True).sqrt()
+        module: DeepseekV3MTP = model.mtp[0]  # type: ignore[assignment]
+        module.block.load_state_dict(model.layers[0].state_dict())
+        module.enorm.weight.fill_(1.0)
+        size = config_json["hidden_size"]
+        eye = torch.eye(size) + mtp_noise * torch.randn(size, size, generator=generator)
+        module.eh_proj.weight.copy_(torch.cat([eye, torch.zeros(size, size)], dim=1))
+        module.shared_head_norm.weight.copy_(model.norm.weight)
+    return model
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

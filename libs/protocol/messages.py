@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
+from libs.protocol.codec import unpack_tokens
 from libs.protocol.kv_messages import KVLoad, KVSave, PartialSave
 
 
@@ -282,6 +284,11 @@ class SchedulerOutput:
         return len(self.new_seqs) + len(self.seq_ids)
 
 
+# --speculative-method, which the scheduler and the worker both take: where drafts come from.
+# ngram and suffix are the scheduler's; mtp is the worker's model's (ModelRunnerOutput.draft_*).
+SPECULATIVE_METHODS: Final = ("none", "ngram", "suffix", "mtp")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     """Tokens sampled in a step, in plan order (new_seqs, then seq_ids), for the sequences whose
@@ -310,6 +317,18 @@ class ModelRunnerOutput:
     # packed uint32, tokens per seq_id in sampled_token_ids; b"": one each (no drafts in the plan)
     num_sampled_tokens: bytes = b""
     forward_time_s: float = 0.0  # the worker's time computing and sampling this step (0: not measured)
+    # The worker's own drafts (an MTP module): packed uint32, per seq_id the token proposed after
+    # its last one above, and that token's probability under the drafter; b"" / (): none.
+    draft_token_ids: bytes = b""
+    draft_probs: tuple[float, ...] = ()
+
+    def drafts(self) -> list[tuple[int, float]] | None:
+        """The worker's drafts, (token, probability) per seq_id; None when it sent none, or a
+        malformed set (drafts are optional: dropped rather than failing the step)."""
+        token_ids = unpack_tokens(self.draft_token_ids) if self.draft_token_ids else []
+        if not token_ids or not len(token_ids) == len(self.draft_probs) == len(self.seq_ids):
+            return None
+        return list(zip(token_ids, self.draft_probs, strict=True))
 
 
 # --- liveness and load ----------------------------------------------------------------------

@@ -47,7 +47,9 @@ class Config:
         metadata={
             "help": "speculative decoding: where drafts come from besides a request's own prediction "
             "(none | ngram: the sequence's own earlier tokens | suffix: ngram, then what followed the "
-            "same tokens in other requests' outputs); the worker verifies them, so output is unchanged"
+            "same tokens in other requests' outputs | mtp: what the worker's MTP module proposes after "
+            "each step, one token; the worker needs the same flag); the worker verifies them, so output "
+            "is unchanged"
         },
     )
     speculative_max_tokens: int = field(

@@ -1,6 +1,6 @@
 """Drafts for speculative decoding, proposed by the scheduler core. Pure: no nats, asyncio or torch.
 
-Three sources, tried in this order:
+Four sources; a request's prediction first, then the method's:
 
 - a **prediction** (OpenAI Predicted Outputs): the text the client expects most of the output to
   be, e.g. the file an edit rewrites. The draft is what follows, in the prediction, the place the
@@ -15,6 +15,9 @@ Three sources, tried in this order:
 - **suffix** (``--speculative-method suffix``: n-gram first, then this): what followed the
   sequence's last tokens in the same tenant's other outputs (``SuffixIndex``, fed as sequences
   finish).
+- **mtp** (``--speculative-method mtp``, on the worker too): the token the worker's MTP module
+  proposed with the sequence's last result (``proposed``), while it still follows the sequence's
+  last token. Its probability, bucketed, stands in for the match length in acceptance counts.
 
 A draft must follow the sequence's last token, so it is made when no plan is in flight for the
 sequence. With overlap scheduling (plan N+1 made before result N) a sequence therefore waits for
@@ -33,15 +36,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from services.scheduler.spec_policy import VerifyPolicy
+from libs.protocol.messages import SPECULATIVE_METHODS
+from services.scheduler.spec_policy import MAX_MATCH_BUCKET, VerifyPolicy
 from services.scheduler.suffix_index import SuffixIndex
 
 if TYPE_CHECKING:
     from services.scheduler.plan import Plan
     from services.scheduler.sequence import Sequence
 
-METHODS: Final = ("none", "ngram", "suffix")  # automatic sources; a request's prediction is its own
-SOURCES: Final = ("ngram", "suffix", "prediction")  # where a draft came from (a label in /metrics)
+METHODS: Final = SPECULATIVE_METHODS  # automatic sources; a request's prediction is its own
+SOURCES: Final = ("ngram", "suffix", "mtp", "prediction")  # where a draft came from (a /metrics label)
 RETRY_AFTER: Final = 4  # plans a sequence whose draft attempt found nothing overlaps before retrying
 
 
@@ -76,6 +80,8 @@ class Speculator:
     _aligned: dict[str, int] = field(default_factory=dict)
     # seq_id -> plans overlapped since its last draft attempt found nothing (absent: it found one)
     _overlapped: dict[str, int] = field(default_factory=dict)
+    # seq_id -> (its num_tokens then, token, probability): the worker's last draft for it (mtp)
+    _proposed: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -99,13 +105,16 @@ class Speculator:
             if seq.prediction_token_ids:
                 draft, seq.draft_match_len = self._from_prediction(seq, tokens, max_tokens)
                 seq.draft_source = "prediction"
-            if not draft and self.method != "none":
+            if not draft and self.method in ("ngram", "suffix"):
                 start, seq.draft_match_len = ngram_match(tokens, self.max_ngram, self.min_ngram)
                 draft = tokens[start : start + max_tokens].tolist() if start >= 0 else []
                 seq.draft_source = "ngram"
             if not draft and self.method == "suffix":
                 draft, seq.draft_match_len = self.suffix.draft(tokens, max_tokens, seq.tenant)
                 seq.draft_source = "suffix"
+            if not draft and self.method == "mtp":
+                draft, seq.draft_match_len = self._from_drafter(seq)
+                seq.draft_source = "mtp"
         if draft:
             self._overlapped.pop(seq.seq_id, None)
         else:
@@ -171,12 +180,19 @@ class Speculator:
         num_tokens = sum(plan.scheduled.values()) + num_drafted
         self.policy.planned(plan.step_id, num_tokens, num_drafted, len(plan.drafts))
 
-    def draft(self, seq_id: str, prompt: list[int], output: list[int], max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` n-gram tokens to follow ``prompt + output`` (none when nothing matches)."""
-        if self.method == "none" or max_tokens <= 0:
-            return []
-        tokens = self._synced(seq_id, prompt, output)
-        return ngram_draft(tokens, max_tokens, self.max_ngram, self.min_ngram)
+    def proposed(self, seq: Sequence, token_id: int, probability: float) -> None:
+        """The worker's drafter proposes ``token_id`` to follow ``seq``'s tokens as they are now."""
+        if self.method == "mtp":
+            self._proposed[seq.seq_id] = (seq.num_tokens, token_id, probability)
+
+    def _from_drafter(self, seq: Sequence) -> tuple[list[int], int]:
+        """The worker's draft for ``seq`` if it still follows its last token, and its probability
+        as a bucket 1..MAX_MATCH_BUCKET (it stands for a match length in the predictor's counts)."""
+        proposal = self._proposed.pop(seq.seq_id, None)
+        if proposal is None or proposal[0] != seq.num_tokens:
+            return [], 0
+        _, token_id, probability = proposal
+        return [token_id], 1 + min(int(probability * MAX_MATCH_BUCKET), MAX_MATCH_BUCKET - 1)
 
     def _from_prediction(self, seq: Sequence, tokens: array[int], max_tokens: int) -> tuple[list[int], int]:
         """The prediction's draft, and how many output tokens its alignment matched."""
@@ -202,7 +218,7 @@ class Speculator:
         self.forget(seq.seq_id)
 
     def forget(self, seq_id: str) -> None:
-        for table in (self._tokens, self._predictions, self._aligned, self._overlapped):
+        for table in (self._tokens, self._predictions, self._aligned, self._overlapped, self._proposed):
             table.pop(seq_id, None)
         self.policy.predictor.forget(seq_id)
 
@@ -218,6 +234,7 @@ class Speculator:
     def check_integrity(self, live_seq_ids: set[str]) -> None:
         assert self._tokens.keys() <= live_seq_ids, "tokens kept for a finished sequence"
         assert self._overlapped.keys() <= live_seq_ids, "a finished sequence's overlap count"
+        assert self._proposed.keys() <= live_seq_ids, "a finished sequence's proposed draft"
         assert self._predictions.keys() <= live_seq_ids and self._aligned.keys() <= live_seq_ids
         assert all(0 <= start <= len(self._predictions[s]) // 4 for s, start in self._aligned.items())
         assert all(0 <= n <= RETRY_AFTER for n in self._overlapped.values())

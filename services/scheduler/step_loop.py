@@ -131,8 +131,9 @@ class StepLoop:
         failed = dict(zip(result.failed_seq_ids, result.failed_errors, strict=True))
         metrics.count_failed(failed.values())
         num_sampled = unpack_tokens(result.num_sampled_tokens) if result.num_sampled_tokens else None
+        sampled = unpack_tokens(result.sampled_token_ids)
         changed = core.postprocess(
-            result.seq_ids, unpack_tokens(result.sampled_token_ids), result.logprobs, failed, num_sampled
+            result.seq_ids, sampled, result.logprobs, failed, num_sampled, result.drafts()
         )
         if changed:
             await self.publish(changed)

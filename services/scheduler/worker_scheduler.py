@@ -209,6 +209,7 @@ class WorkerScheduler:
         logprobs: tuple[Logprobs | None, ...] = (),
         failed: Mapping[str, str] | None = None,
         num_sampled: list[int] | None = None,
+        drafts: list[tuple[int, float]] | None = None,
     ) -> list[Sequence]:
         """Append each sampled token; returns the sequences that changed (finished ones included).
 
@@ -218,6 +219,7 @@ class WorkerScheduler:
         dropped; a preempted sequence keeps its tokens (sampled from intact state before the
         worker dropped it). A ``failed`` sequence (seq id -> why) finishes with ERROR, whether it
         sampled (its token is dropped) or not (a prefill chunk, or a row the worker could not run).
+        ``drafts``: per sequence, the worker's own draft to follow it, (token, probability).
         """
         changed: list[Sequence] = []
         for seq_id, why in (failed or {}).items():
@@ -235,6 +237,8 @@ class WorkerScheduler:
             seq.num_pending_tokens -= 1
             seq.suspect = False  # it got through a step on this worker
             num_kept = self._take_tokens(seq, sampled[offsets[i] : offsets[i + 1]])
+            if drafts and not seq.is_finished:
+                self.speculator.proposed(seq, *drafts[i])
             step_logprobs = logprobs[i] if logprobs else None
             if step_logprobs is not None and num_kept:
                 seq.unsent_logprobs.append(step_logprobs.head(num_kept))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from libs.grammar.sandbox import CompileLimits
 from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
+from libs.protocol.messages import SPECULATIVE_METHODS
 
 DEVICE = re.compile(r"cpu|(cuda|npu)(:\d+)?")
 
@@ -38,6 +39,16 @@ class Config:
         },
     )
     max_num_seqs: int = field(default=32, metadata={"help": "sequences decoded together"})
+    speculative_method: str = field(
+        default="none",
+        metadata={
+            "help": "speculative decoding: where drafts come from besides a request's own prediction "
+            "(none | ngram: the sequence's own earlier tokens | suffix: ngram, then what followed the "
+            "same tokens in other requests' outputs | mtp: the model's MTP module, which the worker then "
+            "loads and runs after each forward; DeepSeek-V3 family); drafts are verified, so output is "
+            "unchanged"
+        },
+    )
     max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for KV pages, GiB"})
@@ -128,6 +139,9 @@ class Config:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            methods = ", ".join(SPECULATIVE_METHODS)
+            raise ValueError(f"speculative_method must be one of {methods}, got {self.speculative_method!r}")
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if not self.drain_timeout_s >= 0:

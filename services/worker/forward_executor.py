@@ -77,6 +77,7 @@ class ForwardExecutor:
             if spec.kind == MLA
             else make_attention_backend(self.device, shape.num_heads, spec.num_kv_heads, spec.head_dim, dtype)
         )
+        self.last_hidden: torch.Tensor | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Run the batch, writing its KV: the logits at ``logits_index``, [n, vocab] float32, or
@@ -99,6 +100,7 @@ class ForwardExecutor:
             torch.tensor(batch.positions, dtype=torch.long, device=self.device),
             attention,
         )
+        self.last_hidden = hidden  # [num_tokens, hidden_size]: what a drafter reads after the step
         if not batch.logits_index:
             return None
         index = torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)

@@ -36,6 +36,7 @@ from services.worker.kv_cache import element_size
 from services.worker.kv_store import KVStore, dtype_name, kv_fingerprint
 from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner
+from services.worker.mtp_drafter import MTPDrafter
 from services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -78,11 +79,12 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
 def load_model(
-    path: Path, cache_dir: Path, fmt: str, device: torch.device = CPU
+    path: Path, cache_dir: Path, fmt: str, device: torch.device = CPU, with_mtp: bool = False
 ) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
     """The model in weight format ``fmt`` (a --dtype value) on ``device``; activations in
     ``resolve_dtype(fmt, device)``. Found by architecture; one this worker cannot run is refused,
-    naming the file and field."""
+    naming the file and field. ``with_mtp``: with its MTP module, to draft with (DeepSeek-V3
+    family); otherwise that stays on disk (V3's is 11.5B parameters)."""
     dtype = resolve_dtype(fmt, device)
     architecture = model_architecture(path)
     if path.is_dir():
@@ -93,8 +95,9 @@ def load_model(
             )
         if fmt in ("int8", "int4"):
             raise ValueError(f"--dtype {fmt}: weight-only int8/int4 is implemented for llama only")
-        # Nothing drafts yet: the MTP modules (V3's is 11.5B parameters) stay on disk.
-        return load_deepseek_v3(path, dtype, device, with_mtp=False)
+        return load_deepseek_v3(path, dtype, device, with_mtp=with_mtp)
+    if with_mtp:
+        raise ValueError(f"{path}: --speculative-method mtp needs a DeepSeek-V3-family checkpoint")
     if architecture != "llama":
         raise ValueError(f"{path}: general.architecture {architecture!r} is not supported (llama)")
     return load_llama_model(path, cache_dir, fmt, device)
@@ -164,7 +167,8 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
     path = resolve_model_path(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    model = load_model(path, Path(cache_dir), config.dtype, device)
+    with_mtp = config.speculative_method == "mtp"
+    model = load_model(path, Path(cache_dir), config.dtype, device, with_mtp)
     num_positions = model.config.max_position_embeddings
     max_model_len = min(config.max_model_len or num_positions, num_positions)
     if config.max_model_len > num_positions:
@@ -173,7 +177,11 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
         )
     shape = ModelShape.of(model.config)
     kv_bytes_per_token = shape.kv_spec.bytes_per_token(element_size(dtype))
-    num_blocks = int(config.kv_cache_gb * 2**30) // (kv_bytes_per_token * config.block_size)
+    drafter_bytes_per_token = 0  # the MTP module's latent pages share the block ids
+    if with_mtp:
+        drafter_bytes_per_token = kv_bytes_per_token // shape.kv_spec.num_layers
+    pool_bytes = int(config.kv_cache_gb * 2**30)
+    num_blocks = pool_bytes // ((kv_bytes_per_token + drafter_bytes_per_token) * config.block_size)
     log.info(
         "model %s (%s KV, %d B/token) dtype=%s, %d KV blocks of %d tokens",
         path.name,
@@ -193,6 +201,11 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
     fingerprint = kv_fingerprint(path, weights, dtype, shape.kv_spec)
     kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.kv_spec, dtype)
     handoff = build_handoff_area(config, cache_dir, fingerprint, shape.kv_spec, dtype)
+    drafter = None
+    if with_mtp:
+        assert isinstance(model, DeepseekV3ForCausalLM)  # load_model refused anything else
+        drafter = MTPDrafter(model, num_blocks, config.block_size, dtype, device)
+        log.info("drafting with the model's MTP module (its own latent pages, same block ids)")
     runner = ModelRunner(
         model,
         shape,
@@ -203,6 +216,7 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
         grammars=grammars,
         kv_tiers=kv_tiers,
         handoff=handoff,
+        drafter=drafter,
     )
     return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint)
 

@@ -29,7 +29,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -44,6 +44,7 @@ from services.worker.handoff_area import HandoffArea
 from services.worker.kv_cache import KVCache
 from services.worker.kv_tiers import KVTiers, LoadResult
 from services.worker.kv_transfer import KVTransfer
+from services.worker.mtp_drafter import MTPDrafter, MTPRow
 from services.worker.row_isolation import PlanError as PlanError  # re-exported: callers import it here
 from services.worker.row_isolation import drop_non_finite, forward_isolating, kept_mask
 from services.worker.sampler import GrammarMask, Sampler, SamplingState
@@ -84,6 +85,7 @@ class _Sampled:
     token_ids: list[list[int]]  # per row: its sampled tokens (a drafted row's: 1 + accepted drafts)
     logprobs: list[Logprobs | None]
     failed: dict[str, str]  # seq_id -> why its grammar cannot be used (the row sampled a stop token)
+    drafts: list[tuple[int, float]] = field(default_factory=list)  # per row: the drafter's (token, p)
 
 
 _NO_SAMPLES = _Sampled([], [], [], {})
@@ -101,8 +103,10 @@ class ModelRunner:
         grammars: Grammars | None = None,
         kv_tiers: KVTiers | None = None,
         handoff: HandoffArea | None = None,
+        drafter: MTPDrafter | None = None,
     ) -> None:
         self.executor = ForwardExecutor(model, shape, num_blocks, block_size, dtype, device)
+        self.drafter = drafter  # None: drafts come only from the scheduler
         self.shape = shape
         self.device = self.executor.device
         self.sampler = Sampler()
@@ -161,6 +165,7 @@ class ModelRunner:
         failed.update(sampled.failed)
         logprobs = sampled.logprobs
         counts = [len(tokens) for tokens in sampled.token_ids]
+        drafts = sampled.drafts
         return ModelRunnerOutput(
             step_id=plan.step_id,
             seq_ids=tuple(r.state.seq_id for r in sampled.rows),
@@ -178,6 +183,8 @@ class ModelRunner:
             failed_load_num_blocks=tuple(r.num_failed_blocks for r in loads.values() if r.num_failed_blocks),
             num_sampled_tokens=pack_tokens(counts) if any(n != 1 for n in counts) else b"",
             forward_time_s=forward_time_s,
+            draft_token_ids=pack_tokens([token_id for token_id, _ in drafts]) if drafts else b"",
+            draft_probs=tuple(p for _, p in drafts),
         )
 
     def prefetch(self, plan: SchedulerOutput) -> None:
@@ -305,11 +312,34 @@ class ModelRunner:
             raise PlanError(f"{seq_id}: block id beyond the pool")
 
     def _run(self, rows: list[_Row], failed: dict[str, str]) -> _Sampled:
-        """Forward and sample; a row that fails goes to ``failed`` and samples nothing."""
+        """Forward, sample, and draft for the next step if a drafter is set; a row that fails goes
+        to ``failed`` and samples nothing."""
         # Multi-token rows (prefill chunks, drafted decodes) first, then single-token rows
         # (decodes): the layout the attention backends batch on. Sorting is stable, so plan order
         # is kept within each.
         rows = sorted(rows, key=lambda r: r.num_tokens == 1)
+        starts = [row.state.num_computed_tokens for row in rows]
+        ran, sampled = self._forward_and_sample(rows, failed)
+        hidden = self.executor.last_hidden
+        if self.drafter is None or ran is not rows or hidden is None:
+            return sampled  # (rows rerun one by one: the last forward's hidden is one row's)
+        sampling = {row.seq_id for row in sampled.rows}
+        offsets = list(itertools.accumulate((row.num_tokens for row in rows), initial=0))
+        mtp_rows = [
+            MTPRow(state.token_ids, start, state.num_computed_tokens - start, at, state.block_table, samples)
+            for row, start, at in zip(rows, starts, offsets[:-1], strict=True)
+            if row.seq_id not in failed
+            for state, samples in [(row.state, row.seq_id in sampling)]
+        ]
+        try:
+            return replace(sampled, drafts=self.drafter.draft(mtp_rows, hidden)) if mtp_rows else sampled
+        except Exception:  # a draft is optional: the step's samples stand without one
+            log.exception("the MTP drafter failed: this step drafts nothing")
+            return sampled
+
+    def _forward_and_sample(self, rows: list[_Row], failed: dict[str, str]) -> tuple[list[_Row], _Sampled]:
+        """``_run`` without drafting; also returns the rows that ran (``rows`` itself when one
+        forward ran them all)."""
         sampling = [row for row in rows if row.samples]
         # One logits row per sampled position: at[p] = (sampling row j, its i-th position)
         at = [(j, i) for j, row in enumerate(sampling) for i in range(row.num_samples)]
@@ -325,16 +355,16 @@ class ModelRunner:
         # keep[k]: the position whose logits are logits[k] (the positions of rows that ran, in order)
         keep = [p for p, (j, _) in enumerate(at) if sampling[j].state.seq_id not in failed]
         if logits is None or not keep:
-            return _NO_SAMPLES
+            return ran, _NO_SAMPLES
         logits, keep = drop_non_finite(logits, keep, lambda p: sampling[at[p][0]].state.seq_id, failed)
         whole = [k for k, p in enumerate(keep) if sampling[at[p][0]].state.seq_id not in failed]
         if not whole:
-            return _NO_SAMPLES
+            return ran, _NO_SAMPLES
         if len(whole) < len(keep):  # a drafted row with some non-finite positions fails whole
             logits, keep = logits[whole], [keep[k] for k in whole]
         first = {j: p for p, (j, i) in enumerate(at) if i == 0}
         kept_rows = [sampling[at[p][0]] for p in keep if at[p][1] == 0]
-        return self._sample(kept_rows, logits, kept_mask(_at_positions(mask, first), keep))
+        return ran, self._sample(kept_rows, logits, kept_mask(_at_positions(mask, first), keep))
 
     def _sample(
         self, rows: list[_Row], logits: torch.Tensor, mask: tuple[GrammarMask | None, dict[int, str]]

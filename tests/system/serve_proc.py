@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from libs.bus.nats_server import free_port
 
@@ -138,3 +140,26 @@ class Serve:
             with_pid = int(line.split(":", 1)[0])
             with contextlib.suppress(ProcessLookupError):
                 os.kill(with_pid, 9)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free now."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -1,7 +1,9 @@
 """The tiny random DeepSeek-V3 checkpoint (MLA, MoE, MTP weights; the DeepSeek V4 vocabulary with
 V4.1's markers) served by ``deepinfer serve --model DIR --chat-format deepseek-v4.1``: every API
-answers, and greedy tokens through the whole stack equal transformers' on the same checkpoint.
-The text is noise (random weights); the path is real."""
+answers, and greedy tokens through the whole stack equal transformers' on the same checkpoint,
+with the worker drafting every decode's next token with the MTP module (random, so its drafts are
+rejected: tests/unit/worker/test_mtp.py has one that drafts well). The text is noise (random
+weights); the path is real."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from libs.models.tiny_deepseek import deepseek_v4_tokenizer_dir, write_tiny_checkpoint
 from libs.recipe.tokenizer import Tokenizer
 from tests.deepseek_reference import hf_from_dir, hf_logits
-from tests.system.serve_proc import Serve
+from tests.system.serve_proc import Serve, free_ports, scrape
 
 READY_S = 240.0
 NAME = "tiny-deepseek"
@@ -30,11 +32,23 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def metrics_port() -> int:
+    """serve's first metrics port (the worker's; the scheduler's is the next)."""
+    return free_ports(4)
+
+
+@pytest.fixture(scope="module")
 def serve(
-    model_cache_dir: Path, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+    model_cache_dir: Path, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
 ) -> Iterator[Serve]:
     tmp = tmp_path_factory.mktemp("deepseek-serve")
-    proc = Serve.start(model_cache_dir, tmp, "--model", str(checkpoint), "--chat-format", "deepseek-v4.1")
+    proc = Serve.start(
+        model_cache_dir,
+        tmp,
+        *("--model", str(checkpoint), "--chat-format", "deepseek-v4.1"),
+        *("--speculative-method", "mtp", "--speculative-policy", "fixed"),
+        *("--metrics-port", str(metrics_port)),
+    )
     try:
         proc.wait_until("/health 200", proc.healthy, READY_S)
         yield proc
@@ -42,7 +56,7 @@ def serve(
         proc.kill()
 
 
-def test_greedy_completion_equals_transformers(serve: Serve, checkpoint: Path) -> None:
+def test_greedy_completion_equals_transformers(serve: Serve, checkpoint: Path, metrics_port: int) -> None:
     prompt = [100, 2000, 30000, 77, 128000, 5]
     body = {"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0}
     resp = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=60)
@@ -56,6 +70,13 @@ def test_greedy_completion_equals_transformers(serve: Serve, checkpoint: Path) -
             break
     assert choice["text"] == tokenizer.decode(tokens[len(prompt) :])
     assert resp.json()["usage"]["completion_tokens"] == len(tokens) - len(prompt)
+    drafted = scrape(metrics_port + 1)
+    mtp = [
+        v
+        for (name, labels), v in drafted.items()
+        if name == "deepinfer_spec_draft_tokens_total" and ("source", "mtp") in labels
+    ]
+    assert mtp and mtp[0] > 0, drafted  # the worker's drafts came back and were verified
 
 
 def test_every_api_answers_in_the_deepseek_format(serve: Serve) -> None:

@@ -3,7 +3,6 @@ nothing behind. Real processes, real faults (kill -9 by pid, Ctrl-C to the proce
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -15,10 +14,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from libs.bus.nats_server import free_port
-from tests.system.serve_proc import MODEL, Serve
+from tests.system.serve_proc import MODEL, Serve, free_ports, scrape
 
 READY_S = 240.0
 HEAL_S = 180.0  # a restarted worker loads the model again, on a loaded machine
@@ -89,29 +86,6 @@ def test_restart_limit_stops_the_stack_with_exit_1(model_cache_dir: Path, tmp_pa
     assert "gateway exited (code" in text and "restarting it in" in text
     assert "after 1 restarts within 60 s: giving up: stopping the stack" in text
     assert serve.leftovers_after(5) == []
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports that are free now."""
-    while True:
-        base = free_port()
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(base, base + count):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 @pytest.fixture(scope="module")
