@@ -92,8 +92,8 @@ class Speculator:
     def draft_for(self, seq: Sequence, max_tokens: int, context_len: int) -> list[int]:
         """A draft for a decode of ``seq`` with no plan in flight: at most ``max_tokens``, and never
         past its ``max_tokens`` or the context (so even a draft accepted whole stays inside them).
-        Sets ``seq.draft_source`` and ``seq.draft_match_len``. Constrained sequences get none (their
-        grammar masks are per sampled position)."""
+        Sets ``seq.draft_source`` and ``seq.draft_match_len``. A constrained sequence's draft is
+        cut by the worker to what its grammar accepts (services/worker/grammar.py)."""
         if not self.drafts(seq) or seq.num_pending_tokens:
             return []
         params = seq.sampling_params
@@ -123,8 +123,7 @@ class Speculator:
 
     def drafts(self, seq: Sequence) -> bool:
         """Whether ``seq`` has a draft source at all (otherwise it is planned as without one)."""
-        has_source = self.method != "none" or bool(seq.prediction_token_ids)
-        return has_source and seq.sampling_params.structured_output is None
+        return self.method != "none" or bool(seq.prediction_token_ids)
 
     def may_overlap(self, seq: Sequence) -> bool:
         """Whether a decode of a sequence with a plan in flight goes in this plan (it cannot draft)

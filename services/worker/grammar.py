@@ -3,9 +3,14 @@
 ``Grammars`` owns the backends (built lazily from the model's vocabulary, one per backend name)
 and their compile caches. ``SequenceGrammar`` is one sequence's constraint: it waits for
 ``start_after`` (the end of the reasoning), then advances a matcher with every output token.
-``MaskJob`` fills the bitmasks of a step's constrained rows and turns them into additive biases
-on a helper thread, started before the forward and joined after it, so the mask work overlaps
-the model instead of adding to the step.
+``MaskJob`` (services/worker/mask_job.py) fills them on a helper thread while the forward runs.
+
+Speculative decoding: a drafted row samples at each drafted position, so each needs the mask the
+grammar would give after the drafts before it. ``num_usable`` cuts a draft, before the step, to
+what the grammar accepts in a row; ``fill_drafted`` advances the matcher through it, one mask per
+position, then rolls it back; the tokens the step keeps are accepted afterwards, as ever. Only a
+sequence whose way out is far (no position could be steered: steering counts its steps, which a
+draft would skip) drafts; near its end it decodes one token a step, as without speculation.
 
 Budget: a grammar keeps every prefix valid but cannot make a model stop, so an open-ended schema
 (recursion, unbounded strings or numbers) could run out of ``max_tokens`` mid-value. Once the
@@ -31,8 +36,7 @@ import functools
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -50,7 +54,6 @@ from libs.grammar.completion import Alphabet, accepts, completion_path, next_ste
 from libs.grammar.constraint import load_tool_triggers
 from libs.grammar.sandbox import CompileLimits, SandboxedBackend, sandboxed_backend
 from libs.grammar.structure import Token, load_structure, token_ids, triggers
-from libs.kernels.token_mask import bitmask_to_bias
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.messages import StructuredOutput, StructuredOutputKind
 from services.worker import metrics
@@ -195,16 +198,66 @@ class SequenceGrammar:
             # The mask allowed only the way out's next token; anything else is a plan that ran past.
             self._way_out = self._way_out[1:] if token_id == self._way_out[0] else []
 
+    def num_usable(self, draft: Sequence[int], remaining: int) -> int:
+        """How many of ``draft``'s first tokens a step may verify (``remaining``: output tokens
+        the sequence may still produce, its next one included). Before ``start_after``: up to the
+        token that would complete it (masks start after it). Under the grammar: none until it is
+        compiled, or while a way out is walked or may be steered to at any verified position;
+        else up to the first token it refuses, or a stop token (included)."""
+        if not self.active:
+            tail = self._tail
+            for i, token_id in enumerate(draft):
+                tail = [*tail, token_id][-len(self._start_after) :]
+                if tail == self._start_after:
+                    return i
+            return len(draft)
+        if self._matcher is None and not (self._compiled.done() and self._compiled.exception() is None):
+            return 0
+        matcher = self._ready_matcher()
+        if self._way_out or matcher.is_terminated():
+            return 0
+        if self._alphabet is not None:  # each verified position's fill must be far from steering
+            draft = draft[: max(0, remaining - self._way_out_len - HORIZON - 1)]
+        num_advanced = 0
+        try:
+            for token_id in draft:
+                if matcher.is_terminated() or not matcher.advance(token_id):
+                    break
+                num_advanced += 1
+        finally:
+            matcher.rollback(num_advanced)
+        return num_advanced
+
+    def fill_drafted(self, bitmask: torch.Tensor, row: int, remaining: int, draft: Sequence[int]) -> None:
+        """``fill`` for a drafted row (``draft`` cut by ``num_usable``): rows ``row .. row +
+        len(draft)`` of ``bitmask`` get the masks after 0 .. len(draft) of its tokens; the matcher
+        ends where it began."""
+        self.fill(bitmask, row, remaining)
+        matcher = self._ready_matcher()
+        num_advanced = 0
+        try:
+            for i, token_id in enumerate(draft, start=1):
+                if not matcher.advance(token_id):
+                    raise GrammarError(f"a draft checked by num_usable was refused at token {token_id}")
+                num_advanced += 1
+                self.fill(bitmask, row + i, remaining - i)
+        finally:
+            matcher.rollback(num_advanced)
+
+    def _ready_matcher(self) -> Matcher:
+        """The matcher, made on first use (joining the compile; raises GrammarError if it failed)."""
+        if self._matcher is None:
+            self._matcher = self._compiled.result().matcher(self._stop_token_ids)
+            for token_id in self._pending:
+                _advance(self._matcher, token_id)
+            self._pending.clear()
+        return self._matcher
+
     def fill(self, bitmask: torch.Tensor, row: int, remaining: int | None = None) -> None:
         """Write the allowed next tokens into ``bitmask[row]``; ``remaining``: output tokens the
         sequence may still produce, this one included (None: no budget to keep). Raises
         GrammarError if the grammar failed to compile. Joins the compile on first use."""
-        matcher = self._matcher
-        if matcher is None:
-            matcher = self._matcher = self._compiled.result().matcher(self._stop_token_ids)
-            for token_id in self._pending:
-                _advance(matcher, token_id)
-            self._pending.clear()
+        matcher = self._ready_matcher()
         if matcher.is_terminated():
             # Only stop tokens: a plan already in flight when the stop token was sampled runs one
             # more step for it (its token is dropped), and a row must never be all -inf.
@@ -370,41 +423,3 @@ def _bit(token_id: int) -> int:
     """Bit ``token_id % 32`` as a signed int32 value (bit 31 is the sign bit)."""
     bit = 1 << (token_id % 32)
     return bit - (1 << 32) if bit >= 1 << 31 else bit
-
-
-@dataclass(frozen=True, slots=True)
-class MaskResult:
-    rows: list[int]  # indices into the step's sampled rows
-    bias: torch.Tensor | None  # [len(rows), vocab] float32 0 / -inf; None when no row is masked
-    failed: dict[int, str]  # sampled-row index -> why its grammar cannot be used
-
-
-class MaskJob:
-    """Fills a step's masks on one helper thread (a thread, not a process: the forward releases the
-    GIL in its kernels, and the matchers' state must stay in this process)."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-
-    def start(self, grammars: list[tuple[int, SequenceGrammar, int]]) -> Future[MaskResult]:
-        """``grammars``: (sampled-row index, its grammar, output tokens it may still produce)."""
-        return self._executor.submit(self._build, grammars)
-
-    def _build(self, grammars: list[tuple[int, SequenceGrammar, int]]) -> MaskResult:
-        bitmask = torch.empty(len(grammars), (self.vocab_size + 31) // 32, dtype=torch.int32)
-        rows: list[int] = []
-        failed: dict[int, str] = {}
-        for index, grammar, remaining in grammars:
-            try:
-                grammar.fill(bitmask, len(rows), remaining)
-            except Exception as exc:  # a compile error surfaces here, for this sequence only
-                failed[index] = f"structured output: {exc}"
-                continue
-            rows.append(index)
-        if not rows:
-            return MaskResult([], None, failed)
-        return MaskResult(rows, bitmask_to_bias(bitmask[: len(rows)], self.vocab_size), failed)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

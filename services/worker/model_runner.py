@@ -25,11 +25,10 @@ alone (the model itself is broken), or a ``PlanError``, fails the whole step (se
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -39,16 +38,18 @@ from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, Sch
 from services.worker.forward_executor import CausalLM as CausalLM  # re-exported: callers import it here
 from services.worker.forward_executor import ForwardBatch, ForwardExecutor
 from services.worker.forward_executor import ModelShape as ModelShape  # re-exported
-from services.worker.grammar import Grammars, MaskJob, MaskResult, SequenceGrammar
+from services.worker.grammar import Grammars, SequenceGrammar
 from services.worker.handoff_area import HandoffArea
 from services.worker.kv_cache import KVCache
 from services.worker.kv_tiers import KVTiers, LoadResult
 from services.worker.kv_transfer import KVTransfer
-from services.worker.mtp_drafter import MTPDrafter, MTPRow
+from services.worker.mask_job import MaskJob, MaskResult
+from services.worker.mtp_drafter import MTPDrafter
 from services.worker.row_isolation import PlanError as PlanError  # re-exported: callers import it here
 from services.worker.row_isolation import drop_non_finite, forward_isolating, kept_mask
 from services.worker.sampler import GrammarMask, Sampler, SamplingState
 from services.worker.sequence_state import SequenceState, input_error
+from services.worker.step_rows import NO_SAMPLES, Sampled, StepRow, drafter_rows, mask_requests, with_drafts
 from services.worker.verify import num_accepted, positions
 
 log = logging.getLogger(__name__)
@@ -56,39 +57,6 @@ log = logging.getLogger(__name__)
 # A step of one row that raises is blamed on its sequence; this many such steps in a row, and the
 # next one fails the step instead (the model itself is broken: the worker drops everything).
 MAX_LONE_FAILURES = 3
-
-
-@dataclass(frozen=True, slots=True)
-class _Row:
-    state: SequenceState
-    num_tokens: int  # computed in this step, from state.num_computed_tokens on
-    num_drafts: int = 0  # drafted tokens at the end of those (and of state.token_ids), verified here
-
-    @property
-    def num_samples(self) -> int:
-        """Positions it samples at: its last, and each drafted one before it (0: none)."""
-        return 1 + self.num_drafts if self.samples else 0
-
-    @property
-    def samples(self) -> bool:
-        """Whether its chunk reaches the end of the tokens it knows (only before it is computed)."""
-        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
-
-    @property
-    def seq_id(self) -> str:
-        return self.state.seq_id
-
-
-@dataclass(frozen=True, slots=True)
-class _Sampled:
-    rows: list[_Row]  # the rows that sampled, in layout order
-    token_ids: list[list[int]]  # per row: its sampled tokens (a drafted row's: 1 + accepted drafts)
-    logprobs: list[Logprobs | None]
-    failed: dict[str, str]  # seq_id -> why its grammar cannot be used (the row sampled a stop token)
-    drafts: list[tuple[int, float]] = field(default_factory=list)  # per row: the drafter's (token, p)
-
-
-_NO_SAMPLES = _Sampled([], [], [], {})
 
 
 class ModelRunner:
@@ -145,7 +113,7 @@ class ModelRunner:
             self.failed_seq_ids.discard(seq_id)
             self._unwritten.pop(seq_id, None)
         self.transfer.save(plan, unwritten)
-        rows: list[_Row] = []
+        rows: list[StepRow] = []
         loads: dict[str, LoadResult] = {}
         failed: dict[str, str] = {}  # seq_id -> why it cannot go on: dropped after the step
         for new in plan.new_seqs:
@@ -159,7 +127,7 @@ class ModelRunner:
         for row in rows:
             self._check_row(row)
         started = time.perf_counter()
-        sampled = self._run(rows, failed) if rows else _NO_SAMPLES
+        sampled = self._run(rows, failed) if rows else NO_SAMPLES
         forward_time_s = time.perf_counter() - started if rows else 0.0
         self._drop(failed)
         failed.update(sampled.failed)
@@ -192,15 +160,15 @@ class ModelRunner:
         if self.kv_tiers is not None:
             self.kv_tiers.prefetch(plan)
 
-    def _load(self, row: _Row, load: KVLoad) -> tuple[_Row, LoadResult]:
+    def _load(self, row: StepRow, load: KVLoad) -> tuple[StepRow, LoadResult]:
         """Fill the row's loaded blocks; if only some load, the row starts at the first that did not."""
         state = row.state
         restart, loaded = self.transfer.load(state.seq_id, state.block_table, state.num_computed_tokens, load)
         num_recomputed = state.num_computed_tokens - restart
         state.num_computed_tokens = restart
-        return _Row(state, row.num_tokens + num_recomputed), loaded
+        return StepRow(state, row.num_tokens + num_recomputed), loaded
 
-    def _add(self, new: NewSequence, failed: dict[str, str]) -> _Row | None:
+    def _add(self, new: NewSequence, failed: dict[str, str]) -> StepRow | None:
         """Hold a new sequence; one the model cannot take goes to ``failed`` instead, unheld."""
         prompt = unpack_tokens(new.prompt_token_ids)
         block_table = unpack_tokens(new.block_ids)
@@ -229,9 +197,9 @@ class ModelRunner:
             for token_id in state.output_token_ids:  # a resumed sequence replays its outputs
                 state.grammar.accept(token_id)
         self.seqs[new.seq_id] = state
-        return _Row(state, new.num_scheduled_tokens)
+        return StepRow(state, new.num_scheduled_tokens)
 
-    def _recompute_unwritten(self, row: _Row, unwritten: set[int]) -> _Row:
+    def _recompute_unwritten(self, row: StepRow, unwritten: set[int]) -> StepRow:
         """A new row whose cached prefix holds a block a failed sequence never wrote (overlap: a
         plan made before the failure was known found it in the prefix cache) computes again from
         that block on, rewriting it with this row's identical tokens."""
@@ -244,9 +212,9 @@ class ModelRunner:
         log.warning("%s: its cached prefix came from a failed sequence: recomputed", state.seq_id)
         num_recomputed = state.num_computed_tokens - restart
         state.num_computed_tokens = restart
-        return _Row(state, row.num_tokens + num_recomputed)
+        return StepRow(state, row.num_tokens + num_recomputed)
 
-    def _held_rows(self, plan: SchedulerOutput) -> list[_Row]:
+    def _held_rows(self, plan: SchedulerOutput) -> list[StepRow]:
         """The plan's rows of sequences held here, their new blocks appended to their tables."""
         counts = unpack_tokens(plan.num_scheduled_tokens)
         if not len(counts) == len(plan.seq_ids) == len(plan.new_block_ids):
@@ -254,7 +222,7 @@ class ModelRunner:
         drafts = plan.draft_token_ids or (b"",) * len(plan.seq_ids)
         if len(drafts) != len(plan.seq_ids):
             raise PlanError("seq_ids and draft_token_ids differ in length")
-        rows: list[_Row] = []
+        rows: list[StepRow] = []
         for seq_id, num_tokens, blocks, draft in zip(
             plan.seq_ids, counts, plan.new_block_ids, drafts, strict=True
         ):
@@ -268,24 +236,8 @@ class ModelRunner:
             new_blocks = unpack_tokens(blocks)
             self._check_blocks(seq_id, new_blocks)
             state.block_table += new_blocks
-            rows.append(self._with_drafts(_Row(state, num_tokens), unpack_tokens(draft)))
+            rows.append(with_drafts(StepRow(state, num_tokens), unpack_tokens(draft), self.shape.vocab_size))
         return rows
-
-    def _with_drafts(self, row: _Row, draft: list[int]) -> _Row:
-        """A decode row that also verifies ``draft`` (appended to its tokens until verified). A
-        constrained row verifies none: its grammar masks follow the sampled tokens one by one."""
-        state = row.state
-        if not draft or state.grammar is not None:
-            return row
-        if row.num_tokens != 1 or state.num_computed_tokens + 1 != state.num_tokens:
-            raise PlanError(f"{state.seq_id}: drafts for a row that is not a decode")
-        # A token the model has none of (a client's prediction may hold one) is never sampled, so
-        # the draft is verified up to it: the same result, and no embedding lookup fails.
-        draft = list(itertools.takewhile(lambda t: 0 <= t < self.shape.vocab_size, draft))
-        if not draft:
-            return row
-        state.token_ids += draft
-        return _Row(state, 1 + len(draft), len(draft))
 
     def _drop(self, failed: dict[str, str]) -> None:
         """Forget the sequences that failed this step; their blocks are the scheduler's to free."""
@@ -296,7 +248,7 @@ class ModelRunner:
             if state is not None:
                 self._unwritten[seq_id] = state.block_table
 
-    def _check_row(self, row: _Row) -> None:
+    def _check_row(self, row: StepRow) -> None:
         state, end = row.state, row.state.num_computed_tokens + row.num_tokens
         if row.num_tokens <= 0 or end > state.num_tokens:
             raise PlanError(
@@ -311,7 +263,7 @@ class ModelRunner:
         if max(block_ids, default=0) >= self.kv_cache.num_blocks:
             raise PlanError(f"{seq_id}: block id beyond the pool")
 
-    def _run(self, rows: list[_Row], failed: dict[str, str]) -> _Sampled:
+    def _run(self, rows: list[StepRow], failed: dict[str, str]) -> Sampled:
         """Forward, sample, and draft for the next step if a drafter is set; a row that fails goes
         to ``failed`` and samples nothing."""
         # Multi-token rows (prefill chunks, drafted decodes) first, then single-token rows
@@ -323,21 +275,16 @@ class ModelRunner:
         hidden = self.executor.last_hidden
         if self.drafter is None or ran is not rows or hidden is None:
             return sampled  # (rows rerun one by one: the last forward's hidden is one row's)
-        sampling = {row.seq_id for row in sampled.rows}
-        offsets = list(itertools.accumulate((row.num_tokens for row in rows), initial=0))
-        mtp_rows = [
-            MTPRow(state.token_ids, start, state.num_computed_tokens - start, at, state.block_table, samples)
-            for row, start, at in zip(rows, starts, offsets[:-1], strict=True)
-            if row.seq_id not in failed
-            for state, samples in [(row.state, row.seq_id in sampling)]
-        ]
+        mtp_rows = drafter_rows(rows, starts, sampled, failed)
         try:
             return replace(sampled, drafts=self.drafter.draft(mtp_rows, hidden)) if mtp_rows else sampled
         except Exception:  # a draft is optional: the step's samples stand without one
             log.exception("the MTP drafter failed: this step drafts nothing")
             return sampled
 
-    def _forward_and_sample(self, rows: list[_Row], failed: dict[str, str]) -> tuple[list[_Row], _Sampled]:
+    def _forward_and_sample(
+        self, rows: list[StepRow], failed: dict[str, str]
+    ) -> tuple[list[StepRow], Sampled]:
         """``_run`` without drafting; also returns the rows that ran (``rows`` itself when one
         forward ran them all)."""
         sampling = [row for row in rows if row.samples]
@@ -355,22 +302,21 @@ class ModelRunner:
         # keep[k]: the position whose logits are logits[k] (the positions of rows that ran, in order)
         keep = [p for p, (j, _) in enumerate(at) if sampling[j].state.seq_id not in failed]
         if logits is None or not keep:
-            return ran, _NO_SAMPLES
+            return ran, NO_SAMPLES
         logits, keep = drop_non_finite(logits, keep, lambda p: sampling[at[p][0]].state.seq_id, failed)
         whole = [k for k, p in enumerate(keep) if sampling[at[p][0]].state.seq_id not in failed]
         if not whole:
-            return ran, _NO_SAMPLES
+            return ran, NO_SAMPLES
         if len(whole) < len(keep):  # a drafted row with some non-finite positions fails whole
             logits, keep = logits[whole], [keep[k] for k in whole]
-        first = {j: p for p, (j, i) in enumerate(at) if i == 0}
         kept_rows = [sampling[at[p][0]] for p in keep if at[p][1] == 0]
-        return ran, self._sample(kept_rows, logits, kept_mask(_at_positions(mask, first), keep))
+        return ran, self._sample(kept_rows, logits, kept_mask(mask, keep))
 
     def _sample(
-        self, rows: list[_Row], logits: torch.Tensor, mask: tuple[GrammarMask | None, dict[int, str]]
-    ) -> _Sampled:
+        self, rows: list[StepRow], logits: torch.Tensor, mask: tuple[GrammarMask | None, dict[int, str]]
+    ) -> Sampled:
         """``logits``: one row per sampled position of ``rows``, in order; ``mask``'s indices are
-        positions too (only undrafted rows are constrained)."""
+        positions too (a failed grammar's: its row's first)."""
         grammar_mask, grammar_failed = mask
         views: list[SamplingState] = []
         for row in rows:
@@ -383,25 +329,26 @@ class ModelRunner:
         for row in rows:
             state, num_drafts = row.state, row.num_drafts
             samples = out.token_ids[place : place + 1 + num_drafts]
+            num_kept = 1 + (num_accepted(state.token_ids[-num_drafts:], samples) if num_drafts else 0)
             if place in grammar_failed:
                 failed[state.seq_id] = grammar_failed[place]
                 state.grammar = None
                 # A stop token keeps the worker in step with plans already in flight for it.
-                samples = [min(state.stop_token_ids, default=samples[0])]
-            num_kept = 1 + (num_accepted(state.token_ids[-num_drafts:], samples) if num_drafts else 0)
+                samples, num_kept = [min(state.stop_token_ids, default=samples[0])], 1
             if num_drafts:  # the rejected drafts leave its tokens, and their KV counts no more
                 del state.token_ids[-num_drafts:]
                 state.num_computed_tokens -= num_drafts - (num_kept - 1)
             state.token_ids += samples[:num_kept]
             if state.grammar is not None:
-                state.grammar.accept(samples[0])
+                for token_id in samples[:num_kept]:
+                    state.grammar.accept(token_id)
             token_ids.append(samples[:num_kept])
             parts = [lp for lp in out.logprobs[place : place + num_kept] if lp is not None]
             logprobs.append(Logprobs.concat(parts))
             place += 1 + num_drafts
-        return _Sampled(rows, token_ids, logprobs, failed)
+        return Sampled(rows, token_ids, logprobs, failed)
 
-    def _forward(self, rows: list[_Row]) -> torch.Tensor | None:
+    def _forward(self, rows: list[StepRow]) -> torch.Tensor | None:
         """One forward over ``rows``, writing their KV and advancing nothing: the logits of the
         rows that sample, [num_sampling, vocab] float32, or None when none does."""
         input_ids: list[int] = []
@@ -424,17 +371,14 @@ class ModelRunner:
             )
         )
 
-    def _start_masks(self, sampled_rows: list[_Row]) -> Future[MaskResult] | None:
-        constrained = [
-            (j, row.state.grammar, row.state.sampling_params.max_tokens - row.state.num_output_tokens)
-            for j, row in enumerate(sampled_rows)
-            if row.state.grammar is not None and row.state.grammar.active
-        ]
-        if not constrained:
+    def _start_masks(self, sampling: list[StepRow]) -> Future[MaskResult] | None:
+        """The masks of the sampled positions of ``sampling``'s constrained rows, being filled."""
+        requests = mask_requests(sampling)
+        if not requests:
             return None
         if self._masks is None:
             self._masks = MaskJob(self.grammars.vocab_size)
-        return self._masks.start(constrained)
+        return self._masks.start(requests)
 
     def reset(self) -> None:
         """Drop every sequence: after a failed step (the scheduler fails them all), or when the
@@ -451,11 +395,3 @@ class ModelRunner:
             assert state.num_computed_tokens <= state.num_tokens
             assert len(state.block_table) * self.block_size >= state.num_computed_tokens
             assert all(0 <= b < self.kv_cache.num_blocks for b in state.block_table)
-
-
-def _at_positions(mask: MaskResult | None, first: dict[int, int]) -> MaskResult | None:
-    """A step's grammar results renumbered from sampling rows to their first sampled position."""
-    if mask is None:
-        return None
-    failed = {first[j]: why for j, why in mask.failed.items()}
-    return MaskResult([first[j] for j in mask.rows], mask.bias, failed)

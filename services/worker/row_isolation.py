@@ -13,7 +13,7 @@ import torch
 
 from libs.protocol.codec import pack_tokens
 from libs.protocol.kv_messages import KVSave, join_hashes, split_hashes
-from services.worker.grammar import MaskResult
+from services.worker.mask_job import MaskResult
 from services.worker.sampler import GrammarMask
 
 log = logging.getLogger(__name__)

@@ -118,8 +118,9 @@ def test_speculative_decoding_keeps_the_tokens(
 ) -> None:
     """n-gram drafts on SmolLM2 change no token: code that repeats itself accepts many drafts,
     chat answers reject most; with a stop token inside an accepted draft (nothing after it is
-    kept), a grammar-constrained neighbour (it verifies none), under preemption (24 blocks), and
-    with the adaptive policy on the machine's own measured step times."""
+    kept), a grammar-constrained neighbour (24 tokens: its way out is near, so it verifies none),
+    under preemption (24 blocks), and with the adaptive policy on the machine's own measured
+    step times."""
     tokenizer = Tokenizer.from_gguf(smollm2_path, model_cache_dir)
     vocab = grammar_vocab(smollm2_path, model_cache_dir, model.config.vocab_size)
     params = dataclasses.replace(GREEDY, max_tokens=24)

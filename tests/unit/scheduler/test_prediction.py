@@ -93,7 +93,7 @@ def test_a_stop_inside_an_accepted_prediction_counts_only_what_was_output() -> N
     assert (seq.num_unsent_accepted_prediction_tokens, seq.num_unsent_rejected_prediction_tokens) == (2, 1)
 
 
-def test_a_prediction_goes_first_then_ngram_and_never_for_a_constrained_sequence() -> None:
+def test_a_prediction_goes_first_then_ngram_for_any_sequence() -> None:
     speculator = Speculator("ngram")
     params = SamplingParams(max_tokens=50)
     seq = Sequence("s", "g", [1, 2, 3, 1, 2], params, EOS, prediction_token_ids=[7, 8, 9])
@@ -104,9 +104,11 @@ def test_a_prediction_goes_first_then_ngram_and_never_for_a_constrained_sequence
     assert speculator.draft_for(seq, 2, 100) == [6, 1] and seq.draft_source == "ngram"
     constrained = SamplingParams(max_tokens=50, structured_output=StructuredOutput(StructuredOutputKind.JSON))
     grammar = Sequence("j", "g", [1], constrained, EOS, prediction_token_ids=[7, 8, 9])
-    assert speculator.draft_for(grammar, 2, 100) == [] and speculator.may_overlap(grammar)
-    speculator.check_integrity({"s"})
+    # A constrained one too: the worker cuts its draft to what its grammar accepts.
+    assert speculator.draft_for(grammar, 2, 100) == [7, 8] and not speculator.may_overlap(grammar)
+    speculator.check_integrity({"s", "j"})
     speculator.forget("s")
+    speculator.forget("j")
     speculator.check_integrity(set())
 
 

@@ -45,9 +45,12 @@ def test_a_sequence_with_no_match_overlaps_then_retries() -> None:
     seq.output_token_ids = [1, 2]  # now "1 2" came before
     assert speculator.draft_for(seq, 4, 100) == [3, 1, 2]
     assert not speculator.may_overlap(seq)  # it drafts: it waits for its result
-    constrained = StructuredOutput(StructuredOutputKind.JSON)
-    grammar = Sequence("j", "g", [1, 2, 1], SamplingParams(max_tokens=50, structured_output=constrained), EOS)
-    assert speculator.may_overlap(grammar) and speculator.draft_for(grammar, 4, 100) == []
+    constrained = StructuredOutput(StructuredOutputKind.JSON)  # drafts too: the worker cuts them
+    grammar = Sequence(
+        "j", "g", [1, 2, 9, 1, 2], SamplingParams(max_tokens=50, structured_output=constrained), EOS
+    )
+    assert not speculator.may_overlap(grammar) and speculator.draft_for(grammar, 4, 100) == [9, 1, 2]
+    speculator.forget("j")
     speculator.forget("s")
     speculator.check_integrity(set())
 

@@ -21,9 +21,9 @@ from libs.protocol.messages import (
     SchedulerOutput,
 )
 from services.scheduler.worker_scheduler import Limits
-from services.worker.grammar import MaskResult
 from services.worker.host_cache import HostCache
 from services.worker.kv_tiers import KVTiers
+from services.worker.mask_job import MaskResult
 from services.worker.model_runner import MAX_LONE_FAILURES, CausalLM, ModelRunner, ModelShape, PlanError
 from services.worker.row_isolation import kept_mask
 from tests.reference import reference_greedy
