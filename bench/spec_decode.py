@@ -2,22 +2,24 @@
 process (LocalEngine): output tokens/s with drafts verified whole (``--speculative-policy
 fixed``) at k = 3, 5, 7, and the adaptive policy drafting up to the largest k, against no
 speculation (the baseline, measured in the same run), per workload, concurrency and draft source,
-and each run's acceptance (accepted / drafted) and mean accepted drafts per verification. The
-adaptive rows also give their ratio to the best fixed k and to fixed k=5. Each run is a fresh
-engine (the adaptive policy starts cold), and each counts its best of ``--repeat`` rounds.
+with each run's acceptance (accepted / drafted) and mean accepted drafts per verification. The
+adaptive rows also give their ratio to the best fixed k and to fixed k=5, and the end of the
+report checks the targets speculative decoding was built to (docs/speculative-decoding.md).
+
+A run sends every request of its workload (at least ``concurrency`` of them, the workload's
+messages in turn) at once to an engine that runs at most ``concurrency`` at a time, greedy, to
+their natural end or ``--max-tokens``. Each run is a fresh engine (the adaptive policy starts
+cold: its step-time model from the engine's start-up profile, its acceptance from nothing). Every
+run goes once per round, in the same order, and its best of ``--repeat`` rounds counts: the
+machine's speed drifts over minutes, and interleaving spreads that over every run alike.
 
 Sources: ``ngram`` (prompt lookup) on every workload; ``prediction`` (OpenAI Predicted Outputs)
-where a client would have one: for code-edit, the code with the rename done, as an editor sends
-(SmolLM2-135M writes its own version rather than that, so this measures a prediction the model
-departs from); and ``oracle``, a prediction that is the text this model writes (sent as text,
-re-tokenized): what the source gives when the prediction is right.
-
-Workloads (greedy, fixed ``--max-tokens`` with ``ignore_eos``, so every run generates the same
-number of tokens):
-- code-edit: a function to repeat with one name changed (the output mostly repeats the prompt);
-- summarization: a passage, then "summarize it";
-- open chat: short questions.
-Every run's tokens are checked against the baseline's (speculation must change none).
+where a client would have one: for code-edit, the snippet with the edit done, as an editor sends
+it; ``oracle``, a prediction that is the text this model writes (sent as text, re-tokenized):
+what the source gives when the prediction is right; and ``wrong``, another request's prediction
+(a client that sends the wrong file): what a prediction costs when nothing in it holds.
+Workloads: bench/spec_workloads.py. Every run's tokens are checked against the baseline's
+(speculation must change none).
 
     python bench/spec_decode.py                     # every workload, concurrency 1, 4, 16, 32
     python bench/spec_decode.py --quick             # smoke run (tests/unit/worker/test_bench_spec_decode.py)
@@ -26,14 +28,15 @@ Every run's tokens are checked against the baseline's (speculation must change n
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from spec_workloads import WORKLOADS
 
 from deepinfer.local_engine import LocalEngine
 from libs.modelfiles.registry import resolve_model_path
@@ -44,119 +47,177 @@ from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape
+from services.worker.step_profile import profile_steps
 
-CODE = """def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    tax = subtotal * tax_rate
-    return subtotal + tax
-"""
-WORKLOADS = {
-    "code-edit": [f"Rename the variable subtotal to net in this code and show the whole code:\n\n{CODE}"],
-    "summarization": [
-        "Summarize this passage in two sentences: The harbour town woke early. Fishing boats left "
-        "before dawn, the bakery lit its ovens, and the ferry to the island ran every hour. In "
-        "summer the town filled with visitors who came for the beaches and the old lighthouse."
-    ],
-    "open-chat": ["What is the capital of France?", "Name three colours.", "Why is the sky blue?"],
-}
-PREDICTIONS = {"code-edit": CODE.replace("subtotal", "net")}  # what the edit is expected to give
+Request = tuple[list[int], list[int] | None]  # prompt, prediction
 
 
-def prompts(tokenizer: Tokenizer, workload: str, concurrency: int) -> list[list[int]]:
+@dataclass(frozen=True, slots=True)
+class Config:
+    source: str  # none | ngram | prediction | oracle
+    k: int
+    policy: str  # fixed | adaptive
+
+    @property
+    def label(self) -> str:
+        return "-" if not self.k else str(self.k) if self.policy == "fixed" else f"adapt<={self.k}"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    seconds: float
+    outputs: dict[str, list[int]]
+    num_drafted: int
+    num_accepted: int
+    num_verified: int
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    workload: str
+    concurrency: int
+    config: Config
+    speed: float  # output tokens/s
+    vs_none: float
+
+
+def requests(tokenizer: Tokenizer, workload: str, concurrency: int, num_tasks: int) -> list[Request]:
+    """At least ``concurrency`` requests, the workload's first ``num_tasks`` messages in turn."""
     assert tokenizer.chat_template is not None
-    texts = WORKLOADS[workload]
-    return [
-        tokenizer.encode(
-            render_chat(tokenizer.chat_template, [{"role": "user", "content": texts[i % len(texts)]}])
-        )
-        for i in range(concurrency)
-    ]
+    tasks = WORKLOADS[workload][:num_tasks]
+    out: list[Request] = []
+    for i in range(max(concurrency, len(tasks))):
+        task = tasks[i % len(tasks)]
+        text = render_chat(tokenizer.chat_template, [{"role": "user", "content": task.message}])
+        prediction = tokenizer.encode(task.prediction, add_bos=False) if task.prediction else None
+        out.append((tokenizer.encode(text), prediction))
+    return out
 
 
 def run(
-    model: LlamaForCausalLM,
-    batch: list[list[int]],
-    k: int,
-    max_tokens: int,
-    prediction: list[int] | None = None,
-    policy: str = "fixed",
-) -> tuple[float, dict[str, list[int]], tuple[int, int, int]]:
-    """Seconds for the whole batch (all arriving at once), the outputs, and (drafted, accepted,
-    verified). Drafts from ``prediction`` when one is given, else n-gram ones."""
+    model: LlamaForCausalLM, batch: list[Request], concurrency: int, config: Config, max_tokens: int
+) -> Result:
+    """One fresh engine over the whole batch, timed from the first submit to the last token."""
     cfg = model.config
-    num_blocks, block_size = 1024, 16
+    num_blocks, block_size = 2048, 16
     limits = Limits(
-        num_blocks, block_size, len(batch), cfg.max_position_embeddings, 2048, 256, 0.0,
-        speculative_method="ngram" if k and prediction is None else "none", num_speculative_tokens=k,
-        speculative_policy=policy,
+        num_blocks, block_size, concurrency, cfg.max_position_embeddings, 2048, len(batch), 0.0,
+        speculative_method="ngram" if config.source == "ngram" else "none",
+        num_speculative_tokens=config.k, speculative_policy=config.policy,
     )  # fmt: skip
     runner = ModelRunner(model, ModelShape.of(cfg), num_blocks, block_size, torch.float32)
     assert cfg.eos_token_id is not None
-    engine = LocalEngine(runner, limits, cfg.eos_token_id)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    profile = profile_steps(runner, concurrency) if config.k else ()  # as a worker does at start
+    engine = LocalEngine(runner, limits, cfg.eos_token_id, step_profile=profile)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
-    for i, prompt in enumerate(batch):
-        engine.add(f"r{i}", prompt, params, prediction_token_ids=prediction)
+    for i, (prompt, prediction) in enumerate(batch):
+        engine.add(
+            f"r{i}", prompt, params, prediction_token_ids=prediction if config.source != "ngram" else None
+        )
     outputs = engine.run()
     seconds = time.perf_counter() - start
-    stats = engine.core.speculator.stats["ngram" if prediction is None else "prediction"]
-    return seconds, outputs, (stats.num_drafted, stats.num_accepted, stats.num_verified)
+    stats = engine.core.speculator.stats["ngram" if config.source == "ngram" else "prediction"]
+    return Result(seconds, outputs, stats.num_drafted, stats.num_accepted, stats.num_verified)
 
 
 def bench_group(
-    model: LlamaForCausalLM,
-    tokenizer: Tokenizer,
-    workload: str,
-    concurrency: int,
-    ks: list[int],
-    max_tokens: int,
-    repeat: int,
-) -> int:
-    """Print one workload and concurrency's rows; returns how many runs changed a token. Every
-    run goes once per round, in the same order, and its best time counts: the machine's speed
-    drifts over minutes, and interleaving spreads that over every run alike."""
-    batch = prompts(tokenizer, workload, concurrency)
+    model: LlamaForCausalLM, tokenizer: Tokenizer, workload: str, concurrency: int, ks: list[int],
+    max_tokens: int, repeat: int, num_tasks: int,
+) -> tuple[list[Row], int]:  # fmt: skip
+    """Print one workload and concurrency's rows; returns them and how many runs changed a token."""
+    batch = requests(tokenizer, workload, concurrency, num_tasks)
     # Warm-up at this batch's shapes, drafted rows included (a forward's first run of a shape is slow).
-    run(model, batch, max(ks), 8, batch[0][-16:], "fixed")
-    _, base_out, _ = run(model, batch, 0, max_tokens)
-    sources: list[tuple[str, list[int] | None]] = [("ngram", None)]
-    if workload in PREDICTIONS:
-        sources.append(("prediction", tokenizer.encode(PREDICTIONS[workload], add_bos=False)))
-        # The text this model writes, as a client would send it: the ceiling of the source
-        sources.append(("oracle", tokenizer.encode(tokenizer.decode(base_out["r0"]), add_bos=False)))
-    configs = [("none", None, 0, "fixed")] + [
-        (source, prediction, k, policy)
-        for (source, prediction), (k, policy) in itertools.product(
-            sources, [(k, "fixed") for k in ks] + [(max(ks), "adaptive")]
-        )
+    run(model, [(p, p[-32:]) for p, _ in batch], concurrency, Config("prediction", max(ks), "fixed"), 8)
+    base = run(model, batch, concurrency, Config("none", 0, "fixed"), max_tokens)
+    sources = ["ngram"]
+    batches = {"ngram": batch, "prediction": batch}
+    if any(prediction for _, prediction in batch):
+        sources += ["prediction", "oracle", "wrong"]
+        # the text this model writes, as a client would send it
+        batches["oracle"] = [
+            (prompt, tokenizer.encode(tokenizer.decode(base.outputs[f"r{i}"]), add_bos=False))
+            for i, (prompt, _) in enumerate(batch)
+        ]
+        # another request's prediction: a client that sends the wrong file
+        batches["wrong"] = [(prompt, batch[(i + 1) % len(batch)][1]) for i, (prompt, _) in enumerate(batch)]
+        if len({tuple(p or ()) for _, p in batch}) < 2:
+            sources.remove("wrong")
+    configs = [Config("none", 0, "fixed")] + [
+        Config(source, k, policy)
+        for source in sources
+        for k, policy in [(k, "fixed") for k in ks] + [(max(ks), "adaptive")]
     ]
-    best: dict[int, tuple[float, float, float]] = {}  # config -> (seconds, acceptance, mean accepted)
+    best: dict[Config, Result] = {}
     mismatches = 0
     for _ in range(repeat):
-        for i, (_, prediction, k, policy) in enumerate(configs):
-            seconds, outputs, (drafted, accepted, verified) = run(
-                model, batch, k, max_tokens, prediction, policy
-            )
-            mismatches += outputs != base_out
-            if i not in best or seconds < best[i][0]:
-                best[i] = (seconds, accepted / max(drafted, 1), accepted / max(verified, 1))
-    num_tokens = concurrency * max_tokens
-    base_s = best[0][0]
-    print(f"{workload:<14} {concurrency:>4} {'none':>10} {'-':>8} {num_tokens / base_s:>8.1f} {1.0:>7.2f}")
-    speeds: dict[tuple[str, str], float] = {}
-    for i, (source, _, k, policy) in list(enumerate(configs))[1:]:
-        seconds, rate, mean = best[i]
-        label, speed = (str(k) if policy == "fixed" else f"adapt<={k}"), num_tokens / seconds
-        row = f"{speed:>8.1f} {base_s / seconds:>7.2f} {rate:>7.2f} {mean:>8.2f}"
-        if policy == "adaptive":
-            fastest = max(v for (src, _), v in speeds.items() if src == source)
-            five = speeds.get((source, "5"))
-            row += f" {speed / fastest:>8.2f} " + (f"{speed / five:>6.2f}" if five else f"{'-':>6}")
-        speeds[source, label] = speed
-        print(f"{'':<14} {'':>4} {source:>10} {label:>8} {row}")
-    return mismatches
+        for config in configs:
+            result = run(model, batches.get(config.source, batch), concurrency, config, max_tokens)
+            mismatches += result.outputs != base.outputs
+            if config not in best or result.seconds < best[config].seconds:
+                best[config] = result
+    num_tokens = sum(len(tokens) for tokens in base.outputs.values())
+    base_s = best[configs[0]].seconds
+    rows = [
+        Row(workload, concurrency, c, num_tokens / best[c].seconds, base_s / best[c].seconds) for c in configs
+    ]
+    for row in rows:
+        config, result = row.config, best[row.config]
+        line = f"{'':<14} {'':>4} {config.source:>10} {config.label:>8} {row.speed:>8.1f} {row.vs_none:>7.2f}"
+        if config.k:
+            line += f" {result.num_accepted / max(result.num_drafted, 1):>7.2f}"
+            line += f" {result.num_accepted / max(result.num_verified, 1):>8.2f}"
+        if config.policy == "adaptive":
+            fixed = {
+                r.config.k: r.speed
+                for r in rows
+                if r.config.source == config.source and r.config.policy == "fixed"
+            }
+            line += f" {row.speed / max(fixed.values()):>8.2f}"
+            line += f" {row.speed / fixed[5]:>6.2f}" if 5 in fixed else f" {'-':>6}"
+        if config.source == "none":
+            line = f"{workload:<14} {concurrency:>4} {'none':>10} {'-':>8} {row.speed:>8.1f} {1.0:>7.2f}"
+            line += f"  ({num_tokens} tokens)"
+        print(line, flush=True)
+    return rows, mismatches
+
+
+def report_targets(rows: list[Row]) -> None:
+    """The issue's targets, each with what this run measured."""
+    adaptive = [r for r in rows if r.config.policy == "adaptive"]
+
+    def fixed_speeds(r: Row) -> dict[int, float]:
+        return {
+            f.config.k: f.speed
+            for f in rows
+            if (f.workload, f.concurrency, f.config.source) == (r.workload, r.concurrency, r.config.source)
+            and f.config.policy == "fixed" and f.config.k
+        }  # fmt: skip
+
+    print("\ntargets (adaptive against the same workload, concurrency and source):")
+    for concurrency in sorted({r.concurrency for r in adaptive}):
+        at = [r for r in adaptive if r.concurrency == concurrency]
+        vs_best = min(at, key=lambda r: r.speed / max(fixed_speeds(r).values()))
+        vs_none = min(at, key=lambda r: r.vs_none)
+        ratio = vs_best.speed / max(fixed_speeds(vs_best).values())
+        print(
+            f"  concurrency {concurrency:>2}: adaptive / best fixed k >= 0.98: lowest {ratio:.2f} "
+            f"({vs_best.workload}, {vs_best.config.source}); adaptive / none >= 1.0: lowest "
+            f"{vs_none.vs_none:.2f} ({vs_none.workload}, {vs_none.config.source})"
+        )
+    fives = [r for r in rows if r.config.policy == "fixed" and r.config.k == 5]
+    if fives:
+        top = max(fives, key=lambda r: r.vs_none)
+        key = (top.workload, top.concurrency, top.config.source)
+        match = [r for r in adaptive if (r.workload, r.concurrency, r.config.source) == key]
+        print(
+            f"  where fixed k=5 gains most over none ({top.workload}, {top.concurrency}, "
+            f"{top.config.source}: {top.vs_none:.2f}x): adaptive / fixed k=5 >= 1.07: "
+            f"{match[0].speed / top.speed:.2f}"
+        )
+    for r in adaptive:
+        if r.workload == "code-edit" and r.concurrency == 1:
+            print(f"  code-edit, concurrency 1, {r.config.source}: adaptive / none >= 1.8: {r.vs_none:.2f}")
 
 
 def main() -> None:
@@ -166,17 +227,21 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--k", default="3,5,7", help="most drafted tokens per step, one run each")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--repeat", type=int, default=3, help="rounds over every run; the best of each counts"
     )
+    parser.add_argument("--tasks", type=int, default=8, help="each workload's first N messages")
     parser.add_argument(
-        "--quick", action="store_true", help="code-edit, concurrency 1, 12 tokens, k=3, every source"
+        "--quick",
+        action="store_true",
+        help="code-edit's first 2 messages, concurrency 1, 12 tokens, k=3, every source",
     )
     args = parser.parse_args()
     if args.quick:
         args.workloads, args.concurrency, args.k, args.max_tokens, args.repeat = "code-edit", "1", "3", 12, 1
+        args.tasks = 2
     torch.set_num_threads(args.threads)
     cache = Path(tempfile.mkdtemp(prefix="spec-bench-"))
     path = resolve_model_path("smollm2")
@@ -190,12 +255,16 @@ def main() -> None:
         f"{'mean acc':>8} {'x best k':>8} {'x k=5':>6}"
     )
     mismatches = 0
+    rows: list[Row] = []
     ks = [int(k) for k in args.k.split(",")]
     for workload in args.workloads.split(","):
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            mismatches += bench_group(
-                model, tokenizer, workload, concurrency, ks, args.max_tokens, args.repeat
+            group, num_changed = bench_group(
+                model, tokenizer, workload, concurrency, ks, args.max_tokens, args.repeat, args.tasks
             )
+            rows += group
+            mismatches += num_changed
+    report_targets(rows)
     if mismatches:
         print(f"ERROR: {mismatches} runs' tokens differ from the baseline's")
         sys.exit(1)

@@ -19,7 +19,13 @@ from typing import Protocol
 
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.kv_messages import CacheTier, KVEvent, split_hashes
-from libs.protocol.messages import FinishReason, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from libs.protocol.messages import (
+    FinishReason,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    StepSample,
+)
 from services.scheduler.sequence import Sequence
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 
@@ -40,9 +46,15 @@ class LocalEngine:
         eos_token_id: int,
         overlap: bool = False,
         check: bool = False,
+        step_profile: tuple[StepSample, ...] = (),
     ) -> None:
         self.runner = runner
         self.core = WorkerScheduler(limits)
+        # the worker's start-up step times (services/worker/step_profile.py), as the scheduler
+        # service passes them on from its load report
+        self.core.record_step_profile(
+            [(s.num_tokens, s.num_draft_tokens, s.num_draft_rows, s.seconds) for s in step_profile]
+        )
         self.eos_token_id = eos_token_id
         self.max_in_flight = 2 if overlap else 1
         self.check = check  # check_integrity after every step (tests)

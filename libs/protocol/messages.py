@@ -379,6 +379,18 @@ class MemberInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class StepSample:
+    """One step a worker timed at start (services/worker/step_profile.py): what it computed and
+    how long its forward and sampling took. The scheduler's speculative policy fits its step-time
+    model to these before any request has run."""
+
+    num_tokens: int  # tokens computed, drafted ones included
+    num_draft_tokens: int
+    num_draft_rows: int  # rows that verified a draft
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """Published by a worker after each step and periodically while idle."""
 
@@ -405,6 +417,8 @@ class WorkerLoad:
     # what one token's KV costs on it, every layer (its model's KV spec and KV dtype): 23,040 for
     # SmolLM2 in bf16, 70,272 for DeepSeek-V3's MLA latent; 0 from a worker older than the field
     kv_bytes_per_token: int = 0
+    # steps it timed at start (decodes with and without drafts); empty: not profiled
+    step_profile: tuple[StepSample, ...] = ()
 
 
 def seq_id_of(request_id: str, index: int) -> str:

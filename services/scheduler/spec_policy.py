@@ -113,22 +113,35 @@ class AcceptancePredictor:
             assert 0 <= tally.num_accepted <= tally.num_reached <= HALVE_AT
 
 
-# Features of a step: (1, tokens computed, drafted tokens among them, rows verifying a draft).
-# Drafted tokens get their own term: in a decode row they cost what decode tokens cost, which on a
-# CPU is well above the per-token cost of a long prefill chunk. Prior pseudo-rows (features,
-# seconds, weight) never decay, so they matter only until measured steps outweigh them:
+# Features of a step: (1, tokens computed, drafted tokens among them, rows verifying a draft,
+# 1 if it computes more than one token). Drafted tokens get their own term: in a decode row they
+# cost what decode tokens cost, which on a CPU is well above the per-token cost of a long prefill
+# chunk. The last term is the step from matrix-vector to matrix-matrix products: on a CPU, one
+# lone decode costs about half what two tokens do (SmolLM2 fp32 at 2 threads: 50 ms against
+# 90 ms; 8 tokens cost no more than 2), so verifying a draft beside one decode pays that once;
+# on a GPU the term fits to about 0.
+# Prior pseudo-rows (features, seconds, weight) never decay, so they matter only until measured
+# steps outweigh them. The worker's start-up profile (``StepTimeModel.profiled``) gives real
+# ones; without it, guesses:
 # - a decode costs about as much as 40 tokens (a - 40 b = 0): scale-free, so the first measured
 #   step (often a long prefill) already gives a sensible a and b;
 # - a decode takes 10 ms, weighing almost nothing: only the scale before any step is measured;
-# - a drafted token or row costs nothing beyond a token (d = c = 0), as firmly as one step: the
-#   optimistic guess, so that drafts get verified and their real cost measured.
-_NUM_FEATURES: Final = 4
-_PRIOR_ROWS: Final = (
-    ((1.0, -40.0, 0.0, 0.0), 0.0, 1.0),
-    ((1.0, 1.0, 0.0, 0.0), 0.010, 1e-4),
-    ((0.0, 0.0, 1.0, 0.0), 0.0, 1.0),
-    ((0.0, 0.0, 0.0, 1.0), 0.0, 1.0),
+# - a drafted token or row, or a second token, costs nothing beyond a token (d = c = w = 0), as
+#   firmly as one step: the optimistic guess, so that drafts get verified and their real cost
+#   measured.
+# Beside a profile the guesses stay at a thousandth of their weight: they only keep the fit
+# defined where the profile's shapes leave a term open (a worker of one row cannot tell a row's
+# cost from a token's).
+_NUM_FEATURES: Final = 5
+_GUESSES: Final = (
+    ((1.0, -40.0, 0.0, 0.0, 0.0), 0.0, 1.0),
+    ((1.0, 1.0, 0.0, 0.0, 0.0), 0.010, 1e-4),
+    ((0.0, 0.0, 1.0, 0.0, 0.0), 0.0, 1.0),
+    ((0.0, 0.0, 0.0, 1.0, 0.0), 0.0, 1.0),
+    ((0.0, 0.0, 0.0, 0.0, 1.0), 0.0, 1.0),
 )
+PROFILE_WEIGHT: Final = 0.5  # a profiled step weighs half a measured one, and never decays
+GUESS_WEIGHT_BESIDE_PROFILE: Final = 1e-3
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -150,25 +163,45 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 @dataclass(slots=True)
 class StepTimeModel:
-    """Step seconds = a + b * num_tokens + d * num_draft_tokens + c * num_draft_rows, by least
-    squares over measured steps, older ones weighing ``decay`` as much per step (recursive least
-    squares). ``coef`` is (a, b, d, c)."""
+    """Step seconds = a + b * num_tokens + d * num_draft_tokens + c * num_draft_rows + w * (more
+    than one token), by least squares over measured steps, older ones weighing ``decay`` as much
+    per step (recursive least squares), and prior rows that never decay: the worker's start-up
+    profile, else guesses. ``coef`` is (a, b, d, c, w)."""
 
     decay: float = 0.98
     _xtx: list[list[float]] = field(
         default_factory=lambda: [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
     )
     _xty: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
+    _prior: list[tuple[tuple[float, ...], float, float]] = field(default_factory=lambda: list(_GUESSES))
     num_observed: int = 0
-    coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    num_profiled: int = 0
+    coef: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
         self._fit()
 
+    def profiled(self, samples: list[tuple[int, int, int, float]]) -> None:
+        """Steps the worker timed at start, as (tokens, drafted tokens, drafted rows, seconds):
+        they replace the guesses as the fit's prior. Samples that are not positive finite times
+        are left out."""
+        rows = [
+            (_features(t, d, r), seconds, PROFILE_WEIGHT)
+            for t, d, r, seconds in samples
+            if math.isfinite(seconds) and seconds > 0 and 0 <= d < t and 0 <= r <= d
+        ]
+        if not rows:
+            return
+        guesses = [(x, seconds, weight * GUESS_WEIGHT_BESIDE_PROFILE) for x, seconds, weight in _GUESSES]
+        self._prior = guesses + rows
+        self.num_profiled = len(rows)
+        self._fit()
+
     def observe(self, num_tokens: int, num_draft_tokens: int, num_draft_rows: int, seconds: float) -> None:
-        if self.num_observed >= 3:  # (the first steps set the scale, whatever the prior said)
+        # The first steps set the scale where no profile did, whatever the guesses said.
+        if self.num_profiled or self.num_observed >= 3:
             seconds = min(seconds, MAX_SURPRISE * self.seconds(num_tokens, num_draft_tokens, num_draft_rows))
-        x = (1.0, float(num_tokens), float(num_draft_tokens), float(num_draft_rows))
+        x = _features(num_tokens, num_draft_tokens, num_draft_rows)
         for i in range(_NUM_FEATURES):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
             for j in range(_NUM_FEATURES):
@@ -177,21 +210,25 @@ class StepTimeModel:
         self._fit()
 
     def seconds(self, num_tokens: int, num_draft_tokens: int = 0, num_draft_rows: int = 0) -> float:
-        a, b, d, c = self.coef
-        return a + b * num_tokens + d * num_draft_tokens + c * num_draft_rows
+        a, b, d, c, w = self.coef
+        return a + b * num_tokens + d * num_draft_tokens + c * num_draft_rows + w * (num_tokens > 1)
 
     def _fit(self) -> None:
         xtx = [row[:] for row in self._xtx]
         xty = self._xty[:]
-        for x, seconds, weight in _PRIOR_ROWS:
+        for x, seconds, weight in self._prior:
             for i in range(_NUM_FEATURES):
                 xty[i] += weight * x[i] * seconds
                 for j in range(_NUM_FEATURES):
                     xtx[i][j] += weight * x[i] * x[j]
-        a, b, d, c = _solve(xtx, xty)
+        a, b, d, c, w = _solve(xtx, xty)
         # A step costs something, and more work never less time (noise can fit a negative slope).
         b = max(b, 0.0)
-        self.coef = (max(a, 1e-6), b, max(d, -b), max(c, 0.0))
+        self.coef = (max(a, 1e-6), b, max(d, -b), max(c, 0.0), max(w, 0.0))
+
+
+def _features(num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> tuple[float, ...]:
+    return (1.0, float(num_tokens), float(num_draft_tokens), float(num_draft_rows), float(num_tokens > 1))
 
 
 def verify_lengths(
@@ -210,15 +247,18 @@ def verify_lengths(
             reach *= rate
             cumulative.append((cumulative[-1] if cumulative else 0.0) + reach)
         gains.append(cumulative)
-    _, b, d, c = step_time.coef
+    _, b, d, c, w = step_time.coef
     per_token = b + d  # what one more drafted token adds to the step
+    # what verifying any draft adds besides its tokens: a row's cost, and beside one lone decode
+    # (the only plan of one token) the step to matrix-matrix products
+    per_row = c + (w if num_tokens == 1 else 0.0)
     lengths = [0] * len(gains)
     ratio = num_sampling / step_time.seconds(num_tokens)
     for _ in range(16):
         for i, cumulative in enumerate(gains):
             best, lengths[i] = 0.0, 0
             for k, gain in enumerate(cumulative, start=1):
-                value = gain - ratio * (per_token * k + c)
+                value = gain - ratio * (per_token * k + per_row)
                 if value > best:
                     best, lengths[i] = value, k
         expected = num_sampling + sum(g[k - 1] for g, k in zip(gains, lengths, strict=True) if k)

@@ -10,8 +10,9 @@ Four sources; a request's prediction first, then the method's:
   draft after the output departs from the prediction and comes back to it.
 - **n-gram** (prompt lookup, ``--speculative-method ngram``): the longest of the sequence's last
   ``max_ngram`` .. ``min_ngram`` tokens that occurred before, most recent occurrence first; the
-  draft is what followed it. Code edits, quoting and summaries repeat their prompt, and then a
-  draft is often right whole.
+  draft is what followed it (``follow``: a match one period back in a repeating run drafts the
+  run on). Code edits, quoting and summaries repeat their prompt, and then a draft is often
+  right whole.
 - **suffix** (``--speculative-method suffix``: n-gram first, then this): what followed the
   sequence's last tokens in the same tenant's other outputs (``SuffixIndex``, fed as sequences
   finish).
@@ -107,7 +108,7 @@ class Speculator:
                 seq.draft_source = "prediction"
             if not draft and self.method in ("ngram", "suffix"):
                 start, seq.draft_match_len = ngram_match(tokens, self.max_ngram, self.min_ngram)
-                draft = tokens[start : start + max_tokens].tolist() if start >= 0 else []
+                draft = follow(tokens, start, max_tokens) if start >= 0 else []
                 seq.draft_source = "ngram"
             if not draft and self.method == "suffix":
                 draft, seq.draft_match_len = self.suffix.draft(tokens, max_tokens, seq.tenant)
@@ -244,7 +245,18 @@ class Speculator:
 def ngram_draft(tokens: array[int], max_tokens: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
     """What followed the most recent earlier occurrence of the longest matching suffix n-gram."""
     start, _ = ngram_match(tokens, max_ngram, min_ngram)
-    return tokens[start : start + max_tokens].tolist() if start >= 0 else []
+    return follow(tokens, start, max_tokens) if start >= 0 else []
+
+
+def follow(tokens: array[int], start: int, max_tokens: int) -> list[int]:
+    """What follows ``tokens[start:]``'s match at the end: the tokens from ``start`` on, and where
+    they run out before ``max_tokens``, the draft itself again (the match was one period of a
+    repeating run back, so the run goes on: a model that loops keeps looping)."""
+    draft = tokens[start : start + max_tokens].tolist()
+    period = len(tokens) - start
+    while period > 0 and len(draft) < max_tokens:
+        draft.append(draft[len(draft) - period])
+    return draft
 
 
 def ngram_match(tokens: array[int], max_ngram: int = 4, min_ngram: int = 2) -> tuple[int, int]:

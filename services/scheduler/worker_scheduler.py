@@ -202,6 +202,11 @@ class WorkerScheduler:
         """How long the worker's forward of plan ``step_id`` took (for the speculative policy)."""
         self.speculator.policy.measured(step_id, seconds)
 
+    def record_step_profile(self, samples: list[tuple[int, int, int, float]]) -> None:
+        """Steps the worker timed at start, as (tokens, drafted tokens, drafted rows, seconds):
+        the speculative policy's step-time model starts from them."""
+        self.speculator.policy.step_time.profiled(samples)
+
     def postprocess(
         self,
         seq_ids: tuple[str, ...],

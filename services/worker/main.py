@@ -21,6 +21,7 @@ from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
+from libs.protocol.messages import StepSample
 from libs.recipe.grammar_markup import grammar_vocab_of
 from libs.recipe.tokenizer import Tokenizer
 from libs.runtime.metrics_server import start_metrics_server
@@ -38,6 +39,7 @@ from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner
 from services.worker.mtp_drafter import MTPDrafter
 from services.worker.service import WorkerService
+from services.worker.step_profile import profile_steps
 
 log = logging.getLogger(__name__)
 CPU = torch.device("cpu")
@@ -160,6 +162,7 @@ class Worker:
     max_model_len: int
     model_name: str
     fingerprint: str  # identity of the KV it computes, for block hashes and G3 paths
+    step_profile: tuple[StepSample, ...]  # steps timed at start (its owner's speculative policy)
 
 
 def build_worker(config: Config, cache_dir: str) -> Worker:
@@ -218,7 +221,10 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
         handoff=handoff,
         drafter=drafter,
     )
-    return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint)
+    # Before the worker announces itself: its owner's speculative policy starts from these
+    # times, and the shapes a first request takes are warm.
+    step_profile = profile_steps(runner, config.max_num_seqs)
+    return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint, step_profile)
 
 
 def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]:
@@ -232,7 +238,13 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
     bus = await NatsBus.connect(config.nats_url, name=config.worker_id)
     try:
         service = WorkerService(
-            config, bus, worker.runner, worker.max_model_len, worker.model_name, worker.fingerprint
+            config,
+            bus,
+            worker.runner,
+            worker.max_model_len,
+            worker.model_name,
+            worker.fingerprint,
+            worker.step_profile,
         )
         start_metrics_server(config.metrics_port, metrics.registry(worker.runner))
         await service.run(stop)

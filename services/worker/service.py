@@ -40,7 +40,14 @@ from libs.protocol.kv_messages import (
     RemovalReason,
     join_hashes,
 )
-from libs.protocol.messages import MemberInfo, MemberKind, ModelRunnerOutput, SchedulerOutput, WorkerLoad
+from libs.protocol.messages import (
+    MemberInfo,
+    MemberKind,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepSample,
+    WorkerLoad,
+)
 from libs.protocol.subjects import Subjects
 from libs.runtime.process import StopEvent, busy
 from services.worker import metrics
@@ -64,6 +71,7 @@ class WorkerService:
         max_model_len: int,
         model_name: str,
         model_fingerprint: str = "",
+        step_profile: tuple[StepSample, ...] = (),
     ) -> None:
         self.config = config
         self.bus = bus
@@ -71,6 +79,7 @@ class WorkerService:
         self.max_model_len = max_model_len
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
+        self.step_profile = step_profile  # steps timed at start, for its owner's speculative policy
         self.kv_seq = 0  # of the last KVEvents published
         self._publishing_kv = asyncio.Lock()  # KVEvents leave in seq order
         self._written = asyncio.Event()  # a G3 write's event waits in the outbox
@@ -241,6 +250,7 @@ class WorkerService:
             draining=self.draining,
             role=self.config.role,
             kv_bytes_per_token=self.runner.kv_cache.bytes_per_token,
+            step_profile=self.step_profile,
         )
 
     async def _publish_load(self) -> None:

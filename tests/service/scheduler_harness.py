@@ -15,6 +15,7 @@ from libs.protocol.messages import (
     SamplingParams,
     SchedulerOutput,
     StepOutputs,
+    StepSample,
     SubmitReply,
     SubmitRequest,
     WorkerLoad,
@@ -40,9 +41,11 @@ class ScriptedWorker:
         max_num_seqs: int = 4,
         owner: str = "",
         has_kv_store: bool = True,
+        step_profile: tuple[StepSample, ...] = (),
     ) -> None:
         self.bus = bus
         self.has_kv_store = has_kv_store
+        self.step_profile = step_profile
         self.worker_id = worker_id
         self.max_num_seqs = max_num_seqs
         self.owner = owner
@@ -62,7 +65,7 @@ class ScriptedWorker:
 
     async def publish_load(self) -> None:
         load = WorkerLoad(self.worker_id, 0, self.max_num_seqs, 64, 32, BLOCK_SIZE, owner=self.owner)
-        load = dataclasses.replace(load, has_kv_store=self.has_kv_store)
+        load = dataclasses.replace(load, has_kv_store=self.has_kv_store, step_profile=self.step_profile)
         await self.bus.publish(SUBJECTS.load(self.worker_id), encode(load))
 
     async def on_step(self, msg: Message) -> None:

@@ -7,11 +7,14 @@ import argparse
 import asyncio
 import dataclasses
 
+import pytest
+
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import encode, unpack_tokens
 from libs.protocol.messages import (
     CancelRequest,
     FinishReason,
+    StepSample,
     SubmitStatus,
 )
 from libs.runtime.settings import build_config
@@ -138,6 +141,26 @@ async def test_a_worker_owned_by_another_scheduler_is_left_alone() -> None:
     await asyncio.sleep(0.01)
     assert (await submit(bus, "r0")).status is SubmitStatus.NO_WORKERS
     assert worker.plans == []
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    await bus.close()
+
+
+async def test_a_workers_start_up_profile_sets_its_step_time_model() -> None:
+    bus = InMemoryBus()
+    stop = asyncio.Event()
+    service = SchedulerService(Config(scheduler_id="s1"), bus)
+    task = asyncio.create_task(service.run(stop))
+    await asyncio.sleep(0.01)
+    # 40 ms a step, and 5 ms a token past the first (the shapes a worker times at start)
+    shapes = [(1, 0, 0), (4, 3, 1), (8, 7, 1), (8, 0, 0), (32, 24, 8)]
+    profile = tuple(StepSample(t, d, r, 0.04 + 0.005 * (t - 1)) for t, d, r in shapes)
+    worker = ScriptedWorker(bus, step_profile=profile)
+    await worker.start()
+    await asyncio.sleep(0.01)
+    step_time = service.workers["w1"].core.speculator.policy.step_time
+    assert step_time.num_profiled == 5
+    assert step_time.seconds(16) == pytest.approx(0.04 + 0.005 * 15, rel=0.05)
     stop.set()
     await asyncio.wait_for(task, 5)
     await bus.close()

@@ -24,24 +24,39 @@ from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 EOS = 2
 
 
-def fitted(a: float, b: float, c: float, d: float = 0.0) -> StepTimeModel:
-    """A model fitted to noiseless steps of a + b * tokens + d * drafted tokens + c * drafted rows."""
+def step_seconds(
+    a: float, b: float, c: float, d: float, w: float, tokens: int, drafted: int, rows: int
+) -> float:
+    return a + b * tokens + d * drafted + c * rows + w * (tokens > 1)
+
+
+def fitted(a: float, b: float, c: float, d: float = 0.0, w: float = 0.0) -> StepTimeModel:
+    """A model fitted to noiseless steps of a + b * tokens + d * drafted tokens + c * drafted rows
+    + w * (more than one token)."""
     model = StepTimeModel()
     for _ in range(4):
         for num_tokens, num_rows, k in itertools.product((1, 4, 32, 300), (0, 1, 4), (1, 3, 5)):
             if num_rows * (k + 1) <= num_tokens or num_rows == 0:
                 drafted = num_rows * k
-                model.observe(num_tokens, drafted, num_rows, a + b * num_tokens + d * drafted + c * num_rows)
+                model.observe(
+                    num_tokens, drafted, num_rows, step_seconds(a, b, c, d, w, num_tokens, drafted, num_rows)
+                )
+        for _ in range(8):  # lone decodes, as common as the rest (they alone tell w)
+            model.observe(1, 0, 0, step_seconds(a, b, c, d, w, 1, 0, 0))
     return model
 
 
 def test_the_step_time_fit_finds_the_coefficients_of_measured_steps() -> None:
-    model = fitted(0.05, 0.001, 0.004, d=0.002)
-    assert model.coef == pytest.approx((0.05, 0.001, 0.002, 0.004), rel=0.02)
-    assert model.seconds(10, 4, 2) == pytest.approx(0.05 + 0.01 + 0.008 + 0.008, rel=0.02)
-    # Before any step: the prior, with a drafted token's and row's own cost at 0 (drafts get tried).
-    a, b, d, c = StepTimeModel().coef
-    assert a > 0 and b > 0 and d == c == 0
+    model = fitted(0.05, 0.001, 0.004, d=0.002, w=0.03)
+    # (The guesses, which never decay, pull the terms the steps tell apart least by a few %.)
+    assert model.coef == pytest.approx((0.05, 0.001, 0.002, 0.004, 0.03), rel=0.15)
+    assert model.seconds(10, 4, 2) == pytest.approx(0.05 + 0.01 + 0.008 + 0.008 + 0.03, rel=0.02)
+    assert model.seconds(1) == pytest.approx(0.05 + 0.001, rel=0.02)  # one lone decode: no w
+    assert model.seconds(300) == pytest.approx(0.05 + 0.3 + 0.03, rel=0.02)
+    # Before any step: the prior, with a drafted token's, a row's and a second token's own cost
+    # at 0 (drafts get tried).
+    a, b, d, c, w = StepTimeModel().coef
+    assert a > 0 and b > 0 and d == c == w == 0
     # One long prefill is enough for a sensible split of a decode's cost from a token's.
     model = StepTimeModel()
     model.observe(520, 0, 0, 0.8)
@@ -52,6 +67,40 @@ def test_the_step_time_fit_finds_the_coefficients_of_measured_steps() -> None:
         model.observe(1, 0, 0, 0.1)
         model.observe(300, 0, 0, 0.1 + 0.6)
     assert model.coef[:2] == pytest.approx((0.1, 0.002), rel=0.05)
+
+
+def test_a_start_up_profile_sets_the_fit_before_any_step() -> None:
+    # The shapes services/worker/step_profile.py times: 1 and 8 rows, drafts of 3 and 7.
+    truth = (0.05, 0.0005, 0.002, 0.001, 0.04)  # a, b, c, d, w
+    shapes = [(1, 0, 0), (4, 3, 1), (8, 7, 1), (8, 0, 0), (32, 24, 8)]
+    model = StepTimeModel()
+    model.profiled([(t, d, r, step_seconds(*truth, t, d, r)) for t, d, r in shapes])
+    assert model.num_profiled == 5 and model.num_observed == 0
+    for t, d, r in [(1, 0, 0), (6, 5, 1), (16, 0, 0), (64, 40, 8)]:
+        assert model.seconds(t, d, r) == pytest.approx(step_seconds(*truth, t, d, r), rel=0.05)
+    # Measured steps outweigh it in time (the machine got slower) ...
+    for _ in range(200):
+        for t, d, r in shapes:
+            model.observe(t, d, r, 1.5 * step_seconds(*truth, t, d, r))
+    assert model.seconds(8, 0, 0) == pytest.approx(1.5 * step_seconds(*truth, 8, 0, 0), rel=0.05)
+    # ... and with a profile, a surprise is clipped from the first measured step on.
+    fresh = StepTimeModel()
+    fresh.profiled([(t, d, r, step_seconds(*truth, t, d, r)) for t, d, r in shapes])
+    fresh.observe(1, 0, 0, 100.0)
+    assert fresh.seconds(1) < 0.2
+    # A sample that is no measurement, or no step, is left out; none at all keeps the guesses.
+    unprofiled = StepTimeModel()
+    unprofiled.profiled([(1, 0, 0, float("nan")), (4, 5, 1, 0.1), (2, 0, 0, -1.0)])
+    assert unprofiled.num_profiled == 0 and unprofiled.coef == StepTimeModel().coef
+
+
+def test_a_draft_beside_one_lone_decode_pays_for_the_second_token() -> None:
+    # One decode 50 ms, any wider step 40 ms more, tokens nearly free (a CPU at one row).
+    model = fitted(0.05, 0.0002, 0.0, w=0.04)
+    assert verify_lengths([[0.3] * 5], 1, 1, model) == [0]  # ~0.4 tokens for 80% more time
+    assert verify_lengths([[0.9] * 5], 1, 1, model) == [5]  # ~3.7 tokens: worth it
+    # Beside four decodes the step is wide anyway: the same weak draft pays.
+    assert verify_lengths([[0.3] * 5], 4, 4, model)[0] > 0
 
 
 def test_acceptance_estimates_follow_position_match_length_and_the_sequence() -> None:

@@ -27,6 +27,9 @@ def test_ngram_draft_takes_the_longest_most_recent_match() -> None:
     assert ngram_draft(array("I", [1, 2, 9, 5, 2, 8, 5, 2]), 2) == [8, 5]  # "5 2": the latest
     assert ngram_draft(array("I", [7, 1, 2, 3, 9, 2, 3, 4, 1, 2, 3]), 2) == [9, 2]  # "1 2 3" beats "2 3"
     assert ngram_draft(array("I", [1, 2, 3, 4]), 3) == []
+    # A match one period back in a repeating run drafts the run on, past the sequence's end.
+    assert ngram_draft(array("I", PROMPT), 7) == [12, 13, 10, 11, 12, 13, 10]
+    assert ngram_draft(array("I", [4, 7, 7, 7]), 5) == [7, 7, 7, 7, 7]
     # Byte matches across token boundaries are not token matches.
     assert ngram_draft(array("I", [0x0100, 0x0200, 0x0300, 0x0001, 0x0002, 0x0100, 0x0200]), 2) == [0x0300, 1]
     assert ngram_draft(array("I", [0x0002_0000, 0x0000_0003, 0x0200, 0x0300]), 2) == []
@@ -43,13 +46,13 @@ def test_a_sequence_with_no_match_overlaps_then_retries() -> None:
         speculator.overlapped("s")
     assert overlaps == [True] * RETRY_AFTER + [False]
     seq.output_token_ids = [1, 2]  # now "1 2" came before
-    assert speculator.draft_for(seq, 4, 100) == [3, 1, 2]
+    assert speculator.draft_for(seq, 4, 100) == [3, 1, 2, 3]  # (the run goes on)
     assert not speculator.may_overlap(seq)  # it drafts: it waits for its result
     constrained = StructuredOutput(StructuredOutputKind.JSON)  # drafts too: the worker cuts them
     grammar = Sequence(
         "j", "g", [1, 2, 9, 1, 2], SamplingParams(max_tokens=50, structured_output=constrained), EOS
     )
-    assert not speculator.may_overlap(grammar) and speculator.draft_for(grammar, 4, 100) == [9, 1, 2]
+    assert not speculator.may_overlap(grammar) and speculator.draft_for(grammar, 4, 100) == [9, 1, 2, 9]
     speculator.forget("j")
     speculator.forget("s")
     speculator.check_integrity(set())

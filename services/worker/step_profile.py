@@ -1,0 +1,99 @@
+"""Step times measured at start, before the worker announces itself.
+
+A few synthetic plans run through the real ModelRunner: decodes of one row and of several, and
+the same rows verifying drafts of two lengths. Their times (``StepSample``) go out with the
+worker's load reports, and the scheduler's speculative policy fits its step-time model to them
+(services/scheduler/spec_policy.py) before any request has run, instead of starting from guesses.
+Each shape runs twice and the second time counts: a shape's first forward is slow (allocations,
+kernel choice), and running it here also spares the first requests that cost.
+
+The synthetic sequences use pages from the start of the pool and are dropped afterwards; the
+scheduler has handed out no page yet, and a page's content means nothing until a plan writes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from libs.protocol.codec import pack_tokens
+from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput, StepSample
+from services.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+CONTEXT_LEN = 16  # tokens each synthetic sequence holds before its decodes (at most): a short
+# prefill keeps the profile cheap; attention over longer contexts is what live steps teach the fit
+MAX_ROWS = 8  # rows of the batched shapes (fewer if the worker runs fewer sequences)
+DRAFT_LENGTHS = (3, 7)  # drafted tokens per verifying row: two lengths separate row and token costs
+PARAMS = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+
+def profile_steps(runner: ModelRunner, max_num_seqs: int) -> tuple[StepSample, ...]:
+    """Time decodes of 1 and of ``min(MAX_ROWS, max_num_seqs)`` rows, with no draft and with every
+    row verifying a draft of each of ``DRAFT_LENGTHS``. Returns () when the pool cannot hold the
+    synthetic sequences. The runner holds no sequence afterwards."""
+    # Every row's tokens and drafts all computed in the worst case, each shape twice; the
+    # context shrinks to fit a model of few positions, the rows to fit a small pool.
+    num_decoded = 1 + 2 * (3 + sum(DRAFT_LENGTHS) + 2 + DRAFT_LENGTHS[0])
+    max_position = min(runner.shape.max_num_tokens, runner.kv_cache.num_blocks * runner.block_size)
+    context_len = min(CONTEXT_LEN, max_position - num_decoded)
+    blocks_per_seq = math.ceil((context_len + num_decoded) / runner.block_size)
+    num_rows = min(MAX_ROWS, max_num_seqs, runner.kv_cache.num_blocks // blocks_per_seq)
+    if context_len < 1 or num_rows < 1:
+        return ()
+    shapes = [(1, 0), (1, DRAFT_LENGTHS[0]), (1, DRAFT_LENGTHS[1])]
+    if num_rows > 1:
+        shapes += [(num_rows, 0), (num_rows, DRAFT_LENGTHS[0])]
+    seq_ids = [f"step-profile-{i}" for i in range(num_rows)]
+    vocab_size = runner.shape.vocab_size
+    new_seqs = tuple(
+        NewSequence(
+            seq_id=seq_id,
+            prompt_token_ids=pack_tokens([(7 * i + 13 * j + 1) % vocab_size for j in range(context_len)]),
+            output_token_ids=b"",
+            sampling_params=PARAMS,
+            stop_token_ids=(),
+            block_ids=pack_tokens(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            num_computed_tokens=0,
+            num_scheduled_tokens=context_len,
+        )
+        for i, seq_id in enumerate(seq_ids)
+    )
+    samples: list[StepSample] = []
+    try:
+        runner.execute(SchedulerOutput(step_id=0, new_seqs=new_seqs))
+        for rows, draft_len in shapes:
+            for attempt in range(2):
+                seconds = _decode(runner, seq_ids[:rows], draft_len, vocab_size)
+                if attempt:
+                    samples.append(
+                        StepSample(rows * (1 + draft_len), rows * draft_len, rows * bool(draft_len), seconds)
+                    )
+    except Exception:  # the profile is optional: without it the policy starts from its priors
+        log.exception("the step profile failed: the speculative policy starts from its priors")
+        return ()
+    finally:
+        runner.reset()
+    log.info(
+        "step profile: %s",
+        ", ".join(f"{s.num_tokens}/{s.num_draft_rows} {s.seconds * 1e3:.1f} ms" for s in samples),
+    )
+    return tuple(samples)
+
+
+def _decode(runner: ModelRunner, seq_ids: list[str], draft_len: int, vocab_size: int) -> float:
+    """One decode step of ``seq_ids``, each verifying ``draft_len`` arbitrary tokens: its time."""
+    draft = pack_tokens([(31 * j + 5) % vocab_size for j in range(draft_len)]) if draft_len else b""
+    out = runner.execute(
+        SchedulerOutput(
+            step_id=0,
+            seq_ids=tuple(seq_ids),
+            num_scheduled_tokens=pack_tokens([1] * len(seq_ids)),
+            new_block_ids=(b"",) * len(seq_ids),
+            draft_token_ids=(draft,) * len(seq_ids) if draft_len else (),
+        )
+    )
+    if out.error or out.failed_seq_ids:
+        raise RuntimeError(f"the step profile failed: {out.error or out.failed_errors}")
+    return out.forward_time_s

@@ -1,0 +1,65 @@
+"""The worker's start-up step profile: the shapes it times, what it leaves behind (nothing: the
+runner holds no sequence and serves exactly afterwards), and when it cannot run."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.local_engine import LocalEngine
+from libs.models.llama import LlamaForCausalLM
+from libs.protocol.messages import SamplingParams, StepSample
+from services.scheduler.worker_scheduler import Limits
+from services.worker.model_runner import ModelRunner, ModelShape
+from services.worker.step_profile import DRAFT_LENGTHS, profile_steps
+from tests.reference import reference_greedy
+from tests.tiny_models import TINY_LLAMA
+
+BLOCK_SIZE = 4
+
+
+def runner_of(model: LlamaForCausalLM, num_blocks: int = 96) -> ModelRunner:
+    return ModelRunner(model, ModelShape.of(TINY_LLAMA), num_blocks, BLOCK_SIZE, torch.float32)
+
+
+def shapes(samples: tuple[StepSample, ...]) -> list[tuple[int, int, int]]:
+    return [(s.num_tokens, s.num_draft_tokens, s.num_draft_rows) for s in samples]
+
+
+def test_the_profile_times_decodes_with_and_without_drafts_and_leaves_nothing(
+    model: LlamaForCausalLM,
+) -> None:
+    runner = runner_of(model)
+    samples = profile_steps(runner, max_num_seqs=4)
+    short, long = DRAFT_LENGTHS
+    assert shapes(samples) == [
+        (1, 0, 0),
+        (1 + short, short, 1),
+        (1 + long, long, 1),
+        (4, 0, 0),
+        (4 + 4 * short, 4 * short, 4),
+    ]
+    assert all(0 < s.seconds < 5 for s in samples)
+    assert not runner.seqs and not runner.failed_seq_ids
+    runner.check_integrity()
+    # The pages it wrote are overwritten by real sequences: outputs are the reference's.
+    limits = Limits(96, BLOCK_SIZE, 4, TINY_LLAMA.max_position_embeddings, 256, 64, 0.0)
+    engine = LocalEngine(runner, limits, TINY_LLAMA.eos_token_id, check=True, step_profile=samples)
+    assert engine.core.speculator.policy.step_time.num_profiled == len(samples)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = {"a": [5, 9, 3, 7, 1], "b": [40, 41, 42]}
+    outputs = engine.run((0, seq_id, prompt, params) for seq_id, prompt in prompts.items())
+    assert outputs == {s: reference_greedy(model, p, params.max_tokens) for s, p in prompts.items()}
+
+
+def test_one_row_workers_and_small_pools(model: LlamaForCausalLM) -> None:
+    assert shapes(profile_steps(runner_of(model), max_num_seqs=1))[-1] == (
+        1 + DRAFT_LENGTHS[1],
+        DRAFT_LENGTHS[1],
+        1,
+    )
+    assert len(profile_steps(runner_of(model), max_num_seqs=1)) == 3
+    # A pool of 20 pages holds one synthetic sequence: the batched shapes are left out.
+    assert len(profile_steps(runner_of(model, num_blocks=20), max_num_seqs=8)) == 3
+    runner = runner_of(model, num_blocks=4)  # 16 positions: too few for the decodes
+    assert profile_steps(runner, max_num_seqs=8) == ()
+    assert not runner.seqs
