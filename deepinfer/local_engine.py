@@ -52,9 +52,7 @@ class LocalEngine:
         self.core = WorkerScheduler(limits)
         # the worker's start-up step times (services/worker/step_profile.py), as the scheduler
         # service passes them on from its load report
-        self.core.record_step_profile(
-            [(s.num_tokens, s.num_draft_tokens, s.num_draft_rows, s.seconds) for s in step_profile]
-        )
+        self.core.record_step_profile(step_profile)
         self.eos_token_id = eos_token_id
         self.max_in_flight = 2 if overlap else 1
         self.check = check  # check_integrity after every step (tests)

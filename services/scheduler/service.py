@@ -256,9 +256,7 @@ class SchedulerService:
             speculative_policy=self.config.speculative_policy,
         )
         core = WorkerScheduler(limits, self.config.scheduler_id, load.model_fingerprint or load.model)
-        core.record_step_profile(
-            [(s.num_tokens, s.num_draft_tokens, s.num_draft_rows, s.seconds) for s in load.step_profile]
-        )
+        core.record_step_profile(load.step_profile)
         handle = WorkerHandle(load, core, time.monotonic())
         self.workers[load.worker_id] = handle
         self.fleet.add_worker(load.worker_id, core, load.role)

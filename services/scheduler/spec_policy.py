@@ -7,18 +7,21 @@ each draft that makes the most tokens per second of step time:
 - ``AcceptancePredictor`` estimates, for each drafted position j, the chance it is accepted given
   that the ones before it were: smoothed counts by source, match length and position, pulled
   toward the sequence's own record (a request that copies its prompt keeps copying).
-- ``StepTimeModel`` predicts a step's time from its tokens, its drafted tokens and its drafted
-  rows, fitted to the worker's measured forward times (weak priors stand in until then).
+- ``StepTimeModel`` predicts a step's time from its tokens, its drafted tokens, its drafted rows
+  and whether it computes more than one token, fitted to the worker's measured forward times and
+  to the steps it timed at start (guesses stand in for a worker that sent none).
 - ``verify_lengths`` maximizes (sampling rows + expected accepted drafts) / step time over the
   prefix length of every draft (Dinkelbach's ratio iteration; per sequence the gains fall with
   the position, so a few rounds settle it). Where tokens are most of a step's cost (many decode
   rows) or acceptance is low, a drafted token does not pay for its share of the step and nothing
   is verified; beside a long prefill chunk, which makes the step long anyway, drafts come cheap.
 
-A source nobody verifies would keep its estimate forever, so one drafted token of a source is
-verified every ``EXPLORE_EVERY`` plans that drafted it without verifying any; and one slow step
-(a first run of new shapes, a pause) must not stop drafting for long, so a measured step counts
-as at most ``MAX_SURPRISE`` times what the model predicted for it.
+A source nobody verifies would keep its estimate forever, so a source is explored: one draft of
+it is verified whole at the first plan that drafts it, and again after ``EXPLORE_EVERY`` plans
+that drafted it without verifying any, the wait doubling (to ``MAX_EXPLORE_EVERY``) while it
+still does not pay, so a wrong source costs ever less. And one slow step (a first run of new
+shapes, a pause) must not stop drafting for long, so a measured step counts as at most
+``MAX_SURPRISE`` times what the model predicted for it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 POLICIES: Final = ("adaptive", "fixed")
-EXPLORE_EVERY: Final = 8  # plans a source may draft without any of it verified
+EXPLORE_EVERY: Final = 8  # plans a source may draft without any of it verified, at first ...
+MAX_EXPLORE_EVERY: Final = 64  # ... doubling per exploration after which it still does not pay
 MAX_MATCH_BUCKET: Final = 4  # longer matches count as this long
 HALVE_AT: Final = 4096.0  # counts halve past this many reached positions, to follow a change
 SEQ_HALVE_AT: Final = 32.0  # ... and a sequence's own, sooner: a request copies, then writes anew
@@ -176,6 +180,7 @@ class StepTimeModel:
     _prior: list[tuple[tuple[float, ...], float, float]] = field(default_factory=lambda: list(_GUESSES))
     num_observed: int = 0
     num_profiled: int = 0
+    max_profiled_tokens: int = 0  # the largest profiled step's tokens (0: no profile)
     coef: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
@@ -188,18 +193,21 @@ class StepTimeModel:
         rows = [
             (_features(t, d, r), seconds, PROFILE_WEIGHT)
             for t, d, r, seconds in samples
-            if math.isfinite(seconds) and seconds > 0 and 0 <= d < t and 0 <= r <= d
+            if math.isfinite(seconds) and seconds > 0 and _is_step(t, d, r)
         ]
         if not rows:
             return
         guesses = [(x, seconds, weight * GUESS_WEIGHT_BESIDE_PROFILE) for x, seconds, weight in _GUESSES]
         self._prior = guesses + rows
         self.num_profiled = len(rows)
+        self.max_profiled_tokens = max(t for t, *_ in samples)
         self._fit()
 
     def observe(self, num_tokens: int, num_draft_tokens: int, num_draft_rows: int, seconds: float) -> None:
-        # The first steps set the scale where no profile did, whatever the guesses said.
-        if self.num_profiled or self.num_observed >= 3:
+        # The first steps set the scale where no profile did, whatever the guesses said, and a
+        # step larger than any the profile timed (a long prefill) is not clipped by an
+        # extrapolation either.
+        if self.num_observed >= 3 or num_tokens <= self.max_profiled_tokens:
             seconds = min(seconds, MAX_SURPRISE * self.seconds(num_tokens, num_draft_tokens, num_draft_rows))
         x = _features(num_tokens, num_draft_tokens, num_draft_rows)
         for i in range(_NUM_FEATURES):
@@ -225,6 +233,14 @@ class StepTimeModel:
         # A step costs something, and more work never less time (noise can fit a negative slope).
         b = max(b, 0.0)
         self.coef = (max(a, 1e-6), b, max(d, -b), max(c, 0.0), max(w, 0.0))
+
+
+def _is_step(num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> bool:
+    """Whether a step could compute these: a drafted row drafts at least one token and also
+    computes its input token."""
+    has_drafts = num_draft_tokens > 0
+    fits = num_draft_rows <= num_draft_tokens <= num_tokens - num_draft_rows
+    return num_tokens > 0 and (num_draft_rows > 0) == has_drafts and fits
 
 
 def _features(num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> tuple[float, ...]:
@@ -280,6 +296,8 @@ class VerifyPolicy:
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     # source -> plans since one of its drafts was verified, while it drafted
     _unexplored: dict[str, int] = field(default_factory=dict)
+    # source -> plans it may draft unverified before it is explored (absent: never verified)
+    _explore_every: dict[str, int] = field(default_factory=dict)
     _num_explored: int = 0  # explorations so far: they take the drafted sequences in turn
     _planned: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # step_id -> its features
 
@@ -314,11 +332,16 @@ class VerifyPolicy:
         for source in sorted({src for _, src, _, _ in drafts}):
             chosen = [i for i, d in enumerate(drafts) if d[1] == source]
             if any(lengths[i] for i in chosen):
-                self._unexplored[source] = 0
+                self._unexplored[source], self._explore_every[source] = 0, EXPLORE_EVERY
                 continue
+            every = self._explore_every.get(source, 1)  # (never verified: explored at once)
             self._unexplored[source] = self._unexplored.get(source, 0) + 1
-            if self._unexplored[source] >= EXPLORE_EVERY:
-                # In turn, so a sequence whose own record shut it out gets tried again too.
-                lengths[chosen[self._num_explored % len(chosen)]] = 1
+            if self._unexplored[source] >= every:
+                # In turn, so a sequence whose own record shut it out gets tried again too; and
+                # whole: every position learns, and past its first token a step grows little.
+                explored = chosen[self._num_explored % len(chosen)]
+                lengths[explored] = drafts[explored][3]
                 self._unexplored[source], self._num_explored = 0, self._num_explored + 1
+                known = source in self._explore_every
+                self._explore_every[source] = min(2 * every, MAX_EXPLORE_EVERY) if known else EXPLORE_EVERY
         return lengths

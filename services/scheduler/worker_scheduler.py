@@ -44,7 +44,7 @@ import itertools
 from collections.abc import Iterable, Mapping
 
 from libs.protocol.errors import QueueFull
-from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput
+from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput, StepSample
 from services.scheduler import integrity, pausing
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_reuse import KVReuse
@@ -202,10 +202,11 @@ class WorkerScheduler:
         """How long the worker's forward of plan ``step_id`` took (for the speculative policy)."""
         self.speculator.policy.measured(step_id, seconds)
 
-    def record_step_profile(self, samples: list[tuple[int, int, int, float]]) -> None:
-        """Steps the worker timed at start, as (tokens, drafted tokens, drafted rows, seconds):
-        the speculative policy's step-time model starts from them."""
-        self.speculator.policy.step_time.profiled(samples)
+    def record_step_profile(self, samples: Iterable[StepSample]) -> None:
+        """Steps the worker timed at start: the speculative policy's step-time model starts from them."""
+        self.speculator.policy.step_time.profiled(
+            [(s.num_tokens, s.num_draft_tokens, s.num_draft_rows, s.seconds) for s in samples]
+        )
 
     def postprocess(
         self,

@@ -165,8 +165,8 @@ class Worker:
     step_profile: tuple[StepSample, ...]  # steps timed at start (its owner's speculative policy)
 
 
-def build_worker(config: Config, cache_dir: str) -> Worker:
-    """Load the model, size the KV pool and the KV tiers."""
+def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker:
+    """Load the model, size the KV pool and the KV tiers, and (``profile``) time a few steps."""
     path = resolve_model_path(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -223,13 +223,14 @@ def build_worker(config: Config, cache_dir: str) -> Worker:
     )
     # Before the worker announces itself: its owner's speculative policy starts from these
     # times, and the shapes a first request takes are warm.
-    step_profile = profile_steps(runner, config.max_num_seqs)
+    step_profile = profile_steps(runner, config.max_num_seqs) if profile else ()
     return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint, step_profile)
 
 
 def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]:
-    """``build_worker`` as (runner, max_model_len, model name), for the benchmarks."""
-    worker = build_worker(config, cache_dir)
+    """``build_worker`` as (runner, max_model_len, model name), for the benchmarks: no step
+    profile (they warm the shapes they time themselves and draft nothing)."""
+    worker = build_worker(config, cache_dir, profile=False)
     return worker.runner, worker.max_model_len, worker.model_name
 
 

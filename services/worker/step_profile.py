@@ -1,9 +1,10 @@
 """Step times measured at start, before the worker announces itself.
 
-A few synthetic plans run through the real ModelRunner: decodes of one row and of several, and
-the same rows verifying drafts of two lengths. Their times (``StepSample``) go out with the
-worker's load reports, and the scheduler's speculative policy fits its step-time model to them
-(services/scheduler/spec_policy.py) before any request has run, instead of starting from guesses.
+A few synthetic plans run through the real ModelRunner: decodes of one row, alone and verifying
+drafts of two lengths, and of several rows, alone and verifying drafts of the shorter length.
+Their times (``StepSample``) go out with the worker's load reports, and the scheduler's
+speculative policy fits its step-time model to them (services/scheduler/spec_policy.py) before
+any request has run, instead of starting from guesses.
 Each shape runs twice and the second time counts: a shape's first forward is slow (allocations,
 kernel choice), and running it here also spares the first requests that cost.
 
@@ -17,7 +18,7 @@ import logging
 import math
 
 from libs.protocol.codec import pack_tokens
-from libs.protocol.messages import NewSequence, SamplingParams, SchedulerOutput, StepSample
+from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput, StepSample
 from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -30,21 +31,25 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
 def profile_steps(runner: ModelRunner, max_num_seqs: int) -> tuple[StepSample, ...]:
-    """Time decodes of 1 and of ``min(MAX_ROWS, max_num_seqs)`` rows, with no draft and with every
-    row verifying a draft of each of ``DRAFT_LENGTHS``. Returns () when the pool cannot hold the
-    synthetic sequences. The runner holds no sequence afterwards."""
-    # Every row's tokens and drafts all computed in the worst case, each shape twice; the
-    # context shrinks to fit a model of few positions, the rows to fit a small pool.
-    num_decoded = 1 + 2 * (3 + sum(DRAFT_LENGTHS) + 2 + DRAFT_LENGTHS[0])
+    """Time decodes of 1 row, alone and verifying a draft of each of ``DRAFT_LENGTHS``, then of
+    ``min(MAX_ROWS, max_num_seqs)`` rows (fewer if the pool holds fewer), alone and each verifying
+    a draft of the shorter length. Returns () when the pool or the model's positions cannot hold
+    one synthetic sequence, or when a step fails. The runner holds no sequence afterwards."""
+    one_row = [(1, 0), (1, DRAFT_LENGTHS[0]), (1, DRAFT_LENGTHS[1])]
+    batched = [(MAX_ROWS, 0), (MAX_ROWS, DRAFT_LENGTHS[0])]
+    # The first sequence is in every shape, each run twice, every token and draft computed in
+    # the worst case (all drafts accepted); the context shrinks to fit a model of few positions,
+    # the rows to fit a small pool.
+    num_decoded = 1 + 2 * sum(1 + k for _, k in one_row + batched)
     max_position = min(runner.shape.max_num_tokens, runner.kv_cache.num_blocks * runner.block_size)
     context_len = min(CONTEXT_LEN, max_position - num_decoded)
+    if context_len < 1:
+        return ()
     blocks_per_seq = math.ceil((context_len + num_decoded) / runner.block_size)
     num_rows = min(MAX_ROWS, max_num_seqs, runner.kv_cache.num_blocks // blocks_per_seq)
-    if context_len < 1 or num_rows < 1:
+    if num_rows < 1:
         return ()
-    shapes = [(1, 0), (1, DRAFT_LENGTHS[0]), (1, DRAFT_LENGTHS[1])]
-    if num_rows > 1:
-        shapes += [(num_rows, 0), (num_rows, DRAFT_LENGTHS[0])]
+    shapes = one_row + ([(num_rows, k) for _, k in batched] if num_rows > 1 else [])
     seq_ids = [f"step-profile-{i}" for i in range(num_rows)]
     vocab_size = runner.shape.vocab_size
     new_seqs = tuple(
@@ -62,7 +67,7 @@ def profile_steps(runner: ModelRunner, max_num_seqs: int) -> tuple[StepSample, .
     )
     samples: list[StepSample] = []
     try:
-        runner.execute(SchedulerOutput(step_id=0, new_seqs=new_seqs))
+        _checked(runner.execute(SchedulerOutput(step_id=0, new_seqs=new_seqs)), len(seq_ids))
         for rows, draft_len in shapes:
             for attempt in range(2):
                 seconds = _decode(runner, seq_ids[:rows], draft_len, vocab_size)
@@ -94,6 +99,11 @@ def _decode(runner: ModelRunner, seq_ids: list[str], draft_len: int, vocab_size:
             draft_token_ids=(draft,) * len(seq_ids) if draft_len else (),
         )
     )
-    if out.error or out.failed_seq_ids:
+    return _checked(out, len(seq_ids)).forward_time_s
+
+
+def _checked(out: ModelRunnerOutput, num_rows: int) -> ModelRunnerOutput:
+    """``out``, if every row ran and sampled: a step that dropped one is no measurement."""
+    if out.error or out.failed_seq_ids or len(out.seq_ids) != num_rows:
         raise RuntimeError(f"the step profile failed: {out.error or out.failed_errors}")
-    return out.forward_time_s
+    return out

@@ -41,6 +41,7 @@ from services.worker.kv_store import KVStore
 from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
+from services.worker.step_profile import profile_steps
 from tests.tiny_models import TINY_LLAMA
 
 SUBJECTS = Subjects()
@@ -55,6 +56,16 @@ def make_service(bus: InMemoryBus, orphan_timeout_s: float) -> WorkerService:
         worker_id="w1", orphan_timeout_s=orphan_timeout_s, load_interval_s=3600, drain_timeout_s=0
     )
     return WorkerService(config, bus, runner, max_model_len=64, model_name="tiny")
+
+
+def test_the_load_report_carries_the_start_up_profile() -> None:
+    torch.manual_seed(0)
+    runner = ModelRunner(LlamaForCausalLM(TINY_LLAMA).eval(), ModelShape.of(TINY_LLAMA), 96, 4, torch.float32)
+    profile = profile_steps(runner, max_num_seqs=4)
+    assert len(profile) == 5
+    config = Config(worker_id="w1", load_interval_s=3600)
+    service = WorkerService(config, InMemoryBus(), runner, 64, "tiny", step_profile=profile)
+    assert decode(WorkerLoad, encode(service.load())).step_profile == profile
 
 
 def plan(step_id: int, scheduler_id: str, seq_id: str, block: int) -> bytes:

@@ -251,3 +251,51 @@ def test_a_predicted_output_is_verified_and_counted_in_usage(stack: Stack) -> No
         else:  # its start is found after the unrelated function; the drafts past that are wrong
             assert details.rejected_prediction_tokens > 0
         assert usage.completion_tokens == 32
+
+
+def test_nothing_past_a_stop_is_sent_when_it_falls_inside_accepted_drafts(stack: Stack) -> None:
+    """A prediction that runs past the stop: its drafts are accepted beyond the stop string and
+    the stop token, and still neither the text nor the usage goes past them."""
+    sdk = client(stack)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prediction = {"type": "content", "content": "The capital of France is Paris. It is a city of art."}
+    for stream in (False, True):
+        resp = sdk.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=30,
+            stop=["Paris"],
+            prediction=prediction,
+            stream=stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        )
+        if stream:
+            chunks = list(resp)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            usage = chunks[-1].usage
+        else:
+            text, finish, usage = resp.choices[0].message.content, [resp.choices[0].finish_reason], resp.usage
+        assert text == "The capital of France is " and finish == ["stop"]
+        assert usage is not None and usage.completion_tokens_details is not None
+        assert (usage.completion_tokens_details.accepted_prediction_tokens or 0) >= 4
+    from libs.modelfiles.registry import resolve_model_path
+    from libs.recipe.tokenizer import Tokenizer
+
+    (france,) = Tokenizer.from_gguf(resolve_model_path(), None).encode(" France")
+    cut, plain = (
+        sdk.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=12,
+            extra_body={"stop_token_ids": [france], **extra},
+        )
+        for extra in ({"prediction": prediction}, {})
+    )
+    assert cut.choices[0].message.content == plain.choices[0].message.content
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage is not None and cut.usage.completion_tokens == 4  # " France" ends it
+    assert cut.usage.completion_tokens_details is not None
+    assert (cut.usage.completion_tokens_details.accepted_prediction_tokens or 0) >= 3

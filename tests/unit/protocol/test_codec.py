@@ -24,8 +24,10 @@ from libs.protocol.messages import (
     SamplingParams,
     SchedulerOutput,
     StepOutputs,
+    StepSample,
     StoredResponse,
     SubmitRequest,
+    WorkerLoad,
 )
 
 
@@ -72,6 +74,7 @@ def test_floats_pack_as_float32() -> None:
             (Logprobs(pack_floats([-0.5]), pack_tokens([9]), pack_floats([-0.5]), 1), None),
         ),
         StepOutputs("s", 9, (RequestOutput("r", pack_tokens([1]), 1, 4, FinishReason.LENGTH, index=1),)),
+        WorkerLoad("w", 0, 8, 64, 32, 4, step_profile=(StepSample(1, 0, 0, 0.05), StepSample(8, 7, 1, 0.09))),
     ],
 )
 def test_round_trip(msg: object) -> None:

@@ -26,6 +26,7 @@ from services.worker.config import Config as WorkerConfig
 from services.worker.main import load_model
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.mtp_drafter import MTPDrafter
+from services.worker.step_profile import profile_steps
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -174,3 +175,16 @@ def test_the_worker_loads_the_mtp_module_only_to_draft(tmp_path: Path, smollm2_p
         load_model(smollm2_path, tmp_path, "float32", with_mtp=True)
     with pytest.raises(ValueError, match="speculative_method"):
         WorkerConfig(speculative_method="eagle")
+
+
+def test_the_start_up_profile_leaves_the_drafter_exact(model: DeepseekV3ForCausalLM) -> None:
+    """The worker's step profile runs verification rows through the drafter too; afterwards every
+    draft is still the reference module's and the tokens are those without speculation."""
+    plain = serve(make_engine(model, "none")[0], GREEDY)
+    engine, runner = make_engine(model, "mtp")
+    assert len(profile_steps(runner.runner, max_num_seqs=8)) == 5
+    assert not runner.runner.seqs
+    assert serve(engine, GREEDY) == plain
+    assert_drafts_accepted_and_rejected(engine)
+    for tokens, token_id, _ in runner.drafts:
+        assert token_id == reference_draft(model, tokens)[0], len(tokens)

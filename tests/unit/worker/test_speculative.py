@@ -105,6 +105,8 @@ def test_seeded_samples_are_those_without_speculation(model: LlamaForCausalLM, o
 
 def test_preemption_and_n_choices_keep_the_tokens(model: LlamaForCausalLM) -> None:
     params = dataclasses.replace(SEEDED, n=2)
+    # 24 pages: preemptions, and drafts both accepted and rejected (with fewer, the sequences'
+    # first decodes, whose drafts the prompts make wrong, happen to go undrafted)
     plain = serve(make_engine(model, 0, True, num_blocks=24), params)
     engine = make_engine(model, 4, True, num_blocks=24)
     assert serve(engine, params) == plain

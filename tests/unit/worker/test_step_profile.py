@@ -51,6 +51,25 @@ def test_the_profile_times_decodes_with_and_without_drafts_and_leaves_nothing(
     assert outputs == {s: reference_greedy(model, p, params.max_tokens) for s, p in prompts.items()}
 
 
+def test_a_model_of_few_positions_gets_a_shorter_context(model: LlamaForCausalLM) -> None:
+    runner = runner_of(model, num_blocks=12)  # 48 positions: 11 of context, one sequence
+    samples = profile_steps(runner, max_num_seqs=8)
+    assert len(samples) == 3 and not runner.seqs
+    limits = Limits(12, BLOCK_SIZE, 2, TINY_LLAMA.max_position_embeddings, 256, 64, 0.0)
+    engine = LocalEngine(runner, limits, TINY_LLAMA.eos_token_id, check=True)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert engine.run([(0, "a", [7] * 20, params)]) == {"a": reference_greedy(model, [7] * 20, 20)}
+
+
+def test_a_model_that_fails_its_steps_sends_no_profile(model: LlamaForCausalLM) -> None:
+    broken = LlamaForCausalLM(TINY_LLAMA, dtype=torch.float32).eval()
+    with torch.no_grad():
+        broken.norm.weight.fill_(float("nan"))  # every row's logits are NaN: the rows fail
+    runner = runner_of(broken)
+    assert profile_steps(runner, max_num_seqs=4) == ()
+    assert not runner.seqs and not runner.failed_seq_ids
+
+
 def test_one_row_workers_and_small_pools(model: LlamaForCausalLM) -> None:
     assert shapes(profile_steps(runner_of(model), max_num_seqs=1))[-1] == (
         1 + DRAFT_LENGTHS[1],
