@@ -16,12 +16,13 @@ each draft that makes the most tokens per second of step time:
   rows) or acceptance is low, a drafted token does not pay for its share of the step and nothing
   is verified; beside a long prefill chunk, which makes the step long anyway, drafts come cheap.
 
-A source nobody verifies would keep its estimate forever, so a source is explored: one draft of
-it is verified whole at the first plan that drafts it, and again after ``EXPLORE_EVERY`` plans
-that drafted it without verifying any, the wait doubling (to ``MAX_EXPLORE_EVERY``) while it
-still does not pay, so a wrong source costs ever less. And one slow step (a first run of new
-shapes, a pause) must not stop drafting for long, so a measured step counts as at most
-``MAX_SURPRISE`` times what the model predicted for it.
+A sequence's first draft is verified whole, so that its own record starts (one request copies
+its prompt, the next does not; a client's prediction is right or wrong as a whole). A source
+nobody verifies would keep its estimate forever, so one of its drafts is verified whole after
+``EXPLORE_EVERY`` plans that drafted it without verifying any, the wait doubling (to
+``MAX_EXPLORE_EVERY``) while it still does not pay, so a wrong source costs ever less. And one
+slow step (a first run of new shapes, a pause) must not stop drafting for long, so a measured
+step counts as at most ``MAX_SURPRISE`` times what the model predicted for it.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ class AcceptancePredictor:
             self._by_seq.setdefault(seq_id, _Tally()).add(
                 float(num_accepted), float(num_reached), SEQ_HALVE_AT
             )
+
+    def has_record(self, seq_id: str) -> bool:
+        """Whether a draft of the sequence was verified here (while it lives)."""
+        return seq_id in self._by_seq
 
     def forget(self, seq_id: str) -> None:
         self._by_seq.pop(seq_id, None)
@@ -329,12 +334,18 @@ class VerifyPolicy:
             return [num_drafted for *_, num_drafted in drafts]
         rates = [self.predictor.probabilities(s, src, m, n) for s, src, m, n in drafts]
         lengths = verify_lengths(rates, num_sampling, num_tokens, self.step_time)
+        chose = {src for (_, src, _, _), k in zip(drafts, lengths, strict=True) if k}
+        for i, (seq_id, _, _, num_drafted) in enumerate(drafts):
+            if not self.predictor.has_record(seq_id):
+                lengths[i] = num_drafted  # a sequence's first draft: whole, so its own record starts
         for source in sorted({src for _, src, _, _ in drafts}):
             chosen = [i for i, d in enumerate(drafts) if d[1] == source]
+            if source in chose:
+                self._explore_every[source] = EXPLORE_EVERY
             if any(lengths[i] for i in chosen):
-                self._unexplored[source], self._explore_every[source] = 0, EXPLORE_EVERY
+                self._unexplored[source] = 0
                 continue
-            every = self._explore_every.get(source, 1)  # (never verified: explored at once)
+            every = self._explore_every.get(source, EXPLORE_EVERY)
             self._unexplored[source] = self._unexplored.get(source, 0) + 1
             if self._unexplored[source] >= every:
                 # In turn, so a sequence whose own record shut it out gets tried again too; and
@@ -342,6 +353,5 @@ class VerifyPolicy:
                 explored = chosen[self._num_explored % len(chosen)]
                 lengths[explored] = drafts[explored][3]
                 self._unexplored[source], self._num_explored = 0, self._num_explored + 1
-                known = source in self._explore_every
-                self._explore_every[source] = min(2 * every, MAX_EXPLORE_EVERY) if known else EXPLORE_EVERY
+                self._explore_every[source] = min(2 * every, MAX_EXPLORE_EVERY)
         return lengths

@@ -192,28 +192,32 @@ def test_a_source_no_plan_verifies_is_tried_again_now_and_then() -> None:
     for _ in range(10):
         policy.predictor.record("s", "ngram", 2, num_verified=1, num_accepted=0)
     drafts = [("s", "ngram", 2, 4)]
-    plans = 1 + EXPLORE_EVERY + 2 * EXPLORE_EVERY + 4 * EXPLORE_EVERY
-    verified = [policy.lengths(drafts, 1, 1)[0] for _ in range(plans + MAX_EXPLORE_EVERY)]
-    # Tried whole at once (never verified), then after 8, 16, 32 plans, then every 64.
-    explored = [i for i, k in enumerate(verified) if k]
+    num_plans = 7 * EXPLORE_EVERY + 2 * MAX_EXPLORE_EVERY
+    verified = [policy.lengths(drafts, 1, 1)[0] for _ in range(num_plans)]
+    # Explored whole after 8 plans that drafted it unverified, then 16, 32, then every 64.
+    explored = [i + 1 for i, k in enumerate(verified) if k]
     assert explored == [
-        0,
         EXPLORE_EVERY,
         3 * EXPLORE_EVERY,
         7 * EXPLORE_EVERY,
         7 * EXPLORE_EVERY + MAX_EXPLORE_EVERY,
+        7 * EXPLORE_EVERY + 2 * MAX_EXPLORE_EVERY,
     ]
     assert set(verified) == {0, 4}
-    # A verification it chose starts the waits over; explorations take the drafted sequences in
-    # turn, not always the first.
+    # A sequence with no record of its own has its first draft verified whole, even here.
+    assert policy.lengths([("s", "ngram", 2, 4), ("new", "ngram", 2, 3)], 2, 2) == [0, 3]
+    # A verification the policy chose starts the waits over; explorations take the drafted
+    # sequences in turn, not always the first.
     for _ in range(30):  # another sequence whose drafts hold, while drafted rows are cheap
         policy.predictor.record("u", "ngram", 4, num_verified=4, num_accepted=4)
     policy.step_time = fitted(0.01, 0.001, 0.0)
     assert policy.lengths([("u", "ngram", 4, 4)], 1, 1) == [4]
     policy.step_time = fitted(0.01, 0.001, 0.05)
+    policy.predictor.record("t", "ngram", 2, num_verified=1, num_accepted=0)
     two = [("s", "ngram", 2, 4), ("t", "ngram", 2, 3)]
     runs = [policy.lengths(two, 2, 2) for _ in range(3 * EXPLORE_EVERY)]
-    assert [x for x in runs if any(x)] == [[0, 3], [4, 0]]
+    assert [i + 1 for i, x in enumerate(runs) if any(x)] == [EXPLORE_EVERY, 3 * EXPLORE_EVERY]
+    assert sorted(x for x in runs if any(x)) == [[0, 3], [4, 0]]
     # A time that is no measurement is dropped.
     policy.planned(7, 10, 0, 0)
     before = policy.step_time.num_observed
