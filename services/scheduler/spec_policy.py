@@ -34,10 +34,19 @@ from typing import Final
 POLICIES: Final = ("adaptive", "fixed")
 EXPLORE_EVERY: Final = 8  # plans a source may draft without any of it verified, at first ...
 MAX_EXPLORE_EVERY: Final = 64  # ... doubling per exploration after which it still does not pay
-MAX_MATCH_BUCKET: Final = 4  # longer matches count as this long
+MAX_MATCH_BUCKET: Final = 4  # an MTP draft's probability falls in one of buckets 1..this
 HALVE_AT: Final = 4096.0  # counts halve past this many reached positions, to follow a change
 SEQ_HALVE_AT: Final = 32.0  # ... and a sequence's own, sooner: a request copies, then writes anew
 MAX_SURPRISE: Final = 2.0  # a measured step counts as at most this many times its prediction
+
+
+def match_bucket(match_len: int) -> int:
+    """The acceptance counts' bucket for a draft whose source matched ``match_len`` tokens: 1..4
+    as they are, then 5-8, 9-16 and 17 on (a draft that continues a long verbatim run, a copy of
+    the prompt, is far likelier to hold than one after a common 2-gram)."""
+    if match_len <= 4:
+        return match_len
+    return 5 if match_len <= 8 else 6 if match_len <= 16 else 7
 
 
 @dataclass(slots=True)
@@ -75,7 +84,7 @@ class AcceptancePredictor:
 
     def probabilities(self, seq_id: str, source: str, match_len: int, num_drafted: int) -> list[float]:
         """The conditional acceptance of each of ``num_drafted`` positions (1-based j = index + 1)."""
-        bucket = min(match_len, MAX_MATCH_BUCKET)
+        bucket = match_bucket(match_len)
         own = self._by_seq.get(seq_id)
         rates: list[float] = []
         position = self.prior
@@ -98,7 +107,7 @@ class AcceptancePredictor:
     ) -> None:
         """A verified draft prefix of ``num_verified`` held for its first ``num_accepted``; the
         sequence keeps a record only if ``live`` (not finished)."""
-        bucket = min(match_len, MAX_MATCH_BUCKET)
+        bucket = match_bucket(match_len)
         for j in range(1, min(num_accepted + 1, num_verified) + 1):
             accepted = float(j <= num_accepted)
             self._by_position.setdefault((source, j), _Tally()).add(accepted, 1.0)

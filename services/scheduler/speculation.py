@@ -9,10 +9,10 @@ Four sources; a request's prediction first, then the method's:
   the last draft was taken, so a repeated line does not throw the alignment back), which re-aligns the
   draft after the output departs from the prediction and comes back to it.
 - **n-gram** (prompt lookup, ``--speculative-method ngram``): the longest of the sequence's last
-  ``max_ngram`` .. ``min_ngram`` tokens that occurred before, most recent occurrence first; the
-  draft is what followed it (``follow``: a match one period back in a repeating run drafts the
-  run on). Code edits, quoting and summaries repeat their prompt, and then a draft is often
-  right whole.
+  ``max_ngram`` .. ``min_ngram`` tokens that occurred before, at the occurrence whose match runs
+  back furthest (``ngram_match``); the draft is what followed it (``follow``: a match one period
+  back in a repeating run drafts the run on). Code edits, quoting and summaries repeat their
+  prompt, and then a draft is often right whole.
 - **suffix** (``--speculative-method suffix``: n-gram first, then this): what followed the
   sequence's last tokens in the same tenant's other outputs (``SuffixIndex``, fed as sequences
   finish).
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 METHODS: Final = SPECULATIVE_METHODS  # automatic sources; a request's prediction is its own
 SOURCES: Final = ("ngram", "suffix", "mtp", "prediction")  # where a draft came from (a /metrics label)
 RETRY_AFTER: Final = 4  # plans a sequence whose draft attempt found nothing overlaps before retrying
+MAX_MATCH_LEN: Final = 32  # a draft's match is measured back this far at most (the policy's feature)
+MAX_CANDIDATES: Final = 16  # earlier occurrences of an n-gram compared by how far back they match
 
 
 @dataclass(slots=True)
@@ -206,6 +208,10 @@ class Speculator:
         if start < 0:
             return [], 0
         self._aligned[seq.seq_id] = start
+        if match_len == len(output_tail) // tokens.itemsize:  # (the whole tail: it may match further)
+            limit = min(num_output, MAX_MATCH_LEN) - match_len
+            view = memoryview(prediction).cast("I")
+            match_len += matched_before(view, start - match_len, tokens, len(tokens) - match_len, limit)
         width = tokens.itemsize
         return array("I", prediction[start * width : (start + max_tokens) * width]).tolist(), match_len
 
@@ -260,23 +266,44 @@ def follow(tokens: array[int], start: int, max_tokens: int) -> list[int]:
 
 
 def ngram_match(tokens: array[int], max_ngram: int = 4, min_ngram: int = 2) -> tuple[int, int]:
-    """Where the draft starts (after the most recent earlier occurrence of the longest suffix
-    n-gram that occurred before) and that n; (-1, 0) for none."""
+    """Where the draft starts and how many tokens before there match the sequence's last ones (at
+    most ``MAX_MATCH_LEN``); (-1, 0) for none. The match is an earlier occurrence of the longest
+    suffix n-gram that occurred before: of its ``MAX_CANDIDATES`` most recent occurrences, the
+    one whose match runs back furthest, the most recent of those. A copy of repeating structure
+    (list items, fields, rows) thus follows its own line of the prompt, not the line it copied
+    last."""
     num_tokens = len(tokens)
     data = tokens.tobytes()
     width = tokens.itemsize
     for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
         suffix = data[(num_tokens - n) * width :]
+        best_start, best_len = -1, 0
         # An earlier occurrence ends before the last token; only token-aligned hits count.
-        end = (num_tokens - 1) * width
-        while True:
+        end, num_candidates = (num_tokens - 1) * width, 0
+        while num_candidates < MAX_CANDIDATES and best_len < MAX_MATCH_LEN:
             hit = data.rfind(suffix, 0, end)
             if hit < 0:
                 break
-            if hit % width == 0:
-                return hit // width + n, n
             end = hit + len(suffix) - 1
+            if hit % width:
+                continue
+            num_candidates += 1
+            start = hit // width + n
+            length = n + matched_before(tokens, start - n, tokens, num_tokens - n, MAX_MATCH_LEN - n)
+            if length > best_len:
+                best_start, best_len = start, length
+        if best_start >= 0:
+            return best_start, best_len
     return -1, 0
+
+
+def matched_before(a: array[int] | memoryview, a_end: int, b: array[int], b_end: int, limit: int) -> int:
+    """How many tokens before ``a[a_end]`` equal those before ``b[b_end]``, counting back, at most
+    ``limit``."""
+    num = 0
+    while num < limit and num < a_end and num < b_end and a[a_end - num - 1] == b[b_end - num - 1]:
+        num += 1
+    return num
 
 
 def prediction_start(prediction: bytes, output_tail: bytes, hint: int, width: int = 4) -> int:

@@ -15,7 +15,8 @@ from libs.protocol.messages import (
     StructuredOutputKind,
 )
 from services.scheduler.sequence import Sequence
-from services.scheduler.speculation import RETRY_AFTER, Speculator, ngram_draft
+from services.scheduler.spec_policy import match_bucket
+from services.scheduler.speculation import RETRY_AFTER, Speculator, ngram_draft, ngram_match
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 
 EOS = 2
@@ -33,6 +34,32 @@ def test_ngram_draft_takes_the_longest_most_recent_match() -> None:
     # Byte matches across token boundaries are not token matches.
     assert ngram_draft(array("I", [0x0100, 0x0200, 0x0300, 0x0001, 0x0002, 0x0100, 0x0200]), 2) == [0x0300, 1]
     assert ngram_draft(array("I", [0x0002_0000, 0x0000_0003, 0x0200, 0x0300]), 2) == []
+
+
+def test_a_match_is_measured_back_past_its_n_gram() -> None:
+    copy = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3, 4, 5, 6]  # "1 .. 6" repeats, after 7 and after 9
+    assert ngram_match(array("I", copy)) == (7, 6)  # the 4-gram "3 4 5 6", and "1 2" before it
+    assert ngram_match(array("I", [5, 1, 2, 9, 5, 1, 2])) == (3, 3)  # "1 2", and 5 before it too
+    # Repeating structure: lines "90 91 93 94 x 92" for x = 1, 2, 3, and a copy that has
+    # written two of them and the third's start, whose 4-gram starts every line: the copy follows
+    # the prompt's third line (its match runs back 16 tokens), not the line it wrote last (5).
+    lines = [[90, 91, 93, 94, x, 92] for x in (1, 2, 3)]
+    copy = [*lines[0], *lines[1], *lines[2], 80, *lines[0], *lines[1], 90, 91, 93, 94]
+    assert ngram_match(array("I", copy)) == (16, 16)  # the prompt's 3
+    run = [3] * 40
+    assert ngram_match(array("I", run)) == (39, 32)  # at most MAX_MATCH_LEN
+    assert [match_bucket(n) for n in (1, 2, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 5, 5, 6, 6, 7, 7]
+    # A prediction's alignment too, over the output only.
+    speculator = Speculator("none")
+    prediction = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    seq = Sequence("s", "g", [20, 21], SamplingParams(max_tokens=50), EOS, prediction_token_ids=prediction)
+    seq.output_token_ids = [20, 21, 22, 23, 24, 25]
+    assert speculator.draft_for(seq, 2, 100) == [26, 27] and seq.draft_match_len == 6
+    other = Sequence("t", "g", [20, 21], SamplingParams(max_tokens=50), EOS, prediction_token_ids=prediction)
+    other.output_token_ids = [99, 21, 22, 23, 24, 25]
+    assert speculator.draft_for(other, 2, 100) == [26, 27] and other.draft_match_len == 5
+    speculator.forget("s")
+    speculator.forget("t")
 
 
 def test_a_sequence_with_no_match_overlaps_then_retries() -> None:
