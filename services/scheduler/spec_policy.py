@@ -41,10 +41,11 @@ MAX_SURPRISE: Final = 2.0  # a measured step counts as at most this many times i
 
 
 def match_bucket(match_len: int) -> int:
-    """The acceptance counts' bucket for a draft whose source matched ``match_len`` tokens: 1..4
-    as they are, then 5-8, 9-16 and 17 on (a draft that continues a long verbatim run, a copy of
-    the prompt, is far likelier to hold than one after a common 2-gram)."""
-    if match_len <= 4:
+    """The acceptance counts' bucket for a draft whose source matched ``match_len`` tokens: 0..4
+    as they are (MTP's probability buckets 1..``MAX_MATCH_BUCKET`` among them, kept apart), then
+    5-8, 9-16 and 17 on (a draft that continues a long verbatim run, a copy of the prompt, is far
+    likelier to hold than one after a common 2-gram)."""
+    if match_len <= max(4, MAX_MATCH_BUCKET):
         return match_len
     return 5 if match_len <= 8 else 6 if match_len <= 16 else 7
 
@@ -262,13 +263,18 @@ def _features(num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> tu
 
 
 def verify_lengths(
-    acceptance: list[list[float]], num_sampling: int, num_tokens: int, step_time: StepTimeModel
+    acceptance: list[list[float]],
+    num_sampling: int,
+    num_tokens: int,
+    step_time: StepTimeModel,
+    forced: list[int] | None = None,
 ) -> list[int]:
     """How many drafted tokens to verify per drafted sequence (a prefix of its draft).
 
     ``acceptance``: per drafted sequence, the conditional acceptance of each drafted position;
     ``num_sampling``: rows of the plan that sample a token anyway; ``num_tokens``: tokens the plan
-    computes besides drafts. Maximizes (num_sampling + expected accepted drafts) / step seconds."""
+    computes besides drafts; ``forced``: per drafted sequence, a length verified whatever it pays
+    (0: choose). Maximizes (num_sampling + expected accepted drafts) / step seconds."""
     gains: list[list[float]] = []  # expected tokens from verifying 1..k: cumulative products
     for rates in acceptance:
         cumulative: list[float] = []
@@ -281,20 +287,28 @@ def verify_lengths(
     per_token = b + d  # what one more drafted token adds to the step
     # what verifying any draft adds besides its tokens: a row's cost, and beside one lone decode
     # (the only plan of one token) the step to matrix-matrix products
-    per_row = c + (w if num_tokens == 1 else 0.0)
-    lengths = [0] * len(gains)
-    ratio = num_sampling / step_time.seconds(num_tokens)
+    forced = forced or [0] * len(gains)
+    per_row = c + (w if num_tokens == 1 and not any(forced) else 0.0)
+
+    def tokens_per_second(lengths: list[int]) -> float:
+        expected = num_sampling + sum(g[k - 1] for g, k in zip(gains, lengths, strict=True) if k)
+        num_drafted = sum(lengths)
+        return expected / step_time.seconds(
+            num_tokens + num_drafted, num_drafted, sum(1 for k in lengths if k)
+        )
+
+    lengths = list(forced)
+    ratio = tokens_per_second(lengths)
     for _ in range(16):
         for i, cumulative in enumerate(gains):
+            if forced[i]:
+                continue
             best, lengths[i] = 0.0, 0
             for k, gain in enumerate(cumulative, start=1):
                 value = gain - ratio * (per_token * k + per_row)
                 if value > best:
                     best, lengths[i] = value, k
-        expected = num_sampling + sum(g[k - 1] for g, k in zip(gains, lengths, strict=True) if k)
-        num_drafted = sum(lengths)
-        seconds = step_time.seconds(num_tokens + num_drafted, num_drafted, sum(1 for k in lengths if k))
-        new_ratio = expected / seconds
+        new_ratio = tokens_per_second(lengths)
         if new_ratio <= ratio * (1 + 1e-9):
             break  # Dinkelbach's iteration only ever raises the ratio; it stopped: optimal
         ratio = new_ratio
@@ -310,7 +324,8 @@ class VerifyPolicy:
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     # source -> plans since one of its drafts was verified, while it drafted
     _unexplored: dict[str, int] = field(default_factory=dict)
-    # source -> plans it may draft unverified before it is explored (absent: never verified)
+    # source -> plans it may draft unverified before it is explored (absent: EXPLORE_EVERY; back
+    # to that whenever the policy verifies the source by choice)
     _explore_every: dict[str, int] = field(default_factory=dict)
     _num_explored: int = 0  # explorations so far: they take the drafted sequences in turn
     _planned: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # step_id -> its features
@@ -342,16 +357,17 @@ class VerifyPolicy:
         if self.name == "fixed":
             return [num_drafted for *_, num_drafted in drafts]
         rates = [self.predictor.probabilities(s, src, m, n) for s, src, m, n in drafts]
-        lengths = verify_lengths(rates, num_sampling, num_tokens, self.step_time)
-        chose = {src for (_, src, _, _), k in zip(drafts, lengths, strict=True) if k}
-        for i, (seq_id, _, _, num_drafted) in enumerate(drafts):
-            if not self.predictor.has_record(seq_id):
-                lengths[i] = num_drafted  # a sequence's first draft: whole, so its own record starts
+        # A sequence's first draft: whole, so its own record starts.
+        forced = [0 if self.predictor.has_record(s) else n for s, _, _, n in drafts]
+        lengths = verify_lengths(rates, num_sampling, num_tokens, self.step_time, forced)
+        picked_sources = {
+            src for (_, src, _, _), k, f in zip(drafts, lengths, forced, strict=True) if k and not f
+        }
         for source in sorted({src for _, src, _, _ in drafts}):
-            chosen = [i for i, d in enumerate(drafts) if d[1] == source]
-            if source in chose:
+            of_source = [i for i, d in enumerate(drafts) if d[1] == source]
+            if source in picked_sources:
                 self._explore_every[source] = EXPLORE_EVERY
-            if any(lengths[i] for i in chosen):
+            if any(lengths[i] for i in of_source):
                 self._unexplored[source] = 0
                 continue
             every = self._explore_every.get(source, EXPLORE_EVERY)
@@ -359,7 +375,7 @@ class VerifyPolicy:
             if self._unexplored[source] >= every:
                 # In turn, so a sequence whose own record shut it out gets tried again too; and
                 # whole: every position learns, and past its first token a step grows little.
-                explored = chosen[self._num_explored % len(chosen)]
+                explored = of_source[self._num_explored % len(of_source)]
                 lengths[explored] = drafts[explored][3]
                 self._unexplored[source], self._num_explored = 0, self._num_explored + 1
                 self._explore_every[source] = min(2 * every, MAX_EXPLORE_EVERY)

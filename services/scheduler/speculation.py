@@ -25,8 +25,9 @@ sequence. With overlap scheduling (plan N+1 made before result N) a sequence the
 its result instead of overlapping, unless its last draft attempt found nothing: then it overlaps
 for up to ``RETRY_AFTER`` plans before it waits to try again (``may_overlap``).
 
-Each sequence keeps its tokens packed (4 bytes a token) so a lookup is one ``bytes.rfind`` over
-them: no per-sequence index to grow or evict. The worker verifies a draft against its own samples
+Each sequence keeps its tokens packed (4 bytes a token) so a lookup is a few ``bytes.rfind`` over
+them (one per n-gram length tried, and up to ``MAX_CANDIDATES`` for the longest): no per-sequence
+index to grow or evict. The worker verifies a draft against its own samples
 (services/worker/verify.py), so a wrong draft costs compute, never output.
 """
 
@@ -208,7 +209,7 @@ class Speculator:
         if start < 0:
             return [], 0
         self._aligned[seq.seq_id] = start
-        if match_len == len(output_tail) // tokens.itemsize:  # (the whole tail: it may match further)
+        if num_output and match_len == len(output_tail) // tokens.itemsize:  # (it may match further)
             limit = min(num_output, MAX_MATCH_LEN) - match_len
             view = memoryview(prediction).cast("I")
             match_len += matched_before(view, start - match_len, tokens, len(tokens) - match_len, limit)
@@ -249,7 +250,8 @@ class Speculator:
 
 
 def ngram_draft(tokens: array[int], max_tokens: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
-    """What followed the most recent earlier occurrence of the longest matching suffix n-gram."""
+    """What followed the earlier occurrence of the longest matching suffix n-gram that ``ngram_match``
+    picks."""
     start, _ = ngram_match(tokens, max_ngram, min_ngram)
     return follow(tokens, start, max_tokens) if start >= 0 else []
 
@@ -275,12 +277,16 @@ def ngram_match(tokens: array[int], max_ngram: int = 4, min_ngram: int = 2) -> t
     num_tokens = len(tokens)
     data = tokens.tobytes()
     width = tokens.itemsize
-    for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
+    longest = min(max_ngram, num_tokens - 1)
+    for n in range(longest, min_ngram - 1, -1):
         suffix = data[(num_tokens - n) * width :]
+        # Below the longest n every occurrence matches exactly n (one that matched further would
+        # have been an occurrence of the n + 1 tokens, found before): the most recent one serves.
+        max_candidates = MAX_CANDIDATES if n == longest else 1
         best_start, best_len = -1, 0
         # An earlier occurrence ends before the last token; only token-aligned hits count.
         end, num_candidates = (num_tokens - 1) * width, 0
-        while num_candidates < MAX_CANDIDATES and best_len < MAX_MATCH_LEN:
+        while num_candidates < max_candidates and best_len < MAX_MATCH_LEN:
             hit = data.rfind(suffix, 0, end)
             if hit < 0:
                 break

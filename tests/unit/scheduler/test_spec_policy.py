@@ -136,6 +136,19 @@ def test_acceptance_estimates_follow_position_match_length_and_the_sequence() ->
         predictor.check_integrity({"copier"})
 
 
+def test_match_lengths_in_one_bucket_share_their_counts() -> None:
+    predictor = AcceptancePredictor()
+    for _ in range(100):
+        predictor.record("y", "ngram", 20, num_verified=1, num_accepted=0)  # 17+: never holds
+        predictor.record("y", "ngram", 10, num_verified=1, num_accepted=1)  # 9-16: always
+        predictor.record("y", "prediction", 0, num_verified=1, num_accepted=1)  # before any output
+        predictor.record("y", "prediction", 1, num_verified=1, num_accepted=0)
+    [at_30], [at_12], [at_8] = (predictor.probabilities("new", "ngram", n, 1) for n in (30, 12, 8))
+    assert at_30 < 0.1 and at_12 > 0.9 and 0.3 < at_8 < 0.7  # 5-8 has no counts: the position's
+    [at_0], [at_1] = (predictor.probabilities("new", "prediction", n, 1) for n in (0, 1))
+    assert at_0 > 0.9 and at_1 < 0.1
+
+
 def test_counts_halve_so_the_estimate_follows_a_change() -> None:
     predictor = AcceptancePredictor()
     for _ in range(int(HALVE_AT) * 2):
@@ -173,6 +186,17 @@ def test_verified_lengths_are_the_best_of_every_choice(seed: int) -> None:
         for choice in itertools.product(*(range(len(r) + 1) for r in rates))
     )
     assert expected_rate(rates, tuple(lengths), base, model) == pytest.approx(best, rel=1e-9)
+    # Some drafts verified whole whatever they pay: the best choice of the others around them.
+    forced = [rng.choice([0, len(r)]) for r in rates]
+    lengths = verify_lengths(rates, *base, model, forced)
+    best = max(
+        expected_rate(rates, choice, base, model)
+        for choice in itertools.product(
+            *((f,) if f else range(len(r) + 1) for r, f in zip(rates, forced, strict=True))
+        )
+    )
+    assert all(k == f for k, f in zip(lengths, forced, strict=True) if f)
+    assert expected_rate(rates, tuple(lengths), base, model) == pytest.approx(best, rel=1e-9)
 
 
 def test_drafts_pay_alone_and_not_in_a_long_step() -> None:
@@ -206,6 +230,9 @@ def test_a_source_no_plan_verifies_is_tried_again_now_and_then() -> None:
     assert set(verified) == {0, 4}
     # A sequence with no record of its own has its first draft verified whole, even here.
     assert policy.lengths([("s", "ngram", 2, 4), ("new", "ngram", 2, 3)], 2, 2) == [0, 3]
+    # ... which is no choice of the policy's: the wait stays as long as it had grown.
+    verified = [policy.lengths(drafts, 1, 1)[0] for _ in range(MAX_EXPLORE_EVERY)]
+    assert [i + 1 for i, k in enumerate(verified) if k] == [MAX_EXPLORE_EVERY]
     # A verification the policy chose starts the waits over; explorations take the drafted
     # sequences in turn, not always the first.
     for _ in range(30):  # another sequence whose drafts hold, while drafted rows are cheap
@@ -238,6 +265,10 @@ def test_the_core_cuts_drafts_to_what_pays_and_lets_the_undrafted_overlap() -> N
     core.add(Sequence("s", "g", prompt, params, EOS))
     core.schedule()
     core.postprocess(("s",), [7])  # the prefill
+    core.check_integrity()
+    plan = core.schedule()
+    assert [unpack_tokens(d) for d in plan.draft_token_ids] == [[8, 9, 5, 6]]  # its first: whole
+    core.postprocess(("s",), [8, 9, 5, 6, 7], num_sampled=[5])
     core.check_integrity()
     plan = core.schedule()
     assert [unpack_tokens(d) for d in plan.draft_token_ids] == [[8, 9, 5, 6]]  # cheap tokens: all of it

@@ -16,7 +16,13 @@ from libs.protocol.messages import (
 )
 from services.scheduler.sequence import Sequence
 from services.scheduler.spec_policy import match_bucket
-from services.scheduler.speculation import RETRY_AFTER, Speculator, ngram_draft, ngram_match
+from services.scheduler.speculation import (
+    MAX_CANDIDATES,
+    RETRY_AFTER,
+    Speculator,
+    ngram_draft,
+    ngram_match,
+)
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 
 EOS = 2
@@ -25,7 +31,7 @@ PROMPT = [10, 11, 12, 13, 10, 11]  # "10 11" came before, followed by "12 13"
 
 def test_ngram_draft_takes_the_longest_most_recent_match() -> None:
     assert ngram_draft(array("I", PROMPT), 3) == [12, 13, 10]
-    assert ngram_draft(array("I", [1, 2, 9, 5, 2, 8, 5, 2]), 2) == [8, 5]  # "5 2": the latest
+    assert ngram_draft(array("I", [1, 5, 2, 9, 5, 2, 8, 5, 2]), 2) == [8, 5]  # "5 2": the later
     assert ngram_draft(array("I", [7, 1, 2, 3, 9, 2, 3, 4, 1, 2, 3]), 2) == [9, 2]  # "1 2 3" beats "2 3"
     assert ngram_draft(array("I", [1, 2, 3, 4]), 3) == []
     # A match one period back in a repeating run drafts the run on, past the sequence's end.
@@ -33,22 +39,32 @@ def test_ngram_draft_takes_the_longest_most_recent_match() -> None:
     assert ngram_draft(array("I", [4, 7, 7, 7]), 5) == [7, 7, 7, 7, 7]
     # Byte matches across token boundaries are not token matches.
     assert ngram_draft(array("I", [0x0100, 0x0200, 0x0300, 0x0001, 0x0002, 0x0100, 0x0200]), 2) == [0x0300, 1]
-    assert ngram_draft(array("I", [0x0002_0000, 0x0000_0003, 0x0200, 0x0300]), 2) == []
+    # (bytes 3..10 of this one read as the last two tokens)
+    assert ngram_draft(array("I", [0x0300, 1, 2, 0x0100, 0x0200]), 2) == []
 
 
 def test_a_match_is_measured_back_past_its_n_gram() -> None:
     copy = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3, 4, 5, 6]  # "1 .. 6" repeats, after 7 and after 9
     assert ngram_match(array("I", copy)) == (7, 6)  # the 4-gram "3 4 5 6", and "1 2" before it
-    assert ngram_match(array("I", [5, 1, 2, 9, 5, 1, 2])) == (3, 3)  # "1 2", and 5 before it too
+    assert ngram_match(array("I", [5, 1, 2, 9, 5, 1, 2])) == (3, 3)  # the 3-gram "5 1 2"
     # Repeating structure: lines "90 91 93 94 x 92" for x = 1, 2, 3, and a copy that has
     # written two of them and the third's start, whose 4-gram starts every line: the copy follows
-    # the prompt's third line (its match runs back 16 tokens), not the line it wrote last (5).
+    # the prompt's third line (its match runs back 16 tokens), not the most recent occurrence of
+    # the 4-gram (the line it wrote last, whose match runs back 5).
     lines = [[90, 91, 93, 94, x, 92] for x in (1, 2, 3)]
     copy = [*lines[0], *lines[1], *lines[2], 80, *lines[0], *lines[1], 90, 91, 93, 94]
     assert ngram_match(array("I", copy)) == (16, 16)  # the prompt's 3
     run = [3] * 40
     assert ngram_match(array("I", run)) == (39, 32)  # at most MAX_MATCH_LEN
-    assert [match_bucket(n) for n in (1, 2, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 5, 5, 6, 6, 7, 7]
+
+    # Only the 16 most recent occurrences are compared: a better match before them goes unseen.
+    def with_recent(num: int) -> array[int]:
+        return array("I", [50, 51, 1, 2, 3, 4, 60, *[70, 1, 2, 3, 4, 61] * num, 50, 51, 1, 2, 3, 4])
+
+    assert ngram_match(with_recent(MAX_CANDIDATES - 1)) == (6, 6)
+    tokens = with_recent(MAX_CANDIDATES)
+    assert ngram_match(tokens) == (len(tokens) - 7, 4)
+    assert [match_bucket(n) for n in (0, 1, 2, 4, 5, 8, 9, 16, 17, 32)] == [0, 1, 2, 4, 5, 5, 6, 6, 7, 7]
     # A prediction's alignment too, over the output only.
     speculator = Speculator("none")
     prediction = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
@@ -58,6 +74,12 @@ def test_a_match_is_measured_back_past_its_n_gram() -> None:
     other = Sequence("t", "g", [20, 21], SamplingParams(max_tokens=50), EOS, prediction_token_ids=prediction)
     other.output_token_ids = [99, 21, 22, 23, 24, 25]
     assert speculator.draft_for(other, 2, 100) == [26, 27] and other.draft_match_len == 5
+    # (the prediction agrees with the prompt further back: that does not count)
+    params = SamplingParams(max_tokens=50)
+    third = Sequence("u", "g", [5, 9], params, EOS, prediction_token_ids=[9, *prediction])
+    third.output_token_ids = [20, 21, 22, 23, 24, 25]
+    assert speculator.draft_for(third, 2, 100) == [26, 27] and third.draft_match_len == 6
+    speculator.forget("u")
     speculator.forget("s")
     speculator.forget("t")
 
