@@ -6,12 +6,16 @@ with each run's acceptance (accepted / drafted) and mean accepted drafts per ver
 adaptive rows also give their ratio to the best fixed k and to fixed k=5, and the end of the
 report checks the targets speculative decoding was built to (docs/speculative-decoding.md).
 
-A run sends every request of its workload (at least ``concurrency`` of them, the workload's
-messages in turn) at once to an engine that runs at most ``concurrency`` at a time, greedy, to
-their natural end or ``--max-tokens``. Each run is a fresh engine (the adaptive policy starts
-cold: its step-time model from the engine's start-up profile, its acceptance from nothing). Every
-run goes once per round, in the same order, and its best of ``--repeat`` rounds counts: the
-machine's speed drifts over minutes, and interleaving spreads that over every run alike.
+A run sends every request of its workload (at least ``--queue`` x ``concurrency`` of them, the
+workload's messages in turn) at once to an engine that runs at most ``concurrency`` at a time,
+greedy, to their natural end or ``--max-tokens``. With ``--queue 1`` a run at 16 or 32 is one
+wave: it lasts as long as its slowest request, so drafts that speed up some rows gain little
+(the policy maximizes tokens per second of step time, which is what steady traffic turns into
+throughput); ``--queue 3`` keeps the engine full as requests finish. Each run is a fresh
+engine (the adaptive policy starts cold: its step-time model from the engine's start-up profile,
+its acceptance from nothing). Every run goes once per round, in the same order, and its best of
+``--repeat`` rounds counts: the machine's speed drifts over minutes, and interleaving spreads
+that over every run alike.
 
 Sources: ``ngram`` (prompt lookup) on every workload; ``prediction`` (OpenAI Predicted Outputs)
 where a client would have one: for code-edit, the snippet with the edit done, as an editor sends
@@ -81,12 +85,12 @@ class Row:
     vs_none: float
 
 
-def requests(tokenizer: Tokenizer, workload: str, concurrency: int, num_tasks: int) -> list[Request]:
-    """At least ``concurrency`` requests, the workload's first ``num_tasks`` messages in turn."""
+def requests(tokenizer: Tokenizer, workload: str, num_requests: int, num_tasks: int) -> list[Request]:
+    """At least ``num_requests`` requests, the workload's first ``num_tasks`` messages in turn."""
     assert tokenizer.chat_template is not None
     tasks = WORKLOADS[workload][:num_tasks]
     out: list[Request] = []
-    for i in range(max(concurrency, len(tasks))):
+    for i in range(max(num_requests, len(tasks))):
         task = tasks[i % len(tasks)]
         text = render_chat(tokenizer.chat_template, [{"role": "user", "content": task.message}])
         prediction = tokenizer.encode(task.prediction, add_bos=False) if task.prediction else None
@@ -123,10 +127,10 @@ def run(
 
 def bench_group(
     model: LlamaForCausalLM, tokenizer: Tokenizer, workload: str, concurrency: int, ks: list[int],
-    max_tokens: int, repeat: int, num_tasks: int,
+    max_tokens: int, repeat: int, num_tasks: int, queue: int,
 ) -> tuple[list[Row], int]:  # fmt: skip
     """Print one workload and concurrency's rows; returns them and how many runs changed a token."""
-    batch = requests(tokenizer, workload, concurrency, num_tasks)
+    batch = requests(tokenizer, workload, queue * concurrency, num_tasks)
     # Warm-up at this batch's shapes, drafted rows included (a forward's first run of a shape is slow).
     run(model, [(p, p[-32:]) for p, _ in batch], concurrency, Config("prediction", max(ks), "fixed"), 8)
     base = run(model, batch, concurrency, Config("none", 0, "fixed"), max_tokens)
@@ -234,6 +238,13 @@ def main() -> None:
     )
     parser.add_argument("--tasks", type=int, default=8, help="each workload's first N messages")
     parser.add_argument(
+        "--queue",
+        type=int,
+        default=1,
+        help="requests per concurrency slot: 1 sends one wave (all at once at 16 and 32); more keep "
+        "the engine full as requests finish, as steady traffic does",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="code-edit's first 2 messages, concurrency 1, 12 tokens, k=3, every source",
@@ -260,8 +271,9 @@ def main() -> None:
     for workload in args.workloads.split(","):
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             group, num_changed = bench_group(
-                model, tokenizer, workload, concurrency, ks, args.max_tokens, args.repeat, args.tasks
-            )
+                model, tokenizer, workload, concurrency, ks, args.max_tokens, args.repeat, args.tasks,
+                args.queue,
+            )  # fmt: skip
             rows += group
             mismatches += num_changed
     report_targets(rows)
