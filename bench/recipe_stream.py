@@ -18,7 +18,8 @@ from pathlib import Path
 
 from libs.modelfiles.registry import resolve_model_path
 from libs.protocol.codec import pack_tokens
-from libs.protocol.messages import FinishReason, RequestOutput, StreamRecord
+from libs.protocol.messages import FinishReason, RequestOutput
+from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.api import parse_responses_request
 from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.gateway.generation import ApiRenderer, Generation

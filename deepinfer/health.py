@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from libs.bus.membership import live_members
 from libs.bus.nats_bus import NatsBus
-from libs.protocol.messages import MemberKind
+from libs.protocol.member_messages import MemberKind
 from libs.protocol.subjects import Subjects
 from libs.runtime.settings import build_config
 

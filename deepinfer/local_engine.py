@@ -19,13 +19,8 @@ from typing import Protocol
 
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.kv_messages import CacheTier, KVEvent, split_hashes
-from libs.protocol.messages import (
-    FinishReason,
-    ModelRunnerOutput,
-    SamplingParams,
-    SchedulerOutput,
-    StepSample,
-)
+from libs.protocol.member_messages import StepSample
+from libs.protocol.messages import FinishReason, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from services.scheduler.sequence import Sequence
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
 

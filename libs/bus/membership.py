@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from libs.bus.base import Bus
 from libs.protocol.codec import DecodeError, decode, encode
-from libs.protocol.messages import MemberInfo, MemberKind
+from libs.protocol.member_messages import MemberInfo, MemberKind
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from libs.protocol.messages import StreamRecord, SubmitStatus
+from libs.protocol.messages import SubmitStatus
+from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.conversation import Conversation
 from libs.recipe.fields import ApiError
 from libs.recipe.sampling import Sampling

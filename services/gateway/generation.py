@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from libs.protocol.messages import StreamRecord
+from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.output_parser import OutputParser, ParserSpec
 from libs.recipe.segments import Finish, Segment, Usage
 from libs.recipe.tokenizer import Tokenizer

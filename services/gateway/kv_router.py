@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, hash_blocks
 from libs.kvstore.event_cursor import EventCursor, EventVerdict
 from libs.protocol.kv_messages import CacheTier, KVDump, KVEvents, RemovalReason, split_hashes
-from libs.protocol.messages import WorkerLoad
+from libs.protocol.member_messages import WorkerLoad
 
 StreamKey = tuple[str, str]  # (publisher id, worker id; "" for a worker's own stream)
 ChainKind = tuple[int, str]  # (block size, model fingerprint): what a worker's block hashes depend on

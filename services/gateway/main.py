@@ -16,7 +16,7 @@ import uvicorn
 from libs.bus.membership import announce
 from libs.bus.nats_bus import NatsBus
 from libs.grammar import resolve_backend
-from libs.protocol.messages import MemberInfo, MemberKind
+from libs.protocol.member_messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
 from libs.runtime.process import StopEvent, run_service, setup_logging
 from libs.runtime.settings import build_config, resolve_cache_dir

@@ -24,7 +24,8 @@ from typing import Any
 
 from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, encode
-from libs.protocol.messages import RequestOutput, SchedulerRef, StreamRecord, SubmitReply, SubmitStatus
+from libs.protocol.messages import RequestOutput, SchedulerRef, SubmitReply, SubmitStatus
+from libs.protocol.stream_messages import StreamRecord
 from libs.protocol.subjects import Subjects
 from services.gateway.request_stream import Pending
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from libs.protocol.messages import MemberInfo, SchedulerRef
+from libs.protocol.member_messages import MemberInfo
+from libs.protocol.messages import SchedulerRef
 
 LAG_S = 10.0  # outputs a heartbeat says were sent but that have not arrived this long after are lost
 

@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from libs.protocol.messages import StreamRecord
+from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.events_chat import ChatAccumulator, ChatEncoder, chat_usage
 from libs.recipe.events_messages import MessagesAccumulator, MessagesEncoder
 from libs.recipe.events_responses import ResponsesEncoder

@@ -13,14 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from libs.protocol.codec import pack_tokens, unpack_tokens
-from libs.protocol.messages import (
-    FinishReason,
-    RequestOutput,
-    SchedulerRef,
-    StreamRecord,
-    SubmitRequest,
-    seq_id_of,
-)
+from libs.protocol.messages import FinishReason, RequestOutput, SchedulerRef, SubmitRequest, seq_id_of
+from libs.protocol.stream_messages import StreamRecord
 from services.gateway.grace import OnLeave
 from services.gateway.logprobs import TokenLogprob, unpack_logprobs
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from libs.bus.base import Bus
 from libs.protocol.codec import decode, encode
-from libs.protocol.messages import StoredResponse
+from libs.protocol.stream_messages import StoredResponse
 from services.gateway.sse import dumps
 
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})

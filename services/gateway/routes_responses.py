@@ -18,7 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from libs.protocol.messages import StreamRecord
+from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.api.responses import ResponsesRequest, parse_responses_request
 from libs.recipe.api.responses_input import parse_input
 from libs.recipe.fields import ApiError, shown

@@ -18,7 +18,7 @@ from collections.abc import Callable, Container, Sequence
 from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import KVDump, KVDumpRequest, KVEvents
-from libs.protocol.messages import WorkerLoad
+from libs.protocol.member_messages import WorkerLoad
 from libs.protocol.subjects import Subjects
 from services.gateway.kv_router import KVRouter, Route, StreamKey, hash_chains
 

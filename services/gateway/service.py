@@ -39,21 +39,19 @@ from libs.bus.base import Bus, Message, NoResponders, RequestTimeout, Subscripti
 from libs.bus.membership import MEMBER_TTL_S, MembershipView, member_key
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode, pack_tokens
 from libs.protocol.kv_messages import KVCacheStats
+from libs.protocol.member_messages import MemberInfo, MemberKind
 from libs.protocol.messages import (
     CancelRequest,
-    MemberInfo,
-    MemberKind,
     PauseRequest,
     RequestOutput,
-    ResumeClaim,
     SamplingParams,
     SchedulerRef,
     StepOutputs,
-    StreamRecord,
     SubmitReply,
     SubmitRequest,
     SubmitStatus,
 )
+from libs.protocol.stream_messages import ResumeClaim, StreamRecord
 from libs.protocol.subjects import Subjects
 from services.gateway.grace import GracePeriods, OnLeave
 from services.gateway.kv_router import KVRouter

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from libs.protocol.messages import StreamRecord
+from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.fields import ApiError, shown
 from services.gateway.admission import Admitted
 from services.gateway.generation import Generation, GenerationObserver, numbered

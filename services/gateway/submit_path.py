@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 from libs.bus.base import Bus, NoResponders
 from libs.protocol.codec import decode, encode
-from libs.protocol.messages import MemberInfo, SubmitReply, SubmitRequest, SubmitStatus
+from libs.protocol.member_messages import MemberInfo
+from libs.protocol.messages import SubmitReply, SubmitRequest, SubmitStatus
 from libs.protocol.subjects import Subjects
 from services.gateway.routing import RouterFeed
 

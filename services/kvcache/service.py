@@ -48,7 +48,7 @@ from libs.protocol.kv_messages import (
     join_hashes,
     split_hashes,
 )
-from libs.protocol.messages import MemberInfo, MemberKind
+from libs.protocol.member_messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
 from services.kvcache.config import Config
 from services.kvcache.index import BlockEntry, BlockIndex, Placement, Tier

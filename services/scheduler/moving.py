@@ -62,7 +62,7 @@ def attach(core: WorkerScheduler, seqs: list[Sequence], same_chain: bool, suspec
     """Queue a request's moved sequences on ``core``, ahead of its own queue (their clients are
     mid-stream). ``same_chain``: the target hashes blocks as the source did, so the sequences'
     chains and G3 counts still hold; ``suspect``: the request was in a crashed worker's batch,
-    so it is admitted alone among suspects (see ``WorkerScheduler._admit_waiting``)."""
+    so it is admitted alone among suspects (see ``admission.admit_waiting``)."""
     arrival = next(core._front_arrivals)
     for seq in seqs:
         _reset(seq, same_chain)

@@ -9,7 +9,8 @@ from collections import defaultdict
 
 from libs.bus.base import Bus
 from libs.protocol.codec import encode, pack_tokens
-from libs.protocol.messages import FinishReason, Logprobs, OutSeq, RequestOutput, StepOutputs
+from libs.protocol.member_messages import OutSeq
+from libs.protocol.messages import FinishReason, Logprobs, RequestOutput, StepOutputs
 from libs.protocol.subjects import Subjects
 from services.scheduler.sequence import Sequence
 

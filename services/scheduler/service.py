@@ -33,16 +33,8 @@ import time
 from libs.bus.base import Bus, Message
 from libs.bus.membership import MembershipView, announce
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
-from libs.protocol.messages import (
-    CancelRequest,
-    MemberInfo,
-    MemberKind,
-    PauseRequest,
-    SubmitReply,
-    SubmitRequest,
-    SubmitStatus,
-    WorkerLoad,
-)
+from libs.protocol.member_messages import MemberInfo, MemberKind, WorkerLoad
+from libs.protocol.messages import CancelRequest, PauseRequest, SubmitReply, SubmitRequest, SubmitStatus
 from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
 from services.scheduler import metrics
 from services.scheduler.config import Config

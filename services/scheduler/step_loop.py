@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.kvstore.event_cursor import EventCursor
 from libs.protocol.codec import DecodeError, decode, encode, unpack_tokens
-from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput, WorkerLoad
+from libs.protocol.member_messages import WorkerLoad
+from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from services.scheduler import metrics
 from services.scheduler.sequence import Sequence
 from services.scheduler.worker_scheduler import WorkerScheduler

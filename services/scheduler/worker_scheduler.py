@@ -38,14 +38,14 @@ writes its old content runs before the plan that overwrites it.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 from collections.abc import Iterable, Mapping
 
 from libs.protocol.errors import QueueFull
-from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput, StepSample
-from services.scheduler import integrity, pausing
+from libs.protocol.member_messages import StepSample
+from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput
+from services.scheduler import admission, integrity, pausing, step_results
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_reuse import KVReuse
 from services.scheduler.kv_tiers import TierPlanner
@@ -167,7 +167,7 @@ class WorkerScheduler:
             if decoding:  # what the drafts do not verify goes back to the prefills
                 self.speculator.trim(plan, self.seqs, self._prefill_demand(plan))
         if not plan.preempted:
-            self._admit_waiting(plan)
+            admission.admit_waiting(self, plan)
         self.speculator.planned(plan)
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         tables = self.block_manager.block_tables
@@ -217,62 +217,8 @@ class WorkerScheduler:
         num_sampled: list[int] | None = None,
         drafts: list[tuple[int, float]] | None = None,
     ) -> list[Sequence]:
-        """Append each sampled token; returns the sequences that changed (finished ones included).
-
-        ``num_sampled``: tokens per sequence in ``sampled`` (None: one each); a drafted sequence
-        gets 1 + its accepted drafts, which count as computed, and each token is checked for a
-        stop, so nothing after one is kept. Results of sequences that finished meanwhile are
-        dropped; a preempted sequence keeps its tokens (sampled from intact state before the
-        worker dropped it). A ``failed`` sequence (seq id -> why) finishes with ERROR, whether it
-        sampled (its token is dropped) or not (a prefill chunk, or a row the worker could not run).
-        ``drafts``: per sequence, the worker's own draft to follow it, (token, probability).
-        """
-        changed: list[Sequence] = []
-        for seq_id, why in (failed or {}).items():
-            seq = self.seqs.get(seq_id)
-            if seq is not None:
-                seq.error = why
-                self._finish(seq, FinishReason.ERROR)
-                changed.append(seq)
-        counts = num_sampled if num_sampled is not None else [1] * len(seq_ids)
-        offsets = list(itertools.accumulate(counts, initial=0))
-        for i, seq_id in enumerate(seq_ids):
-            seq = self.seqs.get(seq_id)
-            if seq is None:
-                continue
-            seq.num_pending_tokens -= 1
-            seq.suspect = False  # it got through a step on this worker
-            num_kept = self._take_tokens(seq, sampled[offsets[i] : offsets[i + 1]])
-            if drafts and not seq.is_finished:
-                self.speculator.proposed(seq, *drafts[i])
-            step_logprobs = logprobs[i] if logprobs else None
-            if step_logprobs is not None and num_kept:
-                seq.unsent_logprobs.append(step_logprobs.head(num_kept))
-            changed.append(seq)
-        return changed
-
-    def _take_tokens(self, seq: Sequence, token_ids: list[int]) -> int:
-        """One sequence's tokens of a step: its accepted drafts (computed now) and one more.
-        Returns how many it kept: up to a stop, none when the result is not one of its draft."""
-        draft, seq.draft_token_ids = seq.draft_token_ids, []
-        num_accepted = len(token_ids) - 1
-        if not 0 <= num_accepted <= len(draft) or token_ids[:num_accepted] != draft[:num_accepted]:
-            seq.error = f"the worker returned {len(token_ids)} tokens for a draft of {len(draft)}"
-            self._finish(seq, FinishReason.ERROR)
-            return 0
-        if seq.status is SequenceStatus.RUNNING:
-            seq.num_computed_tokens += num_accepted
-        num_kept = len(token_ids)
-        for i, token_id in enumerate(token_ids):
-            seq.output_token_ids.append(token_id)
-            reason = self._check_stop(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason)
-                num_kept = i + 1
-                break
-        if draft:
-            self.speculator.verified(seq, len(draft), num_accepted, num_kept)
-        return num_kept
+        """Take a step's result; returns the sequences that changed (see ``step_results.take``)."""
+        return step_results.take(self, seq_ids, sampled, logprobs, failed, num_sampled, drafts)
 
     def fail_all(self) -> list[Sequence]:
         """The worker is gone: finish every sequence with an error (nothing to tell the worker)."""
@@ -349,25 +295,6 @@ class WorkerScheduler:
         seq.num_computed_tokens = 0
         seq.prompt_done_step = 0
 
-    def _admit_waiting(self, plan: Plan) -> None:
-        skipped: list[tuple[tuple[int, int, int], str]] = []
-        while self._waiting and plan.budget > 0 and len(self._running) < self.limits.max_num_seqs:
-            entry = heapq.heappop(self._waiting)
-            seq = self.seqs[entry[1]]
-            if seq.num_pending_tokens or self._waits_for_parent(seq, plan.step_id):
-                skipped.append(entry)
-                continue
-            if seq.suspect and any(s.suspect for s in self._running):
-                # One suspect at a time: a poison request's next crash then finds it alone
-                # among the suspects, so only it reaches the crash limit.
-                skipped.append(entry)
-                continue
-            if not self._try_admit(plan, seq):
-                skipped.append(entry)
-                break  # first come, first served: nobody overtakes the head of the queue
-        for entry in skipped:
-            heapq.heappush(self._waiting, entry)
-
     def record_loads(
         self, step_id: int, num_host_blocks: int, num_store_blocks: int, failed: Mapping[str, int]
     ) -> None:
@@ -382,40 +309,6 @@ class WorkerScheduler:
                 self.kv_tiers.recomputed(seq, table, num_blocks)
             if seq is not None and seq.cached_step == step_id:
                 seq.num_cached_tokens = max(0, seq.num_cached_tokens - num_blocks * self.limits.block_size)
-
-    def _try_admit(self, plan: Plan, seq: Sequence) -> bool:
-        num_hit_tokens = self.kv_reuse.reuse_prefix(seq, self.seqs.get(seq.request_id), plan)
-        num_tokens = min(seq.num_uncomputed_tokens, plan.budget)
-        target = seq.num_computed_tokens + num_tokens
-        if not self.block_manager.can_allocate(seq.seq_id, target, reserve=self._watermark_blocks):
-            self.block_manager.free(seq.seq_id)  # gives back a shared prompt or cache hit
-            seq.num_computed_tokens = 0
-            plan.kv_loads.pop(seq.seq_id, None)
-            return False
-        if num_hit_tokens is not None:
-            load = plan.kv_loads.get(seq.seq_id)
-            num_device_tokens = self.kv_tiers.record_hit(seq.num_tokens, num_hit_tokens, load)
-            self.prefix_cache_stats.record(seq.num_tokens, num_device_tokens)
-            # usage reports the hit of the first admission
-            if seq.num_preemptions == seq.num_pauses == seq.num_moves == 0:
-                seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
-                seq.cached_step = plan.step_id
-        load = plan.kv_loads.get(seq.seq_id)
-        # What it loads is in the tiers (the worker puts a G3 hit in G2 as it loads it): its saves
-        # skip these blocks, which would otherwise be copied out of G1 again in the next step.
-        seq.loaded_blocks = (load.first_block, load.first_block + len(load.tiers)) if load else (0, 0)
-        if load is not None and load.partial_key:
-            seq.partial_key = b""  # the worker deletes the file once read
-        seq.status = SequenceStatus.RUNNING
-        bisect.insort(self._running, seq, key=lambda s: s.order)
-        plan.new_seq_ids.add(seq.seq_id)
-        self._add_to_plan(plan, seq, num_tokens)
-        return True
-
-    def _waits_for_parent(self, seq: Sequence, step_id: int) -> bool:
-        """Choices > 0 wait until choice 0's prompt is computed in an earlier plan, then share it."""
-        parent = self.seqs.get(seq.request_id) if seq.index > 0 else None
-        return parent is not None and not 0 < parent.prompt_done_step < step_id
 
     def _add_to_plan(
         self, plan: Plan, seq: Sequence, num_tokens: int, draft: list[int] | None = None
@@ -442,16 +335,6 @@ class WorkerScheduler:
             plan.num_sampling += 1
 
     # --- finishing -------------------------------------------------------------------------
-
-    def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        if token_id in seq.stop_token_ids and seq.num_output_tokens > seq.sampling_params.min_tokens:
-            return FinishReason.STOP
-        if (
-            seq.num_output_tokens >= seq.sampling_params.max_tokens
-            or seq.num_tokens >= self.limits.context_len
-        ):
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:

@@ -21,7 +21,7 @@ from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
-from libs.protocol.messages import StepSample
+from libs.protocol.member_messages import StepSample
 from libs.recipe.grammar_markup import grammar_vocab_of
 from libs.recipe.tokenizer import Tokenizer
 from libs.runtime.metrics_server import start_metrics_server

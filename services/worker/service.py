@@ -40,14 +40,8 @@ from libs.protocol.kv_messages import (
     RemovalReason,
     join_hashes,
 )
-from libs.protocol.messages import (
-    MemberInfo,
-    MemberKind,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    StepSample,
-    WorkerLoad,
-)
+from libs.protocol.member_messages import MemberInfo, MemberKind, StepSample, WorkerLoad
+from libs.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from libs.protocol.subjects import Subjects
 from libs.runtime.process import StopEvent, busy
 from services.worker import metrics

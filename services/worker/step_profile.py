@@ -18,7 +18,8 @@ import logging
 import math
 
 from libs.protocol.codec import pack_tokens
-from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput, StepSample
+from libs.protocol.member_messages import StepSample
+from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput
 from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)

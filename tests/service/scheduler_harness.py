@@ -11,15 +11,8 @@ from collections.abc import AsyncIterator
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import decode, encode, pack_tokens
-from libs.protocol.messages import (
-    SamplingParams,
-    SchedulerOutput,
-    StepOutputs,
-    StepSample,
-    SubmitReply,
-    SubmitRequest,
-    WorkerLoad,
-)
+from libs.protocol.member_messages import StepSample, WorkerLoad
+from libs.protocol.messages import SamplingParams, SchedulerOutput, StepOutputs, SubmitReply, SubmitRequest
 from libs.protocol.subjects import Subjects
 from services.scheduler.config import Config
 from services.scheduler.service import SchedulerService

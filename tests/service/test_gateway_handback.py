@@ -12,18 +12,17 @@ import dataclasses
 
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import encode, pack_tokens, unpack_tokens
+from libs.protocol.member_messages import MemberInfo, MemberKind
 from libs.protocol.messages import (
     FinishReason,
     Handback,
-    MemberInfo,
-    MemberKind,
     RequestOutput,
-    ResumeClaim,
     SamplingParams,
     SchedulerRef,
     SubmitRequest,
     SubmitStatus,
 )
+from libs.protocol.stream_messages import ResumeClaim
 from tests.service.test_gateway_migration import Scene, make_gateway
 from tests.service.test_gateway_migration import scene as scene  # the fixture, shared
 from tests.service.test_gateway_service import SUBJECTS, ScriptedScheduler, record_for

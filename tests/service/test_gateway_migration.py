@@ -15,14 +15,8 @@ import pytest
 from libs.bus.base import Message
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import decode, pack_tokens, unpack_tokens
-from libs.protocol.messages import (
-    FinishReason,
-    MemberInfo,
-    MemberKind,
-    RequestOutput,
-    SamplingParams,
-    SubmitRequest,
-)
+from libs.protocol.member_messages import MemberInfo, MemberKind
+from libs.protocol.messages import FinishReason, RequestOutput, SamplingParams, SubmitRequest
 from services.gateway.service import GatewayService
 from tests.service.test_gateway_service import SUBJECTS, ScriptedScheduler
 from tests.service.test_liveness import heartbeat, rest, until

@@ -17,7 +17,8 @@ from libs.bus.memory import InMemoryBus
 from libs.kvstore.block_hash import hash_blocks
 from libs.protocol.codec import decode, encode
 from libs.protocol.kv_messages import CacheTier, KVDump, KVDumpRequest, KVEvent, KVEvents, join_hashes
-from libs.protocol.messages import MemberInfo, MemberKind, SamplingParams, SubmitStatus, WorkerLoad
+from libs.protocol.member_messages import MemberInfo, MemberKind, WorkerLoad
+from libs.protocol.messages import SamplingParams, SubmitStatus
 from services.gateway.kv_router import KVRouter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.service import GatewayService, SubmitRejected

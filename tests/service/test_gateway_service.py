@@ -20,12 +20,12 @@ from libs.protocol.messages import (
     RequestOutput,
     SamplingParams,
     StepOutputs,
-    StreamRecord,
     SubmitReply,
     SubmitRequest,
     SubmitStatus,
     seq_id_of,
 )
+from libs.protocol.stream_messages import StreamRecord
 from libs.protocol.subjects import Subjects
 from services.gateway.logprobs import TokenLogprob
 from services.gateway.request_stream import Delta

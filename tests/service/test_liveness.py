@@ -17,16 +17,8 @@ from libs.bus import membership
 from libs.bus.membership import MembershipView, announce, member_key
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import encode, pack_tokens
-from libs.protocol.messages import (
-    FinishReason,
-    Handback,
-    MemberInfo,
-    MemberKind,
-    OutSeq,
-    RequestOutput,
-    SamplingParams,
-    SchedulerOutput,
-)
+from libs.protocol.member_messages import MemberInfo, MemberKind, OutSeq
+from libs.protocol.messages import FinishReason, Handback, RequestOutput, SamplingParams, SchedulerOutput
 from libs.protocol.subjects import Subjects
 from services.gateway.request_stream import Delta
 from services.gateway.service import GatewayService

@@ -14,14 +14,8 @@ from libs.bus.base import Message
 from libs.bus.membership import announce
 from libs.protocol.codec import decode, encode, pack_tokens
 from libs.protocol.kv_messages import CacheTier, KVDump, KVDumpRequest, KVEvents, split_hashes
-from libs.protocol.messages import (
-    MemberInfo,
-    MemberKind,
-    SamplingParams,
-    SubmitReply,
-    SubmitRequest,
-    SubmitStatus,
-)
+from libs.protocol.member_messages import MemberInfo, MemberKind
+from libs.protocol.messages import SamplingParams, SubmitReply, SubmitRequest, SubmitStatus
 from services.scheduler import service as scheduler_service
 from services.scheduler.config import Config
 from tests.service.scheduler_harness import SUBJECTS, ScriptedWorker, running_service

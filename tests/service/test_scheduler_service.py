@@ -11,12 +11,8 @@ import pytest
 
 from libs.bus.memory import InMemoryBus
 from libs.protocol.codec import encode, unpack_tokens
-from libs.protocol.messages import (
-    CancelRequest,
-    FinishReason,
-    StepSample,
-    SubmitStatus,
-)
+from libs.protocol.member_messages import StepSample
+from libs.protocol.messages import CancelRequest, FinishReason, SubmitStatus
 from libs.runtime.settings import build_config
 from services.scheduler.config import Config
 from services.scheduler.service import SchedulerService

@@ -16,7 +16,8 @@ from libs.bus.membership import announce, member_key
 from libs.bus.memory import InMemoryBus
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import decode, encode, pack_tokens
-from libs.protocol.messages import MemberInfo, MemberKind, SchedulerOutput, WorkerLoad
+from libs.protocol.member_messages import MemberInfo, MemberKind, WorkerLoad
+from libs.protocol.messages import SchedulerOutput
 from libs.protocol.subjects import Subjects
 from libs.runtime.process import StopEvent
 from services.worker.config import Config

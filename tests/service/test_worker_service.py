@@ -32,7 +32,8 @@ from libs.protocol.kv_messages import (
     RemovalReason,
     join_hashes,
 )
-from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput, WorkerLoad
+from libs.protocol.member_messages import WorkerLoad
+from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput
 from libs.protocol.subjects import Subjects
 from services.worker.config import Config
 from services.worker.handoff_area import HANDOFF_DIR_NAME, HandoffArea

@@ -16,7 +16,7 @@ from libs.bus.membership import live_members
 from libs.bus.nats_bus import NatsBus
 from libs.bus.nats_server import EmbeddedNatsServer, free_port
 from libs.protocol.codec import decode
-from libs.protocol.messages import MemberKind, WorkerLoad
+from libs.protocol.member_messages import MemberKind, WorkerLoad
 from libs.protocol.subjects import Subjects
 
 READY_TIMEOUT_S = 180.0

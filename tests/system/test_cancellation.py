@@ -13,7 +13,7 @@ import httpx
 import nats
 
 from libs.protocol.codec import decode
-from libs.protocol.messages import WorkerLoad
+from libs.protocol.member_messages import WorkerLoad
 from libs.protocol.subjects import Subjects
 from tests.system.stack import RESUME_GRACE_S, Stack
 

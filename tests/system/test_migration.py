@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from libs.protocol.messages import MemberKind
+from libs.protocol.member_messages import MemberKind
 from tests.system.faults import MODEL, InFlight
 from tests.system.kv_metrics import scheduler_kv_stat
 from tests.system.stack import Stack, latest_loads, wait_member_id

@@ -25,7 +25,8 @@ import pytest
 from libs.bus.nats_server import free_port
 from libs.protocol.codec import decode
 from libs.protocol.kv_messages import KVCacheStats
-from libs.protocol.messages import FinishReason, StepOutputs, WorkerLoad
+from libs.protocol.member_messages import WorkerLoad
+from libs.protocol.messages import FinishReason, StepOutputs
 from libs.protocol.subjects import Subjects
 from tests.system.stack import READY_TIMEOUT_S, RESUME_GRACE_S, Stack, wait_healthy
 

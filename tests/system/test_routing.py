@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.bus.nats_server import free_port
-from libs.protocol.messages import MemberKind
+from libs.protocol.member_messages import MemberKind
 from tests.system.faults import MODEL, InFlight
 from tests.system.stack import Stack, latest_loads, wait_healthy, wait_member_id
 from tests.system.test_migration import next_tokens_s

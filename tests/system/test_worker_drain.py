@@ -19,7 +19,7 @@ from libs.bus.base import Message
 from libs.bus.membership import live_members
 from libs.bus.nats_bus import NatsBus
 from libs.protocol.codec import decode
-from libs.protocol.messages import MemberKind, WorkerLoad
+from libs.protocol.member_messages import MemberKind, WorkerLoad
 from libs.protocol.subjects import Subjects
 from tests.system.stack import READY_TIMEOUT_S, Stack
 

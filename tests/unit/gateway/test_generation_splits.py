@@ -20,7 +20,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from libs.protocol.codec import pack_tokens
-from libs.protocol.messages import FinishReason, RequestOutput, StreamRecord
+from libs.protocol.messages import FinishReason, RequestOutput
+from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.api import parse_responses_request
 from libs.recipe.tokenizer import Tokenizer
 from services.gateway.generation import ApiRenderer, Generation

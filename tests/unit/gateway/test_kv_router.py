@@ -11,7 +11,7 @@ from typing import Any
 
 from libs.kvstore.block_hash import hash_blocks
 from libs.protocol.kv_messages import CacheTier, KVDump, KVEvent, KVEvents, RemovalReason, join_hashes
-from libs.protocol.messages import WorkerLoad
+from libs.protocol.member_messages import WorkerLoad
 from services.gateway.kv_router import KVRouter
 
 BLOCK_SIZE = 4

@@ -15,6 +15,7 @@ from libs.protocol.codec import (
     unpack_floats,
     unpack_tokens,
 )
+from libs.protocol.member_messages import StepSample, WorkerLoad
 from libs.protocol.messages import (
     FinishReason,
     Logprobs,
@@ -24,11 +25,9 @@ from libs.protocol.messages import (
     SamplingParams,
     SchedulerOutput,
     StepOutputs,
-    StepSample,
-    StoredResponse,
     SubmitRequest,
-    WorkerLoad,
 )
+from libs.protocol.stream_messages import StoredResponse
 
 
 def test_tokens_pack_as_uint32_little_endian() -> None:

@@ -7,7 +7,8 @@ import torch
 
 from deepinfer.local_engine import LocalEngine
 from libs.models.llama import LlamaForCausalLM
-from libs.protocol.messages import SamplingParams, StepSample
+from libs.protocol.member_messages import StepSample
+from libs.protocol.messages import SamplingParams
 from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.step_profile import DRAFT_LENGTHS, profile_steps
