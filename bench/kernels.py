@@ -21,6 +21,7 @@ from torch import Tensor
 
 from libs.kernels import paged_attention_torch
 from libs.kernels.activation import silu_and_mul, silu_and_mul_reference
+from libs.kernels.linear import linear, linear_reference
 from libs.kernels.paged_attention import (
     PagedAttentionMetadata,
     make_attention_backend,
@@ -169,6 +170,38 @@ def bench_activation(g: torch.Generator) -> None:
             )
 
 
+# SmolLM2's projections, [out, in]: fused qkv, o, fused gate/up, down (each of 30 layers), tied head
+LINEAR_SHAPES = ((HIDDEN + 2 * NUM_KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * FFN, HIDDEN),
+                 (HIDDEN, FFN))  # fmt: skip
+NUM_LAYERS, VOCAB = 30, 49152
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, PREFILL)  # a decode, verifications of 1-7 drafts, batches
+
+
+def bench_linear(g: torch.Generator) -> None:
+    """Every projection of one SmolLM2 forward, in fp32 (bf16 dispatches to F.linear). Each layer
+    has weights of its own, so they stream from memory as in a step; one small weight timed over
+    and over would stay in cache."""
+    layers = [[torch.randn(shape, generator=g) for shape in LINEAR_SHAPES] for _ in range(NUM_LAYERS)]
+    head = torch.randn(VOCAB, HIDDEN, generator=g)
+
+    def forward(fn: Callable[[Tensor, Tensor], Tensor], inputs: list[Tensor], hidden: Tensor) -> None:
+        for weights in layers:
+            for x, weight in zip(inputs, weights, strict=True):
+                fn(x, weight)
+        fn(hidden, head)
+
+    for n in LINEAR_ROWS:
+        inputs = [torch.randn(n, shape[1], generator=g) for shape in LINEAR_SHAPES]
+        hidden = torch.randn(n, HIDDEN, generator=g)
+        report(
+            "linear (a forward's)",
+            f"{n} rows, {NUM_LAYERS} layers + head",
+            torch.float32,
+            partial(forward, linear_reference, inputs, hidden),
+            partial(forward, linear, inputs, hidden),
+        )
+
+
 def attention_step(
     query_lens: list[int],
     context_lens: list[int],
@@ -284,6 +317,7 @@ def main() -> None:
         bench_norms(g)
         bench_rotary(g)
         bench_activation(g)
+        bench_linear(g)
         bench_attention(g)
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from libs.kernels.linear import linear
+
 
 def grouped_topk(
     router_logits: Tensor,
@@ -63,7 +65,7 @@ def routed_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, dow
         pairs = order[start : start + count]
         tokens = token_of[start : start + count]
         start += count
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        hidden = F.linear(F.silu(gate) * up, down[expert])  # [count, hidden]
+        gate, up = linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        hidden = linear(F.silu(gate) * up, down[expert])  # [count, hidden]
         out.index_add_(0, tokens, hidden.float() * weights.flatten()[pairs, None])
     return out.to(x.dtype)

@@ -12,9 +12,9 @@ token and layer. MTP module k runs as layer `num_hidden_layers + k`, with a cach
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from libs.kernels.linear import Linear, linear
 from libs.kernels.mla_attention import MLAWeights
 from libs.kernels.moe import grouped_topk, routed_experts
 from libs.kernels.rotary import apply_rotary_qk, prepare_rotation, rope_cos_sin_cache, yarn_cos_sin_cache
@@ -29,7 +29,7 @@ _LATENT_NORM_EPS = 1e-6
 def _linear(
     in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | None
 ) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
+    return Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
 
 
 class DeepseekV3Attention(nn.Module):
@@ -105,7 +105,7 @@ class TopkRouter(nn.Module):
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] fp32, expert ids [num_tokens, top_k])."""
         cfg = self.config
         return grouped_topk(
-            F.linear(x.float(), self.weight),
+            linear(x.float(), self.weight),
             self.e_score_correction_bias,
             n_group=cfg.n_group,
             topk_group=cfg.topk_group,

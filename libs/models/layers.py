@@ -6,10 +6,10 @@ from __future__ import annotations
 import abc
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from libs.kernels.activation import silu_and_mul
+from libs.kernels.linear import Linear, linear
 from libs.kernels.rms_norm import fused_add_rms_norm, rms_norm
 
 
@@ -36,10 +36,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         # One fused projection; rows are [gate | up], the order silu_and_mul expects.
         # Typed nn.Module: quantize_model swaps in packed layers.
-        self.gate_up_proj: nn.Module = nn.Linear(
+        self.gate_up_proj: nn.Module = Linear(
             hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device
         )
-        self.down_proj: nn.Module = nn.Linear(
+        self.down_proj: nn.Module = Linear(
             intermediate_size, hidden_size, bias=False, dtype=dtype, device=device
         )
 
@@ -78,4 +78,4 @@ class CausalLMBase(nn.Module, abc.ABC):
         if self.lm_head is not None:
             logits: Tensor = self.lm_head(hidden)
             return logits.float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        return linear(hidden, self.embed_tokens.weight).float()

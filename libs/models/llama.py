@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from libs.kernels.linear import Linear
 from libs.kernels.rotary import apply_rotary_qk, prepare_rotation, rope_cos_sin_cache
 from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.attention import AttentionFn
@@ -29,10 +30,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         # One fused projection; rows are [q | k | v]. Typed nn.Module: quantize_model swaps in packed layers.
-        self.qkv_proj: nn.Module = nn.Linear(
+        self.qkv_proj: nn.Module = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype, device=device
         )
-        self.o_proj: nn.Module = nn.Linear(
+        self.o_proj: nn.Module = Linear(
             self.q_size, config.hidden_size, bias=False, dtype=dtype, device=device
         )
 
@@ -120,9 +121,7 @@ class LlamaForCausalLM(CausalLMBase):
         # None while tied to the embeddings; quantize_model may install a quantized copy here.
         self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(
-                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=dev
-            )
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=dev)
         # Derived from the config, so not part of the state dict. Kept in fp32: rotary runs in fp32.
         self.cos_sin_cache: Tensor
         self.register_buffer("cos_sin_cache", self._build_rope_cache(dev), persistent=False)

@@ -53,10 +53,10 @@ def test_the_profile_times_decodes_with_and_without_drafts_and_leaves_nothing(
 
 
 def test_a_model_of_few_positions_gets_a_shorter_context(model: LlamaForCausalLM) -> None:
-    runner = runner_of(model, num_blocks=12)  # 48 positions: 11 of context, one sequence
+    runner = runner_of(model, num_blocks=15)  # 60 positions: 5 of context, one sequence
     samples = profile_steps(runner, max_num_seqs=8)
     assert len(samples) == 3 and not runner.seqs
-    limits = Limits(12, BLOCK_SIZE, 2, TINY_LLAMA.max_position_embeddings, 256, 64, 0.0)
+    limits = Limits(15, BLOCK_SIZE, 2, TINY_LLAMA.max_position_embeddings, 256, 64, 0.0)
     engine = LocalEngine(runner, limits, TINY_LLAMA.eos_token_id, check=True)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     assert engine.run([(0, "a", [7] * 20, params)]) == {"a": reference_greedy(model, [7] * 20, 20)}

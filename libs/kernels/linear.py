@@ -1,0 +1,52 @@
+"""Dense projection y = x W^T (+ b): the plain-torch op, and the weight-major product for fp32 on CPU.
+
+``F.linear`` hands MKL the product as x @ W^T. On the CPU measured here (AMD EPYC, MKL, 2 threads)
+that takes a matrix-vector path for one row and a general one for more, and SmolLM2's
+projections for 2-4 rows cost twice those for one (bench/kernels.py, "linear"): every step that
+verifies drafts, and every small batch, paid it. The same product as (W @ x^T)^T, with the weight
+as the left operand, costs for 2-4 rows what one row does, and less than F.linear up to about 64
+rows; from about 128 rows (prefill) F.linear is as fast or faster, so larger inputs keep it.
+bf16 and CUDA keep ``F.linear`` (no gain measured for bf16 on CPU; cuBLAS picks its own kernel).
+Timed over a whole model's weights, as a step streams them: the same small weight timed again
+and again stays in cache and measures something else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x: [..., in_features], weight: [out_features, in_features] -> [..., out_features]."""
+    return F.linear(x, weight, bias)
+
+
+def linear_weight_major(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """linear_reference's result computed as (W @ x^T)^T, returned contiguous (callers view it)."""
+    rows = x.reshape(-1, x.shape[-1])  # [n, in]
+    out = (weight @ rows.t()).t().contiguous()  # [out, n] -> [n, out]
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+WEIGHT_MAJOR_MAX_ROWS = 64  # above this (prefill chunks), F.linear is as fast or faster
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """linear_reference's result; the weight-major product for fp32 on CPU up to
+    WEIGHT_MAJOR_MAX_ROWS rows. The two sum in a different order, so they agree to fp32 rounding,
+    not to the bit."""
+    on_cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    if on_cpu_fp32 and x.numel() <= WEIGHT_MAJOR_MAX_ROWS * x.shape[-1]:
+        return linear_weight_major(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state-dict names) whose forward is ``linear``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
