@@ -40,7 +40,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     WEIGHT_MAJOR_MAX_ROWS rows. The two sum in a different order, so they agree to fp32 rounding,
     not to the bit."""
     on_cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-    if on_cpu_fp32 and x.numel() <= WEIGHT_MAJOR_MAX_ROWS * x.shape[-1]:
+    if on_cpu_fp32 and 0 < x.numel() <= WEIGHT_MAJOR_MAX_ROWS * x.shape[-1]:  # (empty: F.linear)
         return linear_weight_major(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -135,10 +135,11 @@ class AcceptancePredictor:
 # Features of a step: (1, tokens computed, drafted tokens among them, rows verifying a draft,
 # 1 if it computes more than one token). Drafted tokens get their own term: in a decode row they
 # cost what decode tokens cost, which on a CPU is well above the per-token cost of a long prefill
-# chunk. The last term is the step from matrix-vector to matrix-matrix products: on a CPU, one
-# lone decode costs about half what two tokens do (SmolLM2 fp32 at 2 threads: 50 ms against
-# 90 ms; 8 tokens cost no more than 2), so verifying a draft beside one decode pays that once;
-# on a GPU the term fits to about 0.
+# chunk. The last term is the step from matrix-vector to matrix-matrix products, where a BLAS
+# may charge a second row far more than a token's share (MKL's F.linear in fp32: one lone
+# SmolLM2 decode 57 ms, 2-8 tokens 105-128 ms), so verifying a draft beside one decode pays it
+# once. It fits to about 0 on a GPU, and on this CPU since the projections run weight-major
+# (libs/kernels/linear.py).
 # Prior pseudo-rows (features, seconds, weight) never decay, so they matter only until measured
 # steps outweigh them. The worker's start-up profile (``StepTimeModel.profiled``) gives real
 # ones; without it, guesses:

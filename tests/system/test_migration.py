@@ -150,11 +150,16 @@ def test_sigterm_drains_streams_to_a_worker_that_joined_at_run_time(
 def test_a_request_in_the_batch_at_two_worker_crashes_fails_alone(fleet: Workers) -> None:
     """The poison (P) is in the batch each time a worker dies; the canary (C) only the second
     time. P fails at its second crash with an error saying so; C moves on and finishes with the
-    text it has undisturbed."""
+    text it has undisturbed. The worker C moves to starts first and is held out of the fleet by
+    SIGSTOP until P and C share a batch: had it started then, P and C could finish while it
+    loads."""
     stack, workers = fleet
     (first,) = workers
     workers[FOURTH] = stack.add_worker(FOURTH)
+    fifth = workers[FIFTH] = stack.add_worker(FIFTH)
     asyncio.run(wait_workers(stack.nats.url, set(workers), 180))
+    os.kill(fifth.pid, signal.SIGSTOP)  # dropped when its heartbeat lapses
+    asyncio.run(wait_workers(stack.nats.url, {first, FOURTH}, 60))
     long_run = {"max_tokens": 160, "temperature": 0, "ignore_eos": True, "model": MODEL}
     poison_body = {"messages": [{"role": "user", "content": "Count from one."}], **long_run}
     canary_body = {"messages": [{"role": "user", "content": "Name some rivers."}], **long_run}
@@ -168,8 +173,8 @@ def test_a_request_in_the_batch_at_two_worker_crashes_fails_alone(fleet: Workers
     assert running_by_worker(stack.nats.url).get(FOURTH) == 1
     workers.pop(first).kill()  # crash 1: P in the batch
     poison.wait_tokens(poison.state.num_tokens + 4, 60)  # P runs beside C now
-    workers[FIFTH] = stack.add_worker(FIFTH)
-    asyncio.run(wait_workers(stack.nats.url, {FOURTH, FIFTH}, 180))
+    os.kill(fifth.pid, signal.SIGCONT)  # it rejoins within a heartbeat
+    asyncio.run(wait_workers(stack.nats.url, {FOURTH, FIFTH}, 60))
     assert running_by_worker(stack.nats.url).get(FOURTH) == 2
     workers.pop(FOURTH).kill()  # crash 2: P and C in the batch
     end = poison.result()
