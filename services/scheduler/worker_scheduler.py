@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping
 
 from libs.protocol.errors import QueueFull
 from libs.protocol.member_messages import StepSample
-from libs.protocol.messages import FinishReason, Logprobs, SchedulerOutput
+from libs.protocol.messages import FinishReason, SchedulerOutput
 from services.scheduler import admission, integrity, pausing, step_results
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_reuse import KVReuse
@@ -208,17 +208,8 @@ class WorkerScheduler:
             [(s.num_tokens, s.num_draft_tokens, s.num_draft_rows, s.seconds) for s in samples]
         )
 
-    def postprocess(
-        self,
-        seq_ids: tuple[str, ...],
-        sampled: list[int],
-        logprobs: tuple[Logprobs | None, ...] = (),
-        failed: Mapping[str, str] | None = None,
-        num_sampled: list[int] | None = None,
-        drafts: list[tuple[int, float]] | None = None,
-    ) -> list[Sequence]:
-        """Take a step's result; returns the sequences that changed (see ``step_results.take``)."""
-        return step_results.take(self, seq_ids, sampled, logprobs, failed, num_sampled, drafts)
+    # Take a step's result; returns the sequences that changed (a method: step_results.take).
+    postprocess = step_results.take
 
     def fail_all(self) -> list[Sequence]:
         """The worker is gone: finish every sequence with an error (nothing to tell the worker)."""
