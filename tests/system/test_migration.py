@@ -131,11 +131,17 @@ def test_kill_9_of_the_worker_holding_streams_moves_them(fleet: Workers, undistu
 def test_sigterm_drains_streams_to_a_worker_that_joined_at_run_time(
     fleet: Workers, undisturbed: dict[str, str]
 ) -> None:
+    """The newcomer starts before the streams and is held out of the fleet by SIGSTOP until they
+    run: had it started then, they could finish while it loads and leave nothing to drain."""
     stack, workers = fleet
     (remaining,) = workers
-    streams = stream_all(stack)  # all on the one worker left
-    workers[THIRD] = stack.add_worker(THIRD)
+    third = workers[THIRD] = stack.add_worker(THIRD)
     asyncio.run(wait_workers(stack.nats.url, {remaining, THIRD}, 180))
+    os.kill(third.pid, signal.SIGSTOP)  # dropped when its heartbeat lapses
+    asyncio.run(wait_workers(stack.nats.url, {remaining}, 60))
+    streams = stream_all(stack)  # all on the one worker left
+    os.kill(third.pid, signal.SIGCONT)  # it joins again within a heartbeat
+    asyncio.run(wait_workers(stack.nats.url, {remaining, THIRD}, 60))
     proc = workers.pop(remaining)
     started = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
