@@ -174,7 +174,7 @@ def bench_activation(g: torch.Generator) -> None:
 LINEAR_SHAPES = ((HIDDEN + 2 * NUM_KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * FFN, HIDDEN),
                  (HIDDEN, FFN))  # fmt: skip
 NUM_LAYERS, VOCAB = 30, 49152
-LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, PREFILL)  # a decode, verifications of 1-7 drafts, batches
+LINEAR_ROWS = (1, 2, 4, 8, 12, 16, 28, 32, 64, 128, PREFILL)  # a decode, verifications of 1-7 drafts, batches
 
 
 def bench_linear(g: torch.Generator) -> None:

@@ -6,6 +6,10 @@ projections for 2-4 rows cost twice those for one (bench/kernels.py, "linear"): 
 verifies drafts, and every small batch, paid it. The same product as (W @ x^T)^T, with the weight
 as the left operand, costs for 2-4 rows what one row does, and less than F.linear up to about 64
 rows; from about 128 rows (prefill) F.linear is as fast or faster, so larger inputs keep it.
+MKL's product there takes the input's rows 8 at a time and a partial last group costs more than a
+full one: 12-15 rows cost up to twice what 16 do (59 ms against 82-126 ms for a SmolLM2 forward's
+projections). So above 8 rows the input is padded with zero rows to a multiple of 8, whose
+outputs are dropped.
 bf16 and CUDA keep ``F.linear`` (no gain measured for bf16 on CPU; cuBLAS picks its own kernel).
 Timed over a whole model's weights, as a step streams them: the same small weight timed again
 and again stays in cache and measures something else.
@@ -23,10 +27,18 @@ def linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     return F.linear(x, weight, bias)
 
 
+ROW_GROUP = 8  # above this many rows, the weight-major product computes a multiple of it
+
+
 def linear_weight_major(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """linear_reference's result computed as (W @ x^T)^T, returned contiguous (callers view it)."""
     rows = x.reshape(-1, x.shape[-1])  # [n, in]
-    out = (weight @ rows.t()).t().contiguous()  # [out, n] -> [n, out]
+    num_rows = rows.shape[0]
+    if num_rows > ROW_GROUP and num_rows % ROW_GROUP:
+        padded = rows.new_zeros(-(-num_rows // ROW_GROUP) * ROW_GROUP, rows.shape[1])
+        padded[:num_rows] = rows
+        rows = padded
+    out = (weight @ rows.t())[:, :num_rows].t().contiguous()  # [out, n] -> [n, out]
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
