@@ -181,7 +181,7 @@ class Speculator:
         """The plan is complete: the policy learns its size, to match with its measured time."""
         num_drafted = sum(len(d) for d in plan.drafts.values())
         num_tokens = sum(plan.scheduled.values()) + num_drafted
-        self.policy.planned(plan.step_id, num_tokens, num_drafted, len(plan.drafts))
+        self.policy.planned(plan.step_id, num_tokens, num_drafted)
 
     def proposed(self, seq: Sequence, token_id: int, probability: float) -> None:
         """The worker's drafter proposes ``token_id`` to follow ``seq``'s tokens as they are now."""

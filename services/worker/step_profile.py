@@ -1,7 +1,9 @@
 """Step times measured at start, before the worker announces itself.
 
-A few synthetic plans run through the real ModelRunner: decodes of one row, alone and verifying
-drafts of two lengths, and of several rows, alone and verifying drafts of the shorter length.
+A few synthetic plans run through the real ModelRunner: decodes of one row and of several rows,
+alone and verifying drafts of each of DRAFT_LENGTHS, so that the steps' token counts double from
+one to 64 (8 rows): the knots of the scheduler's piecewise-linear step-time model, whose cost per
+token changes with the size (on a CPU a step is flat up to a few tokens and then is not).
 Their times (``StepSample``) go out with the worker's load reports, and the scheduler's
 speculative policy fits its step-time model to them (services/scheduler/spec_policy.py) before
 any request has run, instead of starting from guesses.
@@ -29,22 +31,22 @@ log = logging.getLogger(__name__)
 CONTEXT_LEN = 16  # tokens each synthetic sequence holds before its decodes (at most): a short
 # prefill keeps the profile cheap; attention over longer contexts is what live steps teach the fit
 MAX_ROWS = 8  # rows of the batched shapes (fewer if the worker runs fewer sequences)
-DRAFT_LENGTHS = (3, 7)  # drafted tokens per verifying row: two lengths separate row and token costs
+DRAFT_LENGTHS = (1, 3, 7)  # drafted tokens per verifying row: 2, 4 and 8 tokens a row
 RUNS_TIMED = 2  # runs of each shape after its warm-up; the fastest is the sample
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
 def profile_steps(runner: ModelRunner, max_num_seqs: int) -> tuple[StepSample, ...]:
-    """Time decodes of 1 row, alone and verifying a draft of each of ``DRAFT_LENGTHS``, then of
-    ``min(MAX_ROWS, max_num_seqs)`` rows (fewer if the pool holds fewer), alone and each verifying
-    a draft of the shorter length. Returns () when the pool or the model's positions cannot hold
-    one synthetic sequence, or when a step fails. The runner holds no sequence afterwards."""
-    one_row = [(1, 0), (1, DRAFT_LENGTHS[0]), (1, DRAFT_LENGTHS[1])]
-    batched = [(MAX_ROWS, 0), (MAX_ROWS, DRAFT_LENGTHS[0])]
-    # The first sequence is in every shape, each run 1 + RUNS_TIMED times, every token and draft computed in
-    # the worst case (all drafts accepted); the context shrinks to fit a model of few positions,
-    # the rows to fit a small pool.
-    num_decoded = 1 + (1 + RUNS_TIMED) * sum(1 + k for _, k in one_row + batched)
+    """Time decodes of 1 row, then of ``min(MAX_ROWS, max_num_seqs)`` rows (fewer if the pool
+    holds fewer), without drafts and verifying a draft of each of ``DRAFT_LENGTHS``. Returns ()
+    when the pool or the model's positions cannot hold one synthetic sequence, or when a step
+    fails. The runner holds no sequence afterwards."""
+    # Each draft length starts the sequences again after their context (the first prefills it;
+    # the others find it cached, as a prefix hit would): the first sequence decodes at one row and
+    # at all rows, 1 + RUNS_TIMED times each, every token and draft computed in the worst case
+    # (all drafts accepted). The context shrinks to fit a model of few positions, the rows to fit
+    # a small pool.
+    num_decoded = 1 + 2 * (1 + RUNS_TIMED) * (1 + max(DRAFT_LENGTHS))
     max_position = min(runner.shape.max_num_tokens, runner.kv_cache.num_blocks * runner.block_size)
     context_len = min(CONTEXT_LEN, max_position - num_decoded)
     if context_len < 1:
@@ -53,31 +55,20 @@ def profile_steps(runner: ModelRunner, max_num_seqs: int) -> tuple[StepSample, .
     num_rows = min(MAX_ROWS, max_num_seqs, runner.kv_cache.num_blocks // blocks_per_seq)
     if num_rows < 1:
         return ()
-    shapes = one_row + ([(num_rows, k) for _, k in batched] if num_rows > 1 else [])
     seq_ids = [f"step-profile-{i}" for i in range(num_rows)]
-    vocab_size = runner.shape.vocab_size
-    new_seqs = tuple(
-        NewSequence(
-            seq_id=seq_id,
-            prompt_token_ids=pack_tokens([(7 * i + 13 * j + 1) % vocab_size for j in range(context_len)]),
-            output_token_ids=b"",
-            sampling_params=PARAMS,
-            stop_token_ids=(),
-            block_ids=pack_tokens(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-            num_computed_tokens=0,
-            num_scheduled_tokens=context_len,
-        )
-        for i, seq_id in enumerate(seq_ids)
-    )
     samples: list[StepSample] = []
     try:
-        _checked(runner.execute(SchedulerOutput(step_id=0, new_seqs=new_seqs)), len(seq_ids))
-        for rows, draft_len in shapes:
-            _decode(runner, seq_ids[:rows], draft_len, vocab_size)  # warm-up
-            seconds = min(_decode(runner, seq_ids[:rows], draft_len, vocab_size) for _ in range(RUNS_TIMED))
-            samples.append(
-                StepSample(rows * (1 + draft_len), rows * draft_len, rows * bool(draft_len), seconds)
-            )
+        for draft_len in (0, *DRAFT_LENGTHS):
+            num_cached = 0 if draft_len == 0 else context_len - 1
+            new_seqs = _sequences(runner, seq_ids, context_len, blocks_per_seq, num_cached)
+            _checked(runner.execute(SchedulerOutput(step_id=0, new_seqs=new_seqs)), num_rows)
+            for rows in sorted({1, num_rows}):
+                _decode(runner, seq_ids[:rows], draft_len)  # warm-up
+                seconds = min(_decode(runner, seq_ids[:rows], draft_len) for _ in range(RUNS_TIMED))
+                samples.append(
+                    StepSample(rows * (1 + draft_len), rows * draft_len, rows * bool(draft_len), seconds)
+                )
+            runner.reset()
     except Exception:  # the profile is optional: without it the policy starts from its priors
         log.exception("the step profile failed: the speculative policy starts from its priors")
         return ()
@@ -90,8 +81,30 @@ def profile_steps(runner: ModelRunner, max_num_seqs: int) -> tuple[StepSample, .
     return tuple(samples)
 
 
-def _decode(runner: ModelRunner, seq_ids: list[str], draft_len: int, vocab_size: int) -> float:
+def _sequences(
+    runner: ModelRunner, seq_ids: list[str], context_len: int, blocks_per_seq: int, num_cached: int
+) -> tuple[NewSequence, ...]:
+    """The synthetic sequences, each on pages of its own from the pool's start, with
+    ``num_cached`` of their ``context_len`` tokens already computed."""
+    vocab_size = runner.shape.vocab_size
+    return tuple(
+        NewSequence(
+            seq_id=seq_id,
+            prompt_token_ids=pack_tokens([(7 * i + 13 * j + 1) % vocab_size for j in range(context_len)]),
+            output_token_ids=b"",
+            sampling_params=PARAMS,
+            stop_token_ids=(),
+            block_ids=pack_tokens(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            num_computed_tokens=num_cached,
+            num_scheduled_tokens=context_len - num_cached,
+        )
+        for i, seq_id in enumerate(seq_ids)
+    )
+
+
+def _decode(runner: ModelRunner, seq_ids: list[str], draft_len: int) -> float:
     """One decode step of ``seq_ids``, each verifying ``draft_len`` arbitrary tokens: its time."""
+    vocab_size = runner.shape.vocab_size
     draft = pack_tokens([(31 * j + 5) % vocab_size for j in range(draft_len)]) if draft_len else b""
     out = runner.execute(
         SchedulerOutput(

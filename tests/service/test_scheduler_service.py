@@ -149,13 +149,13 @@ async def test_a_workers_start_up_profile_sets_its_step_time_model() -> None:
     task = asyncio.create_task(service.run(stop))
     await asyncio.sleep(0.01)
     # 40 ms a step, and 5 ms a token past the first (the shapes a worker times at start)
-    shapes = [(1, 0, 0), (4, 3, 1), (8, 7, 1), (8, 0, 0), (32, 24, 8)]
+    shapes = [(r * (1 + k), r * k, r * (k > 0)) for k in (0, 1, 3, 7) for r in (1, 8)]
     profile = tuple(StepSample(t, d, r, 0.04 + 0.005 * (t - 1)) for t, d, r in shapes)
     worker = ScriptedWorker(bus, step_profile=profile)
     await worker.start()
     await asyncio.sleep(0.01)
     step_time = service.workers["w1"].core.speculator.policy.step_time
-    assert step_time.num_profiled == 5
+    assert step_time.num_profiled == len(shapes)
     assert step_time.seconds(16) == pytest.approx(0.04 + 0.005 * 15, rel=0.05)
     stop.set()
     await asyncio.wait_for(task, 5)

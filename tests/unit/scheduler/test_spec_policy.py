@@ -16,100 +16,30 @@ from services.scheduler.spec_policy import (
     HALVE_AT,
     MAX_EXPLORE_EVERY,
     AcceptancePredictor,
-    StepTimeModel,
     VerifyPolicy,
     verify_lengths,
 )
+from services.scheduler.step_time import StepTimeModel
 from services.scheduler.worker_scheduler import Limits, WorkerScheduler
+from tests.unit.scheduler.test_step_time import curve
 
 EOS = 2
 
 
-def step_seconds(
-    a: float, b: float, c: float, d: float, w: float, tokens: int, drafted: int, rows: int
-) -> float:
-    return a + b * tokens + d * drafted + c * rows + w * (tokens > 1)
+def fitted(base: float, slope: float, draft: float = 0.0, flat_until: int = 1) -> StepTimeModel:
+    """A model fitted to noiseless steps of ``base`` up to ``flat_until`` tokens, ``slope`` a token
+    after that, and ``draft`` more a drafted token."""
+    return curve(base, slope, flat_until, draft)
 
 
-def fitted(a: float, b: float, c: float, d: float = 0.0, w: float = 0.0) -> StepTimeModel:
-    """A model fitted to noiseless steps of a + b * tokens + d * drafted tokens + c * drafted rows
-    + w * (more than one token)."""
-    model = StepTimeModel()
-    for _ in range(4):
-        for num_tokens, num_rows, k in itertools.product((1, 4, 32, 300), (0, 1, 4), (1, 3, 5)):
-            if num_rows * (k + 1) <= num_tokens or num_rows == 0:
-                drafted = num_rows * k
-                model.observe(
-                    num_tokens, drafted, num_rows, step_seconds(a, b, c, d, w, num_tokens, drafted, num_rows)
-                )
-        for _ in range(8):  # lone decodes, as common as the rest (they alone tell w)
-            model.observe(1, 0, 0, step_seconds(a, b, c, d, w, 1, 0, 0))
-    return model
-
-
-def test_the_step_time_fit_finds_the_coefficients_of_measured_steps() -> None:
-    model = fitted(0.05, 0.001, 0.004, d=0.002, w=0.03)
-    a, b, d, c, w = model.coef
-    assert (a, b, d) == pytest.approx((0.05, 0.001, 0.002), rel=0.03)
-    # The guesses never decay: they pull the terms these steps tell apart least (a drafted row's
-    # own cost, a second token's) by about a tenth.
-    assert (c, w) == pytest.approx((0.004, 0.03), rel=0.12)
-    assert model.seconds(10, 4, 2) == pytest.approx(0.05 + 0.01 + 0.008 + 0.008 + 0.03, rel=0.02)
-    assert model.seconds(1) == pytest.approx(0.05 + 0.001, rel=0.02)  # one lone decode: no w
-    assert model.seconds(300) == pytest.approx(0.05 + 0.3 + 0.03, rel=0.02)
-    # Before any step: the prior, with a drafted token's, a row's and a second token's own cost
-    # at 0 (drafts get tried).
-    a, b, d, c, w = StepTimeModel().coef
-    assert a > 0 and b > 0 and d == c == w == 0
-    # One long prefill is enough for a sensible split of a decode's cost from a token's.
-    model = StepTimeModel()
-    model.observe(520, 0, 0, 0.8)
-    assert 0.02 < model.coef[0] < 0.2
-    # Newer steps outweigh older ones: the machine got twice as slow.
-    model = fitted(0.05, 0.001, 0.004)
-    for _ in range(300):
-        model.observe(1, 0, 0, 0.1)
-        model.observe(300, 0, 0, 0.1 + 0.6)
-    assert model.coef[:2] == pytest.approx((0.1, 0.002), rel=0.05)
-
-
-def test_a_start_up_profile_sets_the_fit_before_any_step() -> None:
-    # The shapes services/worker/step_profile.py times: 1 and 8 rows, drafts of 3 and 7.
-    truth = (0.05, 0.0005, 0.002, 0.001, 0.04)  # a, b, c, d, w
-    shapes = [(1, 0, 0), (4, 3, 1), (8, 7, 1), (8, 0, 0), (32, 24, 8)]
-    model = StepTimeModel()
-    model.profiled([(t, d, r, step_seconds(*truth, t, d, r)) for t, d, r in shapes])
-    assert model.num_profiled == 5 and model.num_observed == 0
-    for t, d, r in [(1, 0, 0), (6, 5, 1), (16, 0, 0), (64, 40, 8)]:
-        assert model.seconds(t, d, r) == pytest.approx(step_seconds(*truth, t, d, r), rel=0.05)
-    # Measured steps outweigh it in time (the machine got slower) ...
-    for _ in range(200):
-        for t, d, r in shapes:
-            model.observe(t, d, r, 1.5 * step_seconds(*truth, t, d, r))
-    assert model.seconds(8, 0, 0) == pytest.approx(1.5 * step_seconds(*truth, 8, 0, 0), rel=0.05)
-    # ... and with a profile, a surprise is clipped from the first measured step on, within the
-    # sizes the profile timed; a longer step (a prefill) is not judged by an extrapolation.
-    fresh = StepTimeModel()
-    fresh.profiled([(t, d, r, step_seconds(*truth, t, d, r)) for t, d, r in shapes])
-    fresh.observe(1, 0, 0, 100.0)
-    assert fresh.seconds(1) < 0.2
-    before = fresh.seconds(2048)
-    fresh.observe(2048, 0, 0, 10 * before)
-    assert fresh.seconds(2048) > 3 * before
-    # A sample that is no measurement, or no step, is left out; none at all keeps the guesses.
-    unprofiled = StepTimeModel()
-    not_steps = [(1, 0, 0, float("nan")), (4, 5, 1, 0.1), (2, 0, 0, -1.0), (5, 3, 0, 0.1), (5, 0, 1, 0.1)]
-    unprofiled.profiled([*not_steps, (0, 0, 0, 0.1), (3, 3, 1, 0.1)])
-    assert unprofiled.num_profiled == 0 and unprofiled.coef == StepTimeModel().coef
-
-
-def test_a_draft_beside_one_lone_decode_pays_for_the_second_token() -> None:
-    # One decode 50 ms, any wider step 40 ms more, tokens nearly free (a CPU at one row).
-    model = fitted(0.05, 0.0002, 0.0, w=0.04)
-    assert verify_lengths([[0.3] * 5], 1, 1, model) == [0]  # ~0.4 tokens for 80% more time
-    assert verify_lengths([[0.9] * 5], 1, 1, model) == [5]  # ~3.7 tokens: worth it
-    # Beside four decodes the step is wide anyway: the same weak draft pays.
-    assert verify_lengths([[0.3] * 5], 4, 4, model)[0] > 0
+def test_drafts_pay_where_the_step_is_flat() -> None:
+    # One decode 50 ms, up to 4 tokens no dearer, then 6 ms a token (a CPU at one row).
+    model = fitted(0.05, 0.006, flat_until=4)
+    assert verify_lengths([[0.3] * 5], 1, 1, model) == [3]  # 3 tokens for free; not the 4th
+    assert verify_lengths([[0.95] * 5], 1, 1, model) == [5]  # ~4.1 tokens: worth the 6 ms each
+    # Beside four decodes the step is no longer flat: the weak draft does not pay, a strong one does.
+    assert verify_lengths([[0.3] * 5], 4, 4, model) == [0]
+    assert verify_lengths([[0.95] * 5] * 4, 4, 4, model) == [5] * 4
 
 
 def test_acceptance_estimates_follow_position_match_length_and_the_sequence() -> None:
@@ -169,15 +99,15 @@ def expected_rate(
         for p in r[:k]:
             reach *= p
             gain += reach
-    seconds = model.seconds(num_tokens + sum(lengths), sum(lengths), sum(1 for k in lengths if k))
+    seconds = model.seconds(num_tokens + sum(lengths), sum(lengths))
     return (num_sampling + gain) / seconds
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_verified_lengths_are_the_best_of_every_choice(seed: int) -> None:
     rng = random.Random(seed)
-    row_cost = rng.choice([0.0, rng.uniform(0, 0.02)])
-    model = fitted(rng.uniform(0.005, 0.06), rng.uniform(1e-4, 4e-3), row_cost, d=rng.uniform(0, 3e-3))
+    flat_until = rng.choice([1, 2, 4, 8])
+    model = fitted(rng.uniform(0.005, 0.06), rng.uniform(1e-4, 4e-3), rng.uniform(0, 3e-3), flat_until)
     rates = [[rng.random() for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]
     base = (len(rates) + rng.randint(0, 8), len(rates) + rng.randint(0, 200))
     lengths = verify_lengths(rates, *base, model)
@@ -200,11 +130,11 @@ def test_verified_lengths_are_the_best_of_every_choice(seed: int) -> None:
 
 
 def test_drafts_pay_alone_and_not_in_a_long_step() -> None:
-    model = fitted(0.05, 0.001, 0.002)  # a decode costs 50 drafted tokens' worth
+    model = fitted(0.05, 0.001)  # a decode costs 50 drafted tokens' worth
     assert verify_lengths([[0.6] * 5], 1, 1, model) == [5]
     assert verify_lengths([[0.6] * 5, [0.02] * 5], 2, 2, model) == [5, 0]  # a prefix per sequence
     # Where tokens cost most of a step (64 decodes), a draft accepted at 0.3 does not pay ...
-    crowded = fitted(0.01, 0.001, 0.002)
+    crowded = fitted(0.01, 0.001, 0.001)
     assert verify_lengths([[0.3] * 5] * 8, 64, 64, crowded) == [0] * 8
     # ... alone it does; and beside a long prefill chunk, which makes every token cheap
     assert verify_lengths([[0.3] * 5], 1, 1, crowded)[0] > 0
@@ -212,7 +142,7 @@ def test_drafts_pay_alone_and_not_in_a_long_step() -> None:
 
 
 def test_a_source_no_plan_verifies_is_tried_again_now_and_then() -> None:
-    policy = VerifyPolicy("adaptive", step_time=fitted(0.01, 0.001, 0.05))  # a drafted row is dear
+    policy = VerifyPolicy("adaptive", step_time=fitted(0.01, 0.001, 0.05))  # a drafted token is dear
     for _ in range(10):
         policy.predictor.record("s", "ngram", 2, num_verified=1, num_accepted=0)
     drafts = [("s", "ngram", 2, 4)]
@@ -235,7 +165,7 @@ def test_a_source_no_plan_verifies_is_tried_again_now_and_then() -> None:
     assert [i + 1 for i, k in enumerate(verified) if k] == [MAX_EXPLORE_EVERY]
     # A verification the policy chose starts the waits over; explorations take the drafted
     # sequences in turn, not always the first.
-    for _ in range(30):  # another sequence whose drafts hold, while drafted rows are cheap
+    for _ in range(30):  # another sequence whose drafts hold, while drafted tokens are cheap
         policy.predictor.record("u", "ngram", 4, num_verified=4, num_accepted=4)
     policy.step_time = fitted(0.01, 0.001, 0.0)
     assert policy.lengths([("u", "ngram", 4, 4)], 1, 1) == [4]
@@ -246,7 +176,7 @@ def test_a_source_no_plan_verifies_is_tried_again_now_and_then() -> None:
     assert [i + 1 for i, x in enumerate(runs) if any(x)] == [EXPLORE_EVERY, 3 * EXPLORE_EVERY]
     assert sorted(x for x in runs if any(x)) == [[0, 3], [4, 0]]
     # A time that is no measurement is dropped.
-    policy.planned(7, 10, 0, 0)
+    policy.planned(7, 10, 0)
     before = policy.step_time.num_observed
     policy.measured(7, float("inf"))
     assert policy.step_time.num_observed == before
@@ -274,7 +204,7 @@ def test_the_core_cuts_drafts_to_what_pays_and_lets_the_undrafted_overlap() -> N
     assert [unpack_tokens(d) for d in plan.draft_token_ids] == [[8, 9, 5, 6]]  # cheap tokens: all of it
     core.postprocess(("s",), [8, 9, 5, 6, 7], num_sampled=[5])
     core.check_integrity()
-    # Drafted rows turn dear: the next draft is cut whole, and the sequence overlaps its next plan.
+    # Drafted tokens turn dear: the next draft is cut whole, and the sequence overlaps its next plan.
     policy.step_time = fitted(0.01, 0.001, 1.0)
     plan = core.schedule()
     assert plan.draft_token_ids == () and plan.seq_ids == ("s",)

@@ -67,7 +67,7 @@ class FrozenStepTime(StepTimeModel):
     """The prior step-time model, deaf to measured steps (so a test's drafts do not depend on the
     machine's speed)."""
 
-    def observe(self, num_tokens: int, num_draft_tokens: int, num_draft_rows: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, num_draft_tokens: int, seconds: float) -> None:
         pass
 
 

@@ -31,14 +31,9 @@ def test_the_profile_times_decodes_with_and_without_drafts_and_leaves_nothing(
 ) -> None:
     runner = runner_of(model)
     samples = profile_steps(runner, max_num_seqs=4)
-    short, long = DRAFT_LENGTHS
-    assert shapes(samples) == [
-        (1, 0, 0),
-        (1 + short, short, 1),
-        (1 + long, long, 1),
-        (4, 0, 0),
-        (4 + 4 * short, 4 * short, 4),
-    ]
+    assert DRAFT_LENGTHS == (1, 3, 7)  # token counts 1-8 a row: the step-time model's knots
+    expected = [(r * (1 + k), r * k, r * (k > 0)) for k in (0, *DRAFT_LENGTHS) for r in (1, 4)]
+    assert shapes(samples) == expected
     assert all(0 < s.seconds < 5 for s in samples)
     assert not runner.seqs and not runner.failed_seq_ids
     runner.check_integrity()
@@ -53,9 +48,9 @@ def test_the_profile_times_decodes_with_and_without_drafts_and_leaves_nothing(
 
 
 def test_a_model_of_few_positions_gets_a_shorter_context(model: LlamaForCausalLM) -> None:
-    runner = runner_of(model, num_blocks=15)  # 60 positions: 5 of context, one sequence
+    runner = runner_of(model, num_blocks=15)  # 60 positions: 11 of context, one sequence
     samples = profile_steps(runner, max_num_seqs=8)
-    assert len(samples) == 3 and not runner.seqs
+    assert len(samples) == 1 + len(DRAFT_LENGTHS) and not runner.seqs
     limits = Limits(15, BLOCK_SIZE, 2, TINY_LLAMA.max_position_embeddings, 256, 64, 0.0)
     engine = LocalEngine(runner, limits, TINY_LLAMA.eos_token_id, check=True)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -72,14 +67,11 @@ def test_a_model_that_fails_its_steps_sends_no_profile(model: LlamaForCausalLM) 
 
 
 def test_one_row_workers_and_small_pools(model: LlamaForCausalLM) -> None:
-    assert shapes(profile_steps(runner_of(model), max_num_seqs=1))[-1] == (
-        1 + DRAFT_LENGTHS[1],
-        DRAFT_LENGTHS[1],
-        1,
-    )
-    assert len(profile_steps(runner_of(model), max_num_seqs=1)) == 3
+    assert shapes(profile_steps(runner_of(model), max_num_seqs=1)) == [
+        (1 + k, k, int(k > 0)) for k in (0, *DRAFT_LENGTHS)
+    ]
     # A pool of 20 pages holds one synthetic sequence: the batched shapes are left out.
-    assert len(profile_steps(runner_of(model, num_blocks=20), max_num_seqs=8)) == 3
+    assert len(profile_steps(runner_of(model, num_blocks=20), max_num_seqs=8)) == 1 + len(DRAFT_LENGTHS)
     runner = runner_of(model, num_blocks=4)  # 16 positions: too few for the decodes
     assert profile_steps(runner, max_num_seqs=8) == ()
     assert not runner.seqs

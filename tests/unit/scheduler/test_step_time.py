@@ -1,0 +1,104 @@
+"""The step-time model: a piecewise-linear fit of step seconds to tokens and drafted tokens, from
+measured steps, a start-up profile or guesses."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from services.scheduler.step_time import KNOTS, StepTimeModel
+
+# Token counts a worker's steps have: decodes of 1-64 rows with drafts, prefill chunks.
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 100, 128, 200, 256, 400, 512, 700)
+
+
+def curve(base: float, slope: float, flat_until: int = 1, draft: float = 0.0) -> StepTimeModel:
+    """A model fitted to noiseless steps taking ``base`` up to ``flat_until`` tokens, ``slope`` a
+    token after that, and ``draft`` more a drafted token."""
+    model = StepTimeModel()
+    for _ in range(3):
+        for num_tokens in SIZES:
+            for drafted in {0, num_tokens // 2}:
+                seconds = base + slope * max(0, num_tokens - flat_until) + draft * drafted
+                model.observe(num_tokens, drafted, seconds)
+    return model
+
+
+@pytest.mark.parametrize("flat_until", [1, 4, 8])
+def test_the_fit_finds_a_flat_stretch_and_the_slope_after_it(flat_until: int) -> None:
+    model = curve(0.05, 0.002, flat_until, draft=0.001)
+    for num_tokens in (1, 2, 3, 4, 5, 8, 9, 16, 33, 100, 600):
+        expected = 0.05 + 0.002 * max(0, num_tokens - flat_until)
+        assert model.seconds(num_tokens) == pytest.approx(expected, rel=0.02, abs=5e-4), num_tokens
+        assert model.seconds(num_tokens, 3) == pytest.approx(expected + 0.003, rel=0.02, abs=5e-4)
+
+
+def test_before_any_step_a_straight_line_and_free_drafts() -> None:
+    model = StepTimeModel()
+    base, slope, *changes, draft = model.coef
+    assert len(changes) == len(KNOTS)
+    assert base > 0 and slope > 0 and draft == 0 and not any(changes)
+    assert base == pytest.approx(40 * slope)  # a decode costs about as much as 40 tokens
+    # One long prefill is enough for a sensible split of a decode's cost from a token's.
+    model.observe(520, 0, 0.8)
+    assert 0.02 < model.coef[0] < 0.2
+    assert model.seconds(520) == pytest.approx(0.8, rel=0.05)
+
+
+def test_newer_steps_outweigh_older_ones() -> None:
+    model = curve(0.05, 0.001)
+    for _ in range(300):  # the machine got twice as slow
+        for num_tokens in SIZES:
+            model.observe(num_tokens, 0, 2 * (0.05 + 0.001 * (num_tokens - 1)))
+    assert model.seconds(1) == pytest.approx(0.1, rel=0.05)
+    assert model.seconds(300) == pytest.approx(2 * (0.05 + 0.299), rel=0.05)
+
+
+def test_the_curve_never_falls() -> None:
+    """Noisy steps can fit a negative slope somewhere; the model keeps every stretch's slope and a
+    drafted token's cost >= 0, so more tokens or drafts never predict a faster step."""
+    rng = random.Random(0)
+    model = StepTimeModel()
+    for _ in range(200):
+        num_tokens = rng.choice(SIZES)
+        drafted = rng.randint(0, num_tokens - 1)
+        # Slower at 12 tokens than at 16 (as a BLAS can be), and very noisy.
+        seconds = (0.08 if num_tokens == 12 else 0.05) * rng.uniform(0.5, 1.5) + 0.0002 * num_tokens
+        model.observe(num_tokens, drafted, seconds)
+    times = [model.seconds(t) for t in range(1, 800)]
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(times))
+    assert model.coef[-1] >= 0 and model.coef[0] > 0
+
+
+def test_a_start_up_profile_sets_the_fit_before_any_step() -> None:
+    # The shapes services/worker/step_profile.py times: 1 and 8 rows, drafts of 1, 3 and 7 a row.
+    def truth(t: int, d: int) -> float:  # flat to 4 tokens, 3 ms a token to 16, 2 ms after
+        return 0.05 + 0.003 * min(max(0, t - 4), 12) + 0.002 * max(0, t - 16) + 0.0005 * d
+
+    shapes = [(1, 0, 0), (2, 1, 1), (4, 3, 1), (8, 7, 1), (8, 0, 0), (16, 8, 8), (32, 24, 8), (64, 56, 8)]
+    model = StepTimeModel()
+    model.profiled([(t, d, r, truth(t, d)) for t, d, r in shapes])
+    assert model.num_profiled == 8 and model.num_observed == 0 and model.max_profiled_tokens == 64
+    for t, d in [(1, 0), (3, 2), (4, 0), (6, 5), (12, 0), (16, 0), (48, 40), (64, 56)]:
+        assert model.seconds(t, d) == pytest.approx(truth(t, d), rel=0.05), (t, d)
+    # Measured steps outweigh it in time (the machine got slower) ...
+    for _ in range(200):
+        for t, d, _ in shapes:
+            model.observe(t, d, 1.5 * truth(t, d))
+    assert model.seconds(8) == pytest.approx(1.5 * truth(8, 0), rel=0.05)
+    # ... and with a profile, a surprise is clipped from the first measured step on, within the
+    # sizes the profile timed; a longer step (a prefill) is not judged by an extrapolation.
+    fresh = StepTimeModel()
+    fresh.profiled([(t, d, r, truth(t, d)) for t, d, r in shapes])
+    fresh.observe(1, 0, 100.0)
+    assert fresh.seconds(1) < 0.2
+    before = fresh.seconds(2048)
+    fresh.observe(2048, 0, 10 * before)
+    assert fresh.seconds(2048) > 3 * before
+    # A sample that is no measurement, or no step, is left out; none at all keeps the guesses.
+    unprofiled = StepTimeModel()
+    not_steps = [(1, 0, 0, float("nan")), (4, 5, 1, 0.1), (2, 0, 0, -1.0), (5, 3, 0, 0.1), (5, 0, 1, 0.1)]
+    unprofiled.profiled([*not_steps, (0, 0, 0, 0.1), (3, 3, 1, 0.1)])
+    assert unprofiled.num_profiled == 0 and unprofiled.coef == StepTimeModel().coef
