@@ -165,18 +165,17 @@ def verify_lengths(
                 candidates.append((-reach, i, j))
     candidates.sort()
     num_drafted = sum(forced)
-    best_ratio = expected / step_time.seconds(num_tokens + num_drafted, num_drafted)
-    best = list(lengths)
-    for neg_reach, i, _ in candidates:
+    seconds = step_time.seconds_with_drafts(num_tokens + num_drafted, num_drafted, len(candidates))
+    best_ratio, best_count = expected / seconds[0], 0
+    for m, (neg_reach, _, _) in enumerate(candidates, start=1):
         if neg_reach == 0.0:
             break  # nothing more to gain
-        lengths[i] += 1
         expected -= neg_reach
-        num_drafted += 1
-        ratio = expected / step_time.seconds(num_tokens + num_drafted, num_drafted)
-        if ratio > best_ratio:
-            best_ratio, best = ratio, list(lengths)
-    return best
+        if expected / seconds[m] > best_ratio:
+            best_ratio, best_count = expected / seconds[m], m
+    for _, i, _ in candidates[:best_count]:
+        lengths[i] += 1
+    return lengths
 
 
 @dataclass(slots=True)

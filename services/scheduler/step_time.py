@@ -144,6 +144,20 @@ class StepTimeModel:
     def seconds(self, num_tokens: int, num_draft_tokens: int = 0) -> float:
         return sum(c * x for c, x in zip(self.coef, _features(num_tokens, num_draft_tokens), strict=True))
 
+    def seconds_with_drafts(self, num_tokens: int, num_draft_tokens: int, max_more: int) -> list[float]:
+        """``seconds(num_tokens + m, num_draft_tokens + m)`` for m = 0..max_more, each from the
+        one before (a plan's policy weighs every count of drafted tokens: O(1) each)."""
+        _, slope, *changes, draft = self.coef
+        num_bends = sum(1 for knot in KNOTS if knot < num_tokens)  # bends behind the first step
+        slope += sum(changes[:num_bends])
+        times = [self.seconds(num_tokens, num_draft_tokens)]
+        for n in range(num_tokens + 1, num_tokens + max_more + 1):
+            if num_bends < len(KNOTS) and KNOTS[num_bends] < n:  # past a knot: its stretch's slope
+                slope += changes[num_bends]
+                num_bends += 1
+            times.append(times[-1] + slope + draft)
+        return times
+
     def _fit(self) -> None:
         xtx = [row[:] for row in self._xtx]
         xty = self._xty[:]

@@ -102,3 +102,13 @@ def test_a_start_up_profile_sets_the_fit_before_any_step() -> None:
     not_steps = [(1, 0, 0, float("nan")), (4, 5, 1, 0.1), (2, 0, 0, -1.0), (5, 3, 0, 0.1), (5, 0, 1, 0.1)]
     unprofiled.profiled([*not_steps, (0, 0, 0, 0.1), (3, 3, 1, 0.1)])
     assert unprofiled.num_profiled == 0 and unprofiled.coef == StepTimeModel().coef
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 60, 511, 512, 513])
+def test_the_times_of_every_count_of_drafts_are_the_models(num_tokens: int) -> None:
+    model = curve(0.05, 0.002, flat_until=4, draft=0.0005)
+    model.observe(64, 0, 0.3)  # a bend the curve did not have
+    times = model.seconds_with_drafts(num_tokens, 2, 600)
+    assert len(times) == 601
+    for m, seconds in enumerate(times):
+        assert seconds == pytest.approx(model.seconds(num_tokens + m, 2 + m), rel=1e-9, abs=1e-12), m
