@@ -17,11 +17,12 @@ each draft that makes the most tokens per second of step time:
   verified; where the step is flat (one decode on a CPU, a GPU's small batches) or beside a long
   prefill chunk, which makes the step long anyway, drafts come cheap.
 
-A sequence's first draft is verified whole, so that its own record starts (one request copies
-its prompt, the next does not; a client's prediction is right or wrong as a whole). A source
-nobody verifies would keep its estimate forever, so one of its drafts is verified whole after
-``EXPLORE_EVERY`` plans that drafted it without verifying any, the wait doubling (to
-``MAX_EXPLORE_EVERY``) while it still does not pay, so a wrong source costs ever less.
+A draft the policy cuts whole is still scored: the worker accepts a drafted token exactly when it
+equals its own sample at that position, drawn from (seed, position), so the tokens that come
+instead tell how much of the draft would have been accepted (services/scheduler/speculation.py,
+``Speculator``'s shadows), and the counts learn from it as from a verification. No draft has to
+be verified, at a cost, only to learn: a source or a sequence whose drafts do not pay now keeps
+its estimate current, and is verified again once they would.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from typing import Final
 from services.scheduler.step_time import StepTimeModel
 
 POLICIES: Final = ("adaptive", "fixed")
-EXPLORE_EVERY: Final = 8  # plans a source may draft without any of it verified, at first ...
-MAX_EXPLORE_EVERY: Final = 64  # ... doubling per exploration after which it still does not pay
 MAX_MATCH_BUCKET: Final = 4  # an MTP draft's probability falls in one of buckets 1..this
 HALVE_AT: Final = 4096.0  # counts halve past this many reached positions, to follow a change
 SEQ_HALVE_AT: Final = 32.0  # ... and a sequence's own, sooner: a request copies, then writes anew
@@ -119,10 +118,6 @@ class AcceptancePredictor:
                 float(num_accepted), float(num_reached), SEQ_HALVE_AT
             )
 
-    def has_record(self, seq_id: str) -> bool:
-        """Whether a draft of the sequence was verified here (while it lives)."""
-        return seq_id in self._by_seq
-
     def forget(self, seq_id: str) -> None:
         self._by_seq.pop(seq_id, None)
 
@@ -133,39 +128,28 @@ class AcceptancePredictor:
 
 
 def verify_lengths(
-    acceptance: list[list[float]],
-    num_sampling: int,
-    num_tokens: int,
-    step_time: StepTimeModel,
-    forced: list[int] | None = None,
+    acceptance: list[list[float]], num_sampling: int, num_tokens: int, step_time: StepTimeModel
 ) -> list[int]:
     """How many drafted tokens to verify per drafted sequence (a prefix of its draft).
 
     ``acceptance``: per drafted sequence, the conditional acceptance of each drafted position;
     ``num_sampling``: rows of the plan that sample a token anyway; ``num_tokens``: tokens the plan
-    computes besides drafts; ``forced``: per drafted sequence, a length verified whatever it pays
-    (0: choose). Maximizes (num_sampling + expected accepted drafts) / step seconds.
+    computes besides drafts. Maximizes (num_sampling + expected accepted drafts) / step seconds.
 
     Drafted position j of a sequence yields a token with probability reach_j, the product of its
     rates up to j, which never grows with j. So, for any number m of drafted tokens, the m
     positions of highest reach are the most tokens m can buy, and they are prefixes; the step's
     time depends on m alone. Every m is tried, in that order, and the best ratio kept: the step
     time need not be linear in m (a CPU step is flat up to a few tokens, then not)."""
-    forced = forced or [0] * len(acceptance)
-    lengths = list(forced)
-    expected = float(num_sampling)
     candidates: list[tuple[float, int, int]] = []  # (-reach, sequence, position): best first
     for i, rates in enumerate(acceptance):
         reach = 1.0
         for j, rate in enumerate(rates):
             reach *= rate
-            if j < forced[i]:
-                expected += reach
-            elif not forced[i]:
-                candidates.append((-reach, i, j))
+            candidates.append((-reach, i, j))
     candidates.sort()
-    num_drafted = sum(forced)
-    seconds = step_time.seconds_with_drafts(num_tokens + num_drafted, num_drafted, len(candidates))
+    seconds = step_time.seconds_with_drafts(num_tokens, 0, len(candidates))
+    expected = float(num_sampling)
     best_ratio, best_count = expected / seconds[0], 0
     for m, (neg_reach, _, _) in enumerate(candidates, start=1):
         if neg_reach == 0.0:
@@ -173,6 +157,7 @@ def verify_lengths(
         expected -= neg_reach
         if expected / seconds[m] > best_ratio:
             best_ratio, best_count = expected / seconds[m], m
+    lengths = [0] * len(acceptance)
     for _, i, _ in candidates[:best_count]:
         lengths[i] += 1
     return lengths
@@ -185,12 +170,6 @@ class VerifyPolicy:
     name: str = "adaptive"
     predictor: AcceptancePredictor = field(default_factory=AcceptancePredictor)
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
-    # source -> plans since one of its drafts was verified, while it drafted
-    _unexplored: dict[str, int] = field(default_factory=dict)
-    # source -> plans it may draft unverified before it is explored (absent: EXPLORE_EVERY; back
-    # to that whenever the policy verifies the source by choice)
-    _explore_every: dict[str, int] = field(default_factory=dict)
-    _num_explored: int = 0  # explorations so far: they take the drafted sequences in turn
     _planned: dict[int, tuple[int, int]] = field(default_factory=dict)  # step_id -> (tokens, drafted)
 
     def __post_init__(self) -> None:
@@ -219,26 +198,4 @@ class VerifyPolicy:
         if self.name == "fixed":
             return [num_drafted for *_, num_drafted in drafts]
         rates = [self.predictor.probabilities(s, src, m, n) for s, src, m, n in drafts]
-        # A sequence's first draft: whole, so its own record starts.
-        forced = [0 if self.predictor.has_record(s) else n for s, _, _, n in drafts]
-        lengths = verify_lengths(rates, num_sampling, num_tokens, self.step_time, forced)
-        picked_sources = {
-            src for (_, src, _, _), k, f in zip(drafts, lengths, forced, strict=True) if k and not f
-        }
-        for source in sorted({src for _, src, _, _ in drafts}):
-            of_source = [i for i, d in enumerate(drafts) if d[1] == source]
-            if source in picked_sources:
-                self._explore_every[source] = EXPLORE_EVERY
-            if any(lengths[i] for i in of_source):
-                self._unexplored[source] = 0
-                continue
-            every = self._explore_every.get(source, EXPLORE_EVERY)
-            self._unexplored[source] = self._unexplored.get(source, 0) + 1
-            if self._unexplored[source] >= every:
-                # In turn, so a sequence whose own record shut it out gets tried again too; and
-                # whole: every position learns, and past its first token a step grows little.
-                explored = of_source[self._num_explored % len(of_source)]
-                lengths[explored] = drafts[explored][3]
-                self._unexplored[source], self._num_explored = 0, self._num_explored + 1
-                self._explore_every[source] = min(2 * every, MAX_EXPLORE_EVERY)
-        return lengths
+        return verify_lengths(rates, num_sampling, num_tokens, self.step_time)

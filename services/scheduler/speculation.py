@@ -28,7 +28,9 @@ for up to ``RETRY_AFTER`` plans before it waits to try again (``may_overlap``).
 Each sequence keeps its tokens packed (4 bytes a token) so a lookup is a few ``bytes.rfind`` over
 them (one per n-gram length tried, and up to ``MAX_CANDIDATES`` for the longest): no per-sequence
 index to grow or evict. The worker verifies a draft against its own samples
-(services/worker/verify.py), so a wrong draft costs compute, never output.
+(services/worker/verify.py), so a wrong draft costs compute, never output; and a draft the
+policy cuts whole is scored against the tokens decoded instead (``Shadow``), which are those
+samples, so the policy learns from it as from a verification.
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ class DraftStats:
         self.num_verified += 1
 
 
+@dataclass(frozen=True, slots=True)
+class Shadow:
+    """A draft the policy cut whole, kept to be scored against the tokens that come instead."""
+
+    start: int  # the sequence's num_tokens when it was drafted: the draft's first position
+    draft_token_ids: list[int]
+    source: str
+    match_len: int
+
+
 @dataclass(slots=True)
 class Speculator:
     """Proposes drafts per sequence (``draft_for``), lets ``policy`` cut each plan's drafts to what
@@ -86,6 +98,7 @@ class Speculator:
     _overlapped: dict[str, int] = field(default_factory=dict)
     # seq_id -> (its num_tokens then, token, probability): the worker's last draft for it (mtp)
     _proposed: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    _shadows: dict[str, Shadow] = field(default_factory=dict)  # seq_id -> its cut draft, unscored
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -100,6 +113,7 @@ class Speculator:
         cut by the worker to what its grammar accepts (services/worker/grammar.py)."""
         if not self.drafts(seq) or seq.num_pending_tokens:
             return []
+        self._score_shadow(seq)
         params = seq.sampling_params
         room = min(params.max_tokens - seq.num_output_tokens, context_len - seq.num_tokens) - 1
         max_tokens = min(max_tokens, room)
@@ -174,8 +188,28 @@ class Speculator:
                 plan.drafts[seq.seq_id] = seq.draft_token_ids = draft[:num_verified]
             else:
                 del plan.drafts[seq.seq_id]
+                shadow = Shadow(seq.num_tokens, draft, seq.draft_source, seq.draft_match_len)
+                self._shadows.setdefault(seq.seq_id, shadow)  # one at a time: no position twice
                 seq.draft_token_ids = []
                 self._overlapped[seq.seq_id] = 0
+
+    def _score_shadow(self, seq: Sequence) -> None:
+        """Score ``seq``'s cut draft once the tokens that came instead settle it: a drafted token
+        would have been accepted exactly when it equals the sample at its position, which is the
+        token that came (the worker draws it from (seed, position), verifying or not)."""
+        shadow = self._shadows.get(seq.seq_id)
+        if shadow is None:
+            return
+        offset = shadow.start - len(seq.prompt_token_ids)
+        came = seq.output_token_ids[offset : offset + len(shadow.draft_token_ids)]
+        num_accepted = 0
+        while num_accepted < len(came) and came[num_accepted] == shadow.draft_token_ids[num_accepted]:
+            num_accepted += 1
+        if num_accepted == len(came) < len(shadow.draft_token_ids):
+            return  # every token so far held: the next ones decide
+        del self._shadows[seq.seq_id]
+        num_drafted = len(shadow.draft_token_ids)
+        self.policy.predictor.record(seq.seq_id, shadow.source, shadow.match_len, num_drafted, num_accepted)
 
     def planned(self, plan: Plan) -> None:
         """The plan is complete: the policy learns its size, to match with its measured time."""
@@ -227,6 +261,7 @@ class Speculator:
     def forget(self, seq_id: str) -> None:
         for table in (self._tokens, self._predictions, self._aligned, self._overlapped, self._proposed):
             table.pop(seq_id, None)
+        self._shadows.pop(seq_id, None)
         self.policy.predictor.forget(seq_id)
 
     def _synced(self, seq_id: str, prompt: list[int], output: list[int]) -> array[int]:
@@ -242,6 +277,8 @@ class Speculator:
         assert self._tokens.keys() <= live_seq_ids, "tokens kept for a finished sequence"
         assert self._overlapped.keys() <= live_seq_ids, "a finished sequence's overlap count"
         assert self._proposed.keys() <= live_seq_ids, "a finished sequence's proposed draft"
+        assert self._shadows.keys() <= live_seq_ids, "a finished sequence's cut draft"
+        assert all(s.draft_token_ids for s in self._shadows.values()), "an empty cut draft"
         assert self._predictions.keys() <= live_seq_ids and self._aligned.keys() <= live_seq_ids
         assert all(0 <= start <= len(self._predictions[s]) // 4 for s, start in self._aligned.items())
         assert all(0 <= n <= RETRY_AFTER for n in self._overlapped.values())

@@ -14,9 +14,9 @@ kept >= 0, and the curve never falls as tokens grow, so more drafts never predic
 
 The fit is least squares over measured steps, older ones weighing ``decay`` as much per step
 (recursive least squares), plus prior rows that never decay: the worker's start-up profile
-(``profiled``), else guesses. Beside the data, each slope change is pulled toward 0 by a weak prior
-row: where no step of some size was measured, the curve goes on at the slope of the last stretch
-that was.
+(``profiled``), else guesses. Beside the data, each slope change is pulled toward 0 by a prior
+row weighing as one step (a thousandth of that beside a profile): where no step of some size was
+measured, the curve goes on at the slope of the last stretch that was.
 """
 
 from __future__ import annotations
@@ -47,16 +47,17 @@ def _unit(i: int) -> tuple[float, ...]:
 # - a drafted token costs nothing beyond a token: the optimistic guess, so that drafts get
 #   verified and their real cost measured;
 # - no slope changes at any knot (a straight line until steps show otherwise).
-# Each weighs little beside measured steps, which soon tell these terms (a step may be flat, as
-# one decode's is on a CPU, whatever the first guess said); it only keeps the fit defined where
-# no step did.
+# The first three weigh little beside measured steps, which soon tell these terms (a step may be
+# flat, as one decode's is on a CPU, whatever the first guess said). The last weighs as a step
+# does: with steps of only a few sizes measured, as at start, a slow one among them must not bend
+# the curve wildly between them; where steps of many sizes were measured they outweigh it.
 # Beside a profile the guesses stay at a thousandth of their weight: they only keep the fit
 # defined where the profile's sizes leave a term open.
 _GUESSES: Final = (
     ((1.0, -40.0) + (0.0,) * (_NUM_FEATURES - 2), 0.0, 1e-4),
     ((1.0, 1.0) + (0.0,) * (_NUM_FEATURES - 2), 0.010, 1e-6),
     (_unit(_DRAFT), 0.0, 1e-2),
-    *((_unit(2 + i), 0.0, 1e-2) for i in range(len(KNOTS))),
+    *((_unit(2 + i), 0.0, 1.0) for i in range(len(KNOTS))),
 )
 
 
@@ -127,11 +128,13 @@ class StepTimeModel:
         self._fit()
 
     def observe(self, num_tokens: int, num_draft_tokens: int, seconds: float) -> None:
-        # The first steps set the scale where no profile did, whatever the guesses said, and a
-        # step larger than any the profile timed (a long prefill) is not clipped by an
-        # extrapolation either. Otherwise one slow step (a first run of new shapes, a pause)
-        # counts as at most MAX_SURPRISE times the prediction, so it cannot stop drafting for long.
-        if self.num_observed >= 3 or num_tokens <= self.max_profiled_tokens:
+        # The first step sets the scale where no profile did, whatever the guesses said, and a
+        # first step larger than any the profile timed (a long prefill) is not clipped by an
+        # extrapolation either. From then on one slow step (a first run of new shapes, a grammar
+        # compiled before its first mask, a pause) counts as at most MAX_SURPRISE times the
+        # prediction, so it cannot stop drafting for long: with few sizes measured, one such step
+        # would bend the curve between them. A real change of speed gets there in a few steps.
+        if self.num_observed >= 1 or num_tokens <= self.max_profiled_tokens:
             seconds = min(seconds, MAX_SURPRISE * self.seconds(num_tokens, num_draft_tokens))
         x = _features(num_tokens, num_draft_tokens)
         for i in range(_NUM_FEATURES):

@@ -42,7 +42,7 @@ from services.worker.kv_store import KVStore
 from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.service import WorkerService
-from services.worker.step_profile import profile_steps
+from services.worker.step_profile import DRAFT_LENGTHS, profile_steps
 from tests.tiny_models import TINY_LLAMA
 
 SUBJECTS = Subjects()
@@ -63,7 +63,7 @@ def test_the_load_report_carries_the_start_up_profile() -> None:
     torch.manual_seed(0)
     runner = ModelRunner(LlamaForCausalLM(TINY_LLAMA).eval(), ModelShape.of(TINY_LLAMA), 96, 4, torch.float32)
     profile = profile_steps(runner, max_num_seqs=4)
-    assert len(profile) == 5
+    assert len(profile) == 2 * (1 + len(DRAFT_LENGTHS))  # 1 and 4 rows, without and with drafts
     config = Config(worker_id="w1", load_interval_s=3600)
     service = WorkerService(config, InMemoryBus(), runner, 64, "tiny", step_profile=profile)
     assert decode(WorkerLoad, encode(service.load())).step_profile == profile

@@ -89,14 +89,24 @@ def test_a_start_up_profile_sets_the_fit_before_any_step() -> None:
             model.observe(t, d, 1.5 * truth(t, d))
     assert model.seconds(8) == pytest.approx(1.5 * truth(8, 0), rel=0.05)
     # ... and with a profile, a surprise is clipped from the first measured step on, within the
-    # sizes the profile timed; a longer step (a prefill) is not judged by an extrapolation.
+    # sizes the profile timed; a first longer step (a prefill) is not judged by an extrapolation.
     fresh = StepTimeModel()
     fresh.profiled([(t, d, r, truth(t, d)) for t, d, r in shapes])
-    fresh.observe(1, 0, 100.0)
-    assert fresh.seconds(1) < 0.2
     before = fresh.seconds(2048)
     fresh.observe(2048, 0, 10 * before)
     assert fresh.seconds(2048) > 3 * before
+    fresh.observe(1, 0, 100.0)
+    assert fresh.seconds(1) < 0.2
+    # Without a profile only the first step goes unclipped: it sets the scale. A slow one later
+    # (a grammar compiled before its first mask) counts as twice the prediction at most; a real
+    # change of speed is followed within a few steps.
+    model = StepTimeModel()
+    for num_tokens in (31, 35, 38, 4, 4, 3):
+        model.observe(num_tokens, 0, 20 * truth(num_tokens, 0) if num_tokens == 38 else truth(num_tokens, 0))
+    assert model.seconds(38) < 3 * truth(38, 0)
+    for _ in range(20):
+        model.observe(4, 0, 3 * truth(4, 0))
+    assert model.seconds(4) == pytest.approx(3 * truth(4, 0), rel=0.1)
     # A sample that is no measurement, or no step, is left out; none at all keeps the guesses.
     unprofiled = StepTimeModel()
     not_steps = [(1, 0, 0, float("nan")), (4, 5, 1, 0.1), (2, 0, 0, -1.0), (5, 3, 0, 0.1), (5, 0, 1, 0.1)]

@@ -26,7 +26,7 @@ from services.worker.config import Config as WorkerConfig
 from services.worker.main import load_model
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.mtp_drafter import MTPDrafter
-from services.worker.step_profile import profile_steps
+from services.worker.step_profile import DRAFT_LENGTHS, profile_steps
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -182,7 +182,7 @@ def test_the_start_up_profile_leaves_the_drafter_exact(model: DeepseekV3ForCausa
     draft is still the reference module's and the tokens are those without speculation."""
     plain = serve(make_engine(model, "none")[0], GREEDY)
     engine, runner = make_engine(model, "mtp")
-    assert len(profile_steps(runner.runner, max_num_seqs=8)) == 5
+    assert len(profile_steps(runner.runner, max_num_seqs=8)) == 2 * (1 + len(DRAFT_LENGTHS))
     assert not runner.runner.seqs
     assert serve(engine, GREEDY) == plain
     assert_drafts_accepted_and_rejected(engine)
