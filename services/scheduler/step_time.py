@@ -66,6 +66,15 @@ def _features(num_tokens: int, num_draft_tokens: int) -> tuple[float, ...]:
     return (1.0, float(num_tokens), *hinges, float(num_draft_tokens))
 
 
+def _normal_sums(rows: list[tuple[tuple[float, ...], float, float]]) -> tuple[list[list[float]], list[float]]:
+    """Weighted (X^T X, X^T y) of rows given as (features, seconds, weight)."""
+    xtx = [
+        [sum(w * x[i] * x[j] for x, _, w in rows) for j in range(_NUM_FEATURES)] for i in range(_NUM_FEATURES)
+    ]
+    xty = [sum(w * x[i] * seconds for x, seconds, w in rows) for i in range(_NUM_FEATURES)]
+    return xtx, xty
+
+
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """x with a @ x = b for a symmetric positive definite ``a`` (Gaussian elimination, pivoting)."""
     n = len(b)
@@ -101,7 +110,10 @@ class StepTimeModel:
         default_factory=lambda: [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
     )
     _xty: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
-    _prior: list[tuple[tuple[float, ...], float, float]] = field(default_factory=lambda: list(_GUESSES))
+    # the prior rows' (weighted X^T X, X^T y), summed once: they never decay
+    _prior: tuple[list[list[float]], list[float]] = field(
+        default_factory=lambda: _normal_sums(list(_GUESSES))
+    )
     num_observed: int = 0
     num_profiled: int = 0
     max_profiled_tokens: int = 0  # the largest profiled step's tokens (0: no profile)
@@ -122,7 +134,8 @@ class StepTimeModel:
         if not kept:
             return
         guesses = [(x, seconds, weight * GUESS_WEIGHT_BESIDE_PROFILE) for x, seconds, weight in _GUESSES]
-        self._prior = guesses + [(_features(t, d), seconds, PROFILE_WEIGHT) for t, d, seconds in kept]
+        profile = [(_features(t, d), seconds, PROFILE_WEIGHT) for t, d, seconds in kept]
+        self._prior = _normal_sums(guesses + profile)
         self.num_profiled = len(kept)
         self.max_profiled_tokens = max(t for t, _, _ in kept)
         self._fit()
@@ -162,13 +175,12 @@ class StepTimeModel:
         return times
 
     def _fit(self) -> None:
-        xtx = [row[:] for row in self._xtx]
-        xty = self._xty[:]
-        for x, seconds, weight in self._prior:
-            for i in range(_NUM_FEATURES):
-                xty[i] += weight * x[i] * seconds
-                for j in range(_NUM_FEATURES):
-                    xtx[i][j] += weight * x[i] * x[j]
+        prior_xtx, prior_xty = self._prior
+        xtx = [
+            [a + b for a, b in zip(row, prior, strict=True)]
+            for row, prior in zip(self._xtx, prior_xtx, strict=True)
+        ]
+        xty = [a + b for a, b in zip(self._xty, prior_xty, strict=True)]
         base, *slopes, draft = _solve(xtx, xty)
         # A step costs something, and more work never less time (noise can fit a negative
         # slope): each stretch's slope is kept >= 0 on its own, the others' left as fitted.
