@@ -11,11 +11,14 @@ workload's messages in turn) at once to an engine that runs at most ``concurrenc
 greedy, to their natural end or ``--max-tokens``. With ``--queue 1`` a run at 16 or 32 is one
 wave: it lasts as long as its slowest request, so drafts that speed up some rows gain little
 (the policy maximizes tokens per second of step time, which is what steady traffic turns into
-throughput); ``--queue 3`` keeps the engine full as requests finish. Each run is a fresh
-engine (the adaptive policy starts cold: its step-time model from the engine's start-up profile,
-its acceptance from nothing). Every run goes once per round, in the same order, and its best of
-``--repeat`` rounds counts: the machine's speed drifts over minutes, and interleaving spreads
-that over every run alike.
+throughput); ``--queue 3`` keeps the engine full as requests finish. A run has at least
+``--min-requests`` requests, so that a workload of few short replies still lasts long enough to
+time. Each run is a fresh engine (the adaptive policy starts cold: its step-time model from the
+start-up profile, its acceptance from nothing); the profile is taken once per workload and
+concurrency, as a worker takes it once at start. Every run goes once per round, the order
+reversed every other round, and its best of ``--repeat`` rounds counts: the machine's speed
+drifts over minutes (identical runs here differ by up to 20%), and interleaving spreads that over
+every run alike, while the fastest of several runs is the one least slowed by the machine.
 
 Sources: ``ngram`` (prompt lookup) on every workload; ``prediction`` (OpenAI Predicted Outputs)
 where a client would have one: for code-edit, the snippet with the edit done, as an editor sends
@@ -46,6 +49,7 @@ from deepinfer.local_engine import LocalEngine
 from libs.modelfiles.registry import resolve_model_path
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
+from libs.protocol.member_messages import StepSample
 from libs.protocol.messages import SamplingParams
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
@@ -54,6 +58,7 @@ from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.step_profile import profile_steps
 
 Request = tuple[list[int], list[int] | None]  # prompt, prediction
+NUM_BLOCKS, BLOCK_SIZE = 2048, 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,21 +103,25 @@ def requests(tokenizer: Tokenizer, workload: str, num_requests: int, num_tasks: 
     return out
 
 
+def new_runner(model: LlamaForCausalLM) -> ModelRunner:
+    return ModelRunner(model, ModelShape.of(model.config), NUM_BLOCKS, BLOCK_SIZE, torch.float32)
+
+
 def run(
-    model: LlamaForCausalLM, batch: list[Request], concurrency: int, config: Config, max_tokens: int
-) -> Result:
-    """One fresh engine over the whole batch, timed from the first submit to the last token."""
+    model: LlamaForCausalLM, batch: list[Request], concurrency: int, config: Config, max_tokens: int,
+    profile: tuple[StepSample, ...] = (),
+) -> Result:  # fmt: skip
+    """One fresh engine over the whole batch, timed from the first submit to the last token;
+    ``profile``: the step times measured at start (services/worker/step_profile.py)."""
     cfg = model.config
-    num_blocks, block_size = 2048, 16
     limits = Limits(
-        num_blocks, block_size, concurrency, cfg.max_position_embeddings, 2048, len(batch), 0.0,
+        NUM_BLOCKS, BLOCK_SIZE, concurrency, cfg.max_position_embeddings, 2048, len(batch), 0.0,
         speculative_method="ngram" if config.source == "ngram" else "none",
         num_speculative_tokens=config.k, speculative_policy=config.policy,
     )  # fmt: skip
-    runner = ModelRunner(model, ModelShape.of(cfg), num_blocks, block_size, torch.float32)
+    runner = new_runner(model)
     assert cfg.eos_token_id is not None
-    profile = profile_steps(runner, concurrency) if config.k else ()  # as a worker does at start
-    engine = LocalEngine(runner, limits, cfg.eos_token_id, step_profile=profile)
+    engine = LocalEngine(runner, limits, cfg.eos_token_id, step_profile=profile if config.k else ())
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
     for i, (prompt, prediction) in enumerate(batch):
@@ -127,12 +136,13 @@ def run(
 
 def bench_group(
     model: LlamaForCausalLM, tokenizer: Tokenizer, workload: str, concurrency: int, ks: list[int],
-    max_tokens: int, repeat: int, num_tasks: int, queue: int,
+    max_tokens: int, repeat: int, num_tasks: int, num_requests: int,
 ) -> tuple[list[Row], int]:  # fmt: skip
     """Print one workload and concurrency's rows; returns them and how many runs changed a token."""
-    batch = requests(tokenizer, workload, queue * concurrency, num_tasks)
+    batch = requests(tokenizer, workload, num_requests, num_tasks)
     # Warm-up at this batch's shapes, drafted rows included (a forward's first run of a shape is slow).
     run(model, [(p, p[-32:]) for p, _ in batch], concurrency, Config("prediction", max(ks), "fixed"), 8)
+    profile = profile_steps(new_runner(model), concurrency)
     base = run(model, batch, concurrency, Config("none", 0, "fixed"), max_tokens)
     sources = ["ngram"]
     batches = {"ngram": batch, "prediction": batch}
@@ -154,9 +164,9 @@ def bench_group(
     ]
     best: dict[Config, Result] = {}
     mismatches = 0
-    for _ in range(repeat):
-        for config in configs:
-            result = run(model, batches.get(config.source, batch), concurrency, config, max_tokens)
+    for round_index in range(repeat):
+        for config in configs if round_index % 2 == 0 else configs[::-1]:
+            result = run(model, batches.get(config.source, batch), concurrency, config, max_tokens, profile)
             mismatches += result.outputs != base.outputs
             if config not in best or result.seconds < best[config].seconds:
                 best[config] = result
@@ -244,6 +254,7 @@ def main() -> None:
         help="requests per concurrency slot: 1 sends one wave (all at once at 16 and 32); more keep "
         "the engine full as requests finish, as steady traffic does",
     )
+    parser.add_argument("--min-requests", type=int, default=4, help="requests per run at least")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -252,7 +263,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.workloads, args.concurrency, args.k, args.max_tokens, args.repeat = "code-edit", "1", "3", 12, 1
-        args.tasks = 2
+        args.tasks, args.min_requests = 2, 2
     torch.set_num_threads(args.threads)
     cache = Path(tempfile.mkdtemp(prefix="spec-bench-"))
     path = resolve_model_path("smollm2")
@@ -272,7 +283,7 @@ def main() -> None:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             group, num_changed = bench_group(
                 model, tokenizer, workload, concurrency, ks, args.max_tokens, args.repeat, args.tasks,
-                args.queue,
+                max(args.queue * concurrency, args.min_requests),
             )  # fmt: skip
             rows += group
             mismatches += num_changed

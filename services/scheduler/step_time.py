@@ -2,26 +2,30 @@
 asyncio or torch.
 
 Step seconds = f(tokens computed) + d * drafted tokens among them, with f piecewise linear
-between the token counts in ``KNOTS`` (1, 2, 4, ... 512): a base cost, a slope from 1 token to 2,
-and a change of slope at every knot. A step's cost is far from linear in its tokens. On the CPU
-measured here one SmolLM2 step of 1-4 tokens costs the same (the weights stream from memory once
-whatever the rows), 8 tokens cost half as much again, and from 16 on each token adds its share of
-compute (services/worker/step_profile.py's log; docs/speculative-decoding.md). A GPU is flat far
-longer. A straight line through such points puts a drafted token at several times its cost where
-the step is flat and below it where it is not; the hinges let each stretch have its own slope.
-``d`` is what a drafted token costs beyond other tokens (a verification row's attention); it is
-kept >= 0, and the curve never falls as tokens grow, so more drafts never predict a faster step.
+between the token counts in ``KNOTS`` (2, 4, ... 512): a base cost and a slope for each stretch
+between knots. A step's cost is far from linear in its tokens. On the CPU measured here one
+SmolLM2 step of 1-4 tokens costs the same (the weights stream from memory once whatever the
+rows), 8 tokens cost half as much again, and from 16 on each token adds its share of compute
+(services/worker/step_profile.py's log; docs/speculative-decoding.md). A GPU is flat far longer.
+A straight line through such points puts a drafted token at several times its cost where the
+step is flat and below it where it is not; each stretch's own slope follows the shape. ``d`` is
+what a drafted token costs beyond other tokens (a verification row's attention).
 
 The fit is least squares over measured steps, older ones weighing ``decay`` as much per step
 (recursive least squares), plus prior rows that never decay: the worker's start-up profile
-(``profiled``), else guesses. Beside the data, each slope change is pulled toward 0 by a prior
-row weighing as one step (a thousandth of that beside a profile): where no step of some size was
-measured, the curve goes on at the slope of the last stretch that was.
+(``profiled``), else guesses; beside the data, each change of slope from one stretch to the next
+is pulled toward 0 (weighing as one step, a thousandth of that beside a profile), and ``d`` too:
+where no step of some size was measured, the curve goes on at the slope of the nearest stretch
+that was. Every slope and ``d`` are bounded below by 0 in the fit itself (non-negative least
+squares), so more tokens or drafts never predict a faster step. Clipping an unbounded fit after
+the fact does not do: a token's and a drafted token's costs move together (drafted tokens are
+tokens), and noise that fit d < 0 and a steep slope beside it left the steep slope once d was
+raised to 0 (profiles of a busy machine had their largest step predicted at 1.2 and 2.1 times
+its measured time, tests/unit/scheduler/test_step_time.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Final
@@ -31,39 +35,47 @@ MAX_SURPRISE: Final = 2.0  # a measured step counts as at most this many times i
 PROFILE_WEIGHT: Final = 0.5  # a profiled step weighs half a measured one, and never decays
 GUESS_WEIGHT_BESIDE_PROFILE: Final = 1e-3
 
-# Features: (1, tokens, max(0, tokens - knot) for each knot, drafted tokens).
-_NUM_FEATURES: Final = 3 + len(KNOTS)
+# Parameters: (base, the slope of each stretch (..2], (2..4], ..., (512..), drafted token).
+_NUM_STRETCHES: Final = len(KNOTS) + 1
+_NUM_FEATURES: Final = 2 + _NUM_STRETCHES
 _DRAFT: Final = _NUM_FEATURES - 1
+_BOUNDED: Final = frozenset(range(1, _NUM_FEATURES))  # every slope and d: >= 0
+_EDGES: Final = (0, *KNOTS)  # each stretch's first token is the one after its edge
 
 
 def _unit(i: int) -> tuple[float, ...]:
     return tuple(float(j == i) for j in range(_NUM_FEATURES))
 
 
-# Prior pseudo-rows (features, seconds, weight). Without a profile, guesses:
+def _features(num_tokens: int, num_draft_tokens: int) -> tuple[float, ...]:
+    """(1, tokens within each stretch, drafted tokens)."""
+    ends = (*KNOTS, math.inf)
+    within = tuple(float(max(0, min(num_tokens, end) - edge)) for edge, end in zip(_EDGES, ends, strict=True))
+    return (1.0, *within, float(num_draft_tokens))
+
+
+# Prior pseudo-rows (features, seconds, weight). Guesses, for a model with no profile:
 # - a decode costs about as much as 40 tokens (a - 40 * slope = 0): scale-free, so the first
 #   measured step (often a long prefill) already gives a sensible base and slope;
-# - a decode takes 10 ms, weighing less still: only the scale before any step is measured;
-# - a drafted token costs nothing beyond a token: the optimistic guess, so that drafts get
-#   verified and their real cost measured;
-# - no slope changes at any knot (a straight line until steps show otherwise).
-# The first three weigh little beside measured steps, which soon tell these terms (a step may be
-# flat, as one decode's is on a CPU, whatever the first guess said). The last weighs as a step
-# does: with steps of only a few sizes measured, as at start, a slow one among them must not bend
-# the curve wildly between them; where steps of many sizes were measured they outweigh it.
-# Beside a profile the guesses stay at a thousandth of their weight: they only keep the fit
-# defined where the profile's sizes leave a term open.
+# - a decode takes 10 ms, weighing less still: only the scale before any step is measured.
+# Both weigh little beside measured steps, which soon tell these terms (a step may be flat, as
+# one decode's is on a CPU, whatever the first guess said), and a thousandth of that beside a
+# profile: they only keep the fit defined where the profile's sizes leave a term open.
 _GUESSES: Final = (
-    ((1.0, -40.0) + (0.0,) * (_NUM_FEATURES - 2), 0.0, 1e-4),
-    ((1.0, 1.0) + (0.0,) * (_NUM_FEATURES - 2), 0.010, 1e-6),
-    (_unit(_DRAFT), 0.0, 1e-2),
-    *((_unit(2 + i), 0.0, 1.0) for i in range(len(KNOTS))),
+    (tuple(-x if i else x for i, x in enumerate(_features(40, 0))), 0.0, 1e-4),
+    (_features(1, 0), 0.010, 1e-6),
 )
-
-
-def _features(num_tokens: int, num_draft_tokens: int) -> tuple[float, ...]:
-    hinges = tuple(float(max(0, num_tokens - knot)) for knot in KNOTS)
-    return (1.0, float(num_tokens), *hinges, float(num_draft_tokens))
+# Shape: no change of slope at any knot (a straight line until steps show otherwise), and no cost
+# of a drafted token beyond a token's (so drafts get verified and their real cost measured).
+# These weigh as a step does: with steps of only a few sizes measured, as at start, a slow one
+# among them must not bend the curve wildly between them; where steps of many sizes were measured
+# they outweigh it. The slope changes weigh a thousandth of that beside a profile, whose sizes
+# set the shape.
+_SLOPE_CHANGES: Final = tuple(
+    (tuple(_unit(k + 1)[i] - _unit(k)[i] for i in range(_NUM_FEATURES)), 0.0, 1.0)
+    for k in range(1, _NUM_STRETCHES)
+)
+_NO_DRAFT_COST: Final = ((_unit(_DRAFT), 0.0, 1.0),)
 
 
 def _normal_sums(rows: list[tuple[tuple[float, ...], float, float]]) -> tuple[list[list[float]], list[float]]:
@@ -92,6 +104,43 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
+def _solve_on(a: list[list[float]], b: list[float], free: list[int]) -> list[float]:
+    """``_solve`` over the variables in ``free``, the others held at 0."""
+    sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+    x = [0.0] * len(b)
+    for i, v in zip(free, sub, strict=True):
+        x[i] = v
+    return x
+
+
+def _nonnegative_solve(a: list[list[float]], b: list[float], bounded: frozenset[int]) -> list[float]:
+    """argmin x^T a x - 2 b^T x with x_i >= 0 for i in ``bounded`` (Lawson and Hanson's active
+    set method, on the normal equations): free the bounded variable whose increase helps most,
+    solve, and step back to the bound any that the solve took below it, until none helps."""
+    n = len(b)
+    free = [i for i in range(n) if i not in bounded]
+    x = _solve_on(a, b, free) if free else [0.0] * n
+    tolerance = 1e-12 * max(1.0, max(abs(v) for v in b))
+    for _ in range(4 * n):  # a bound; each pass frees one variable for good or ends
+        gradient = [b[i] - sum(a[i][j] * x[j] for j in range(n)) for i in range(n)]
+        held = [i for i in bounded if i not in free and gradient[i] > tolerance]
+        if not held:
+            break
+        free.append(max(held, key=lambda i: gradient[i]))
+        while True:
+            z = _solve_on(a, b, sorted(free))
+            below = [i for i in free if i in bounded and z[i] <= 0]
+            if not below:
+                x = z
+                break
+            step = min(x[i] / (x[i] - z[i]) if x[i] > z[i] else 0.0 for i in below)
+            x = [xi + step * (zi - xi) for xi, zi in zip(x, z, strict=True)]
+            free = [i for i in free if i not in bounded or x[i] > tolerance]
+            for i in bounded - set(free):
+                x[i] = 0.0
+    return x
+
+
 def is_step(num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> bool:
     """Whether a step could compute these: a drafted row drafts at least one token and also
     computes its input token."""
@@ -103,7 +152,7 @@ def is_step(num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> bool
 @dataclass(slots=True)
 class StepTimeModel:
     """Step seconds from tokens computed and drafted tokens among them (the module's docstring).
-    ``coef`` is (base, slope from 1 token, slope change at each of ``KNOTS``..., drafted token)."""
+    ``coef`` is (base, the slope of each stretch between ``KNOTS``..., drafted token)."""
 
     decay: float = 0.98
     _xtx: list[list[float]] = field(
@@ -112,7 +161,7 @@ class StepTimeModel:
     _xty: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
     # the prior rows' (weighted X^T X, X^T y), summed once: they never decay
     _prior: tuple[list[list[float]], list[float]] = field(
-        default_factory=lambda: _normal_sums(list(_GUESSES))
+        default_factory=lambda: _normal_sums([*_GUESSES, *_SLOPE_CHANGES, *_NO_DRAFT_COST])
     )
     num_observed: int = 0
     num_profiled: int = 0
@@ -133,9 +182,12 @@ class StepTimeModel:
         ]
         if not kept:
             return
-        guesses = [(x, seconds, weight * GUESS_WEIGHT_BESIDE_PROFILE) for x, seconds, weight in _GUESSES]
+        guesses = [
+            (x, seconds, weight * GUESS_WEIGHT_BESIDE_PROFILE)
+            for x, seconds, weight in (*_GUESSES, *_SLOPE_CHANGES)
+        ]
         profile = [(_features(t, d), seconds, PROFILE_WEIGHT) for t, d, seconds in kept]
-        self._prior = _normal_sums(guesses + profile)
+        self._prior = _normal_sums(guesses + list(_NO_DRAFT_COST) + profile)
         self.num_profiled = len(kept)
         self.max_profiled_tokens = max(t for t, _, _ in kept)
         self._fit()
@@ -163,15 +215,13 @@ class StepTimeModel:
     def seconds_with_drafts(self, num_tokens: int, num_draft_tokens: int, max_more: int) -> list[float]:
         """``seconds(num_tokens + m, num_draft_tokens + m)`` for m = 0..max_more, each from the
         one before (a plan's policy weighs every count of drafted tokens: O(1) each)."""
-        _, slope, *changes, draft = self.coef
-        num_bends = sum(1 for knot in KNOTS if knot < num_tokens)  # bends behind the first step
-        slope += sum(changes[:num_bends])
+        _, *slopes, draft = self.coef
+        stretch = sum(1 for knot in KNOTS if knot < num_tokens)  # the stretch of the step's last token
         times = [self.seconds(num_tokens, num_draft_tokens)]
         for n in range(num_tokens + 1, num_tokens + max_more + 1):
-            if num_bends < len(KNOTS) and KNOTS[num_bends] < n:  # past a knot: its stretch's slope
-                slope += changes[num_bends]
-                num_bends += 1
-            times.append(times[-1] + slope + draft)
+            if stretch < len(KNOTS) and KNOTS[stretch] < n:  # token n is past a knot: the next stretch
+                stretch += 1
+            times.append(times[-1] + slopes[stretch] + draft)
         return times
 
     def _fit(self) -> None:
@@ -181,10 +231,7 @@ class StepTimeModel:
             for row, prior in zip(self._xtx, prior_xtx, strict=True)
         ]
         xty = [a + b for a, b in zip(self._xty, prior_xty, strict=True)]
-        base, *slopes, draft = _solve(xtx, xty)
-        # A step costs something, and more work never less time (noise can fit a negative
-        # slope): each stretch's slope is kept >= 0 on its own, the others' left as fitted.
-        fitted = itertools.accumulate(slopes)  # each stretch's slope
-        kept = [max(slope, 0.0) for slope in fitted]
-        changes = [b - a for a, b in zip([0.0, *kept], kept, strict=False)]
-        self.coef = (max(base, 1e-6), *changes, max(draft, 0.0))
+        # More work never takes less time (noise can fit a negative slope): the slopes and d are
+        # bounded in the fit; and a step costs something.
+        base, *rest = _nonnegative_solve(xtx, xty, _BOUNDED)
+        self.coef = (max(base, 1e-6), *rest)
