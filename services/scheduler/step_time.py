@@ -14,13 +14,14 @@ what a drafted token costs beyond other tokens (a verification row's attention).
 The fit is least squares over measured steps, older ones weighing ``decay`` as much per step
 (recursive least squares), plus prior rows that never decay: the worker's start-up profile
 (``profiled``), else guesses; beside the data, each change of slope from one stretch to the next
-is pulled toward 0 (weighing as one step, a thousandth of that beside a profile), and ``d`` too:
-where no step of some size was measured, the curve goes on at the slope of the nearest stretch
-that was. Every slope and ``d`` are bounded below by 0 in the fit itself (non-negative least
+is pulled toward 0 (weighing as one step, a thousandth of that beside a profile): past the
+largest size measured the curve goes on at the slope of the last stretch that was, and between
+sizes measured the slopes blend. ``d`` is pulled toward 0 as firmly as one step with one drafted
+token, beside a profile too: the profile's few shapes tell it poorly. Every slope and ``d`` are bounded below by 0 in the fit itself (non-negative least
 squares), so more tokens or drafts never predict a faster step. Clipping an unbounded fit after
 the fact does not do: a token's and a drafted token's costs move together (drafted tokens are
 tokens), and noise that fit d < 0 and a steep slope beside it left the steep slope once d was
-raised to 0 (profiles of a busy machine had their largest step predicted at 1.2 and 2.1 times
+raised to 0 (profiles of a busy machine had their largest step predicted at 1.2 and 2.8 times
 its measured time, tests/unit/scheduler/test_step_time.py).
 """
 
@@ -121,7 +122,7 @@ def _nonnegative_solve(a: list[list[float]], b: list[float], bounded: frozenset[
     free = [i for i in range(n) if i not in bounded]
     x = _solve_on(a, b, free) if free else [0.0] * n
     tolerance = 1e-12 * max(1.0, max(abs(v) for v in b))
-    for _ in range(4 * n):  # a bound; each pass frees one variable for good or ends
+    for _ in range(4 * n):  # a cap: the fits here end within 12 passes
         gradient = [b[i] - sum(a[i][j] * x[j] for j in range(n)) for i in range(n)]
         held = [i for i in bounded if i not in free and gradient[i] > tolerance]
         if not held:

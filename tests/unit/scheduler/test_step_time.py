@@ -131,7 +131,7 @@ def test_a_noisy_profile_is_fitted_within_bounds_not_clipped_after(
     profile: list[tuple[int, int, int, float]],
 ) -> None:
     """An unbounded fit of these gives some slope and d below 0; raising them to 0 after the fact
-    left the steep slopes fitted beside them, and predicted the largest step at 1.2 and 2.1 times
+    left the steep slopes fitted beside them, and predicted the largest step at 1.2 and 2.8 times
     its measured time. The bounded fit passes near every point it can reach."""
     model = StepTimeModel()
     model.profiled([(t, d, r, seconds / 1e3) for t, d, r, seconds in profile])
