@@ -80,6 +80,19 @@ class RowParams(Protocol):
     @property
     def greedy(self) -> bool: ...
 
+    @property
+    def logit_bias(self) -> Sequence[TokenBiasEntry]: ...
+
+
+class TokenBiasEntry(Protocol):
+    """One ``logit_bias`` entry: ``bias`` added to the logit of ``token_id``."""
+
+    @property
+    def token_id(self) -> int: ...
+
+    @property
+    def bias(self) -> float: ...
+
 
 class SamplingRow(Protocol):
     """What sampling reads of a sequence (the worker's SequenceState is one)."""
@@ -398,10 +411,14 @@ def _search(cdf: Tensor, target: Tensor) -> Tensor:
 
 
 def sample_ref(logits: Tensor, rows: Sequence[SamplingRow], uniforms: Tensor) -> Tensor:
-    """The sampler in plain torch at full vocab width: penalties, the min_tokens mask, then argmax for
-    greedy rows and filter + draw (with uniforms: [rows] float64) for the others. Returns [rows]
-    int64; logits ([rows, vocab]) are not modified."""
+    """The sampler in plain torch at full vocab width: logit bias, penalties, the min_tokens mask,
+    then argmax for greedy rows and filter + draw (with uniforms: [rows] float64) for the others.
+    Returns [rows] int64; logits ([rows, vocab]) are not modified."""
     params = [r.sampling_params for r in rows]
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        for entry in p.logit_bias:
+            logits[i, entry.token_id] += entry.bias
     seen = [(i, t) for i, r in enumerate(rows) for t in r.token_ids]
     output = [(i, t) for i, r in enumerate(rows) for t in r.token_ids[r.num_prompt_tokens :]]
     logits = apply_penalties_ref(

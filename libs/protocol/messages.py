@@ -59,9 +59,18 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenBias:
+    """OpenAI's ``logit_bias`` entry: ``bias`` (-100..100) added to the logit of ``token_id``."""
+
+    token_id: int
+    bias: float
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """OpenAI/vLLM sampling semantics. Processing order in the sampler: penalties -> temperature ->
-    top_k -> top_p -> min_p. Logprobs are those of the raw model distribution (before any of it)."""
+    """OpenAI/vLLM sampling semantics. Processing order in the sampler: logit bias -> penalties ->
+    temperature -> top_k -> top_p -> min_p. Logprobs are those of the raw model distribution
+    (before any of it)."""
 
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # 1 = off
@@ -79,6 +88,7 @@ class SamplingParams:
     top_logprobs: int = 0  # ... and this many most likely alternatives (needs logprobs)
     n: int = 1  # completions per request; they share the prompt's KV blocks
     structured_output: StructuredOutput | None = None  # grammar-constrained decoding
+    logit_bias: tuple[TokenBias, ...] = ()  # distinct token ids
 
     @property
     def greedy(self) -> bool:

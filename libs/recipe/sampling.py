@@ -3,23 +3,28 @@
 ``build_sampling`` takes values each API has already read and validated under its own names and
 ranges; ``read_sampling`` reads the fields Chat and Completions spell alike, and ``parse_sampling``
 is Chat's whole reader. vLLM's extra body fields read here: top_k (-1 means off, as 0 does), min_p,
-repetition_penalty, min_tokens, stop_token_ids, ignore_eos. Stop strings stay in the gateway (they
+repetition_penalty, min_tokens, stop_token_ids, ignore_eos. ``logit_bias`` (OpenAI's: a JSON
+object from token ids, as strings, to a bias in [-100, 100]) is read here; the ids meet the
+model's vocabulary in the gateway, as prompt token ids do. Stop strings stay in the gateway (they
 are matched on text), so they are returned beside the params, not inside them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.protocol.messages import SamplingParams
-from libs.recipe.fields import INT32_MAX, INT64_MIN, ApiError, boolean, number, optional_int, token_ids
+from libs.protocol.messages import SamplingParams, TokenBias
+from libs.recipe.fields import INT32_MAX, INT64_MIN, ApiError, boolean, number, optional_int, shown, token_ids
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16  # completions per request; each is a sequence with its own KV past the shared prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_LOGIT_BIAS = 4096  # entries: each rides in every step message of the request's sequences
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 forces it
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,7 @@ def build_sampling(
     n: int = 1,
     max_tokens: int | None = None,
     stop: Sequence[str] = (),
+    logit_bias: tuple[TokenBias, ...] = (),
 ) -> Sampling:
     """Validated values -> Sampling (top_k <= 0 means off). The one check left is between fields:
     min_tokens > max_tokens fails here, before tokenizing, when max_tokens was asked for."""
@@ -80,6 +86,7 @@ def build_sampling(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=n,
+        logit_bias=logit_bias,
     )
     sampling = Sampling(base, max_tokens, list(stop))
     if max_tokens is not None:
@@ -102,6 +109,31 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
     # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one vLLM still reads.
     max_tokens = optional_int(body, "max_completion_tokens", 1)
     return max_tokens if max_tokens is not None else optional_int(body, "max_tokens", 1)
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[TokenBias, ...]:
+    """OpenAI's ``logit_bias``: {"token id": bias}, sorted by id (400 naming the field on a bad one)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        message = f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids to biases"
+        raise ApiError(400, message, param="logit_bias")
+    entries: dict[int, float] = {}
+    for key, bias in value.items():
+        token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        if not 0 <= token_id <= INT32_MAX:
+            raise ApiError(400, f"'logit_bias' key {shown(key)} is not a token id", param="logit_bias")
+        ok = isinstance(bias, int | float) and not isinstance(bias, bool) and math.isfinite(bias)
+        if not ok or abs(bias) > MAX_ABS_LOGIT_BIAS:
+            message = (
+                f"'logit_bias' values must be numbers in [-100, 100]: token {token_id} has {shown(bias)}"
+            )
+            raise ApiError(400, message, param="logit_bias")
+        if token_id in entries:  # "7" and "007"
+            raise ApiError(400, f"'logit_bias' names token {token_id} twice", param="logit_bias")
+        entries[token_id] = float(bias)
+    return tuple(TokenBias(token_id, bias) for token_id, bias in sorted(entries.items()))
 
 
 def _logprobs(body: dict[str, Any]) -> tuple[bool, int]:
@@ -134,6 +166,7 @@ def read_sampling(
         n=n,
         max_tokens=max_tokens,
         stop=_stop(body),
+        logit_bias=_logit_bias(body),
     )
 
 

@@ -61,7 +61,7 @@ class Admission:
         """Submit the request; ``prediction``: the output the client expects (Predicted Outputs)."""
         served = self.served
         # Every API's raw token ids meet the vocabulary here (rendered prompts pass trivially).
-        served.check_token_ids(prompt.token_ids, sampling.base.stop_token_ids)
+        served.check_token_ids(prompt.token_ids, sampling.base)
         params = sampling.resolve(served.check_length(len(prompt.token_ids), sampling.max_tokens))
         if prompt.structured_output is not None:
             # The grammar decides where the output ends: a finished grammar allows only stop

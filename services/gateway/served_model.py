@@ -11,6 +11,7 @@ from typing import Any
 from libs.grammar.sandbox import CompileLimits
 from libs.modelfiles.gguf_metadata import read_gguf_config
 from libs.modelfiles.registry import read_hf_shape, resolve_model_path
+from libs.protocol.messages import SamplingParams
 from libs.recipe.chat_formats import ChatFormat, make_chat_format
 from libs.recipe.chat_template import ChatTemplate
 from libs.recipe.constraints import structured_output
@@ -142,10 +143,12 @@ class ServedModel:
         """A raw prompt (Completions): the client's text is the prompt, special tokens included."""
         return self.tokenizer.encode(text)
 
-    def check_token_ids(self, token_ids: list[int], stop_token_ids: tuple[int, ...]) -> None:
-        """400 for a token id the model has no embedding for (it would fail the worker's step)."""
+    def check_token_ids(self, token_ids: list[int], params: SamplingParams) -> None:
+        """400 for a token id the model has no embedding for (it would fail the worker's step, or
+        a bias would go to no token)."""
         check_vocabulary(token_ids, self.num_token_ids, "prompt")
-        check_vocabulary(stop_token_ids, self.num_token_ids, "stop_token_ids")
+        check_vocabulary(params.stop_token_ids, self.num_token_ids, "stop_token_ids")
+        check_vocabulary([b.token_id for b in params.logit_bias], self.num_token_ids, "logit_bias")
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """The request's max_tokens, defaulting to what the context window leaves; 400 if it does not fit."""

@@ -1,8 +1,9 @@
 """Turn a step's logits into tokens, with vLLM/OpenAI sampling semantics and raw-logit logprobs.
 
-Order per row: repetition penalty (prompt + output tokens) -> presence / frequency penalties
-(output tokens) -> stop tokens masked while outputs < min_tokens -> the grammar mask, if any ->
-argmax for greedy rows, or temperature -> top-k -> top-p -> min-p -> one draw. Rows that need a
+Order per row: logit bias (OpenAI's ``logit_bias``, added before the penalties, as vLLM does) ->
+repetition penalty (prompt + output tokens) -> presence / frequency penalties (output tokens) ->
+stop tokens masked while outputs < min_tokens -> the grammar mask, if any -> argmax for greedy
+rows, or temperature -> top-k -> top-p -> min-p -> one draw. Rows that need a
 step share one vectorised op from libs/kernels/sampling.py; an all-greedy batch with nothing else
 to do is a single argmax (after the grammar mask).
 
@@ -79,13 +80,15 @@ class Sampler:
         masked = [
             i for i, s in enumerate(seqs) if s.num_output_tokens < params[i].min_tokens and s.stop_token_ids
         ]
-        if not masked and all(p.greedy and not p.has_penalties and not p.logprobs for p in params):
+        plain = all(p.greedy and not p.has_penalties and not p.logprobs and not p.logit_bias for p in params)
+        if not masked and plain:
             if grammar_mask is not None:
                 apply_bias(logits, grammar_mask.bias, _index(grammar_mask.rows, logits))
             token_ids: list[int] = argmax(logits).tolist()
             return SamplerOutput(token_ids, [None] * len(seqs))
         logits = logits.float().contiguous()  # no copy for the float32 logits of a model
         raw = _raw_logprobs(logits, params)  # before anything below changes logits
+        _add_logit_bias(logits, params)
         _penalise(logits, seqs, params)
         _mask_stop_tokens(logits, seqs, masked)
         if grammar_mask is not None:
@@ -174,6 +177,17 @@ def _pack_logprobs(
             num_top=n,
         )
     return out
+
+
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Each row's ``logit_bias`` added to its logits (ids past the logits' width are none of the
+    model's: the gateway refuses them, and here they change nothing)."""
+    entries = [(i, b) for i, p in enumerate(params) for b in p.logit_bias if b.token_id < logits.shape[1]]
+    if entries:
+        rows = torch.tensor([i for i, _ in entries])
+        cols = torch.tensor([b.token_id for _, b in entries])
+        values = torch.tensor([b.bias for _, b in entries], dtype=logits.dtype)
+        logits.index_put_((rows, cols), values, accumulate=True)
 
 
 def _penalise(logits: torch.Tensor, seqs: Sequence[SamplingState], params: list[SamplingParams]) -> None:

@@ -1,10 +1,12 @@
-"""Sampling parameters through the whole stack with the official SDK: n, seeds, logprobs, top_k."""
+"""Sampling parameters through the whole stack with the official SDK: n, seeds, logprobs, top_k,
+penalties and logit_bias."""
 
 from __future__ import annotations
 
 import math
 
 import openai
+import pytest
 
 from tests.system.stack import Stack
 
@@ -86,3 +88,43 @@ def test_top_k_one_is_greedy_and_penalties_change_the_answer(stack: Stack) -> No
         presence_penalty=2.0,
     )
     assert penalised.choices[0].message.content != greedy.choices[0].message.content
+
+
+def test_logit_bias_bans_and_forces_tokens(stack: Stack) -> None:
+    from libs.modelfiles.registry import resolve_model_path
+    from libs.recipe.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(resolve_model_path(), None)
+    sdk = client(stack)
+    ask = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 0,
+    }
+    greedy = sdk.completions.create(**ask).choices[0]  # type: ignore[call-overload]
+    assert greedy.logprobs is not None and greedy.logprobs.tokens
+    first = greedy.logprobs.tokens[0]  # the token's text
+    (first_id,) = tokenizer.encode(first, add_bos=False)
+    banned = sdk.completions.create(**ask, logit_bias={str(first_id): -100}).choices[0]  # type: ignore[call-overload]
+    assert banned.logprobs is not None and banned.logprobs.tokens
+    assert first not in banned.logprobs.tokens and banned.text != greedy.text
+    (dog,) = tokenizer.encode(" dog", add_bos=False)
+    forced = sdk.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=4,
+        logit_bias={str(dog): 100},
+    )
+    assert (forced.choices[0].message.content or "").split() == ["dog"] * 4
+    # An id the model does not have is the client's mistake.
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            logit_bias={str(10**6): 1},
+        )
+    assert raised.value.body["param"] == "logit_bias"  # type: ignore[index]

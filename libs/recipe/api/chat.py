@@ -47,7 +47,7 @@ EXTENSION_FIELDS = (
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM sampling
 )  # fmt: skip
 # Known, but not implemented: a 400 beats silently ignoring them.
-UNSUPPORTED = ("logit_bias", "audio", "functions", "function_call", "web_search_options")
+UNSUPPORTED = ("audio", "functions", "function_call", "web_search_options")
 
 
 @dataclass(frozen=True, slots=True)

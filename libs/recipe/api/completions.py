@@ -32,7 +32,7 @@ FIELDS = (
     "top_p", "user", "prompt_cache_key", "prompt_cache_retention",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM
 )  # fmt: skip
-UNSUPPORTED = ("suffix", "logit_bias")
+UNSUPPORTED = ("suffix",)
 MAX_LOGPROBS = 5  # OpenAI's limit for this endpoint
 DEFAULT_MAX_TOKENS = 16
 
@@ -96,6 +96,7 @@ def parse_completion_request(body: Any, vocab_size: int | None = None) -> Comple
         if not isinstance(prompt, str):
             check_vocabulary(prompt, vocab_size, "prompt")
         check_vocabulary(sampling.base.stop_token_ids, vocab_size, "stop_token_ids")
+        check_vocabulary([b.token_id for b in sampling.base.logit_bias], vocab_size, "logit_bias")
     return CompletionRequest(
         model=model,
         prompt=prompt,

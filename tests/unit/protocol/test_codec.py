@@ -26,6 +26,7 @@ from libs.protocol.messages import (
     SchedulerOutput,
     StepOutputs,
     SubmitRequest,
+    TokenBias,
 )
 from libs.protocol.stream_messages import StoredResponse
 
@@ -82,7 +83,10 @@ def test_round_trip(msg: object) -> None:
 
 def test_wire_is_an_array_without_field_names() -> None:
     wire = msgpack.unpackb(encode(SamplingParams(temperature=0.5)))
-    assert wire == [0.5, 1.0, 0, 0.0, 1.0, 0.0, 0.0, 256, 0, [], False, None, False, 0, 1, None]
+    assert wire == [0.5, 1.0, 0, 0.0, 1.0, 0.0, 0.0, 256, 0, [], False, None, False, 0, 1, None, []]
+    biased = SamplingParams(logit_bias=(TokenBias(7, -100.0), TokenBias(9, 2.5)))
+    assert msgpack.unpackb(encode(biased))[-1] == [[7, -100.0], [9, 2.5]]
+    assert decode(SamplingParams, encode(biased)) == biased
 
 
 def test_enum_and_optional_fields_decode_to_their_types() -> None:

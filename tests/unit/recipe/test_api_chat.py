@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
+from libs.protocol.messages import TokenBias
 from libs.recipe.api import parse_chat_request
 from libs.recipe.fields import ApiError
+from libs.recipe.sampling import MAX_LOGIT_BIAS
 from tests.unit.recipe.api_helpers import MODEL, USER, assert_names_field, rejected
 
 dr = pytest.importorskip("deepseek_recipe")
@@ -51,6 +53,12 @@ def test_unknown_field_is_rejected_like_openai_where_the_wheel_ignores_it() -> N
     err = error(body(foo=1))
     assert (err.message, err.param) == ("Unrecognized request argument supplied: foo", "foo")
     dr.ChatCompletionRequest(body(foo=1)).convert(dr.ConversionOptions())
+
+
+def test_logit_bias_is_read_sorted_by_token_id() -> None:
+    request = parse_chat_request(body(logit_bias={"300": -100, "7": 2.5, "0": 0}))
+    assert request.sampling.base.logit_bias == (TokenBias(0, 0.0), TokenBias(7, 2.5), TokenBias(300, -100.0))
+    assert parse_chat_request(body(logit_bias={})).sampling.base.logit_bias == ()
 
 
 def test_max_completion_tokens_is_honoured() -> None:
@@ -244,7 +252,19 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
         "response_format.regex",
         "non-empty",
     ),
-    "logit_bias": (body(logit_bias={"1": 2}), "logit_bias", "not supported"),
+    "logit_bias_type": (body(logit_bias=[1, 2]), "logit_bias", "must be an object"),
+    "logit_bias_key": (body(logit_bias={"x": 1}), "logit_bias", "'x' is not a token id"),
+    "logit_bias_negative_key": (body(logit_bias={"-1": 1}), "logit_bias", "is not a token id"),
+    "logit_bias_huge_key": (body(logit_bias={"9" * 30: 1}), "logit_bias", "is not a token id"),
+    "logit_bias_value": (body(logit_bias={"1": 100.5}), "logit_bias", "[-100, 100]"),
+    "logit_bias_bool": (body(logit_bias={"1": True}), "logit_bias", "[-100, 100]"),
+    "logit_bias_nan": (body(logit_bias={"1": float("nan")}), "logit_bias", "[-100, 100]"),
+    "logit_bias_twice": (body(logit_bias={"7": 1, "007": 2}), "logit_bias", "token 7 twice"),
+    "logit_bias_size": (
+        body(logit_bias={str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}),
+        "logit_bias",
+        f"at most {MAX_LOGIT_BIAS}",
+    ),
     "temperature": (body(temperature=3), "temperature", "must be in"),
     "max_tokens": (body(max_tokens=0), "max_tokens", "between 1"),
     "n": (body(n=100), "n", "between 1"),

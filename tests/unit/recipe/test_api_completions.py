@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from libs.protocol.messages import TokenBias
 from libs.recipe.api import parse_completion_request
 from tests.unit.recipe.api_helpers import assert_names_field
 
@@ -50,6 +51,7 @@ def test_best_of_equal_to_n() -> None:
         (body(prompt=[]), "prompt", "required"),
         (body(prompt=None), "prompt", "required"),
         (body(suffix="x"), "suffix", "not supported"),
+        (body(logit_bias={"1": 101}), "logit_bias", "[-100, 100]"),
         (body(logprobs=6), "logprobs", "between 0 and 5"),
         (body(best_of=3), "best_of", "equal to 'n'"),
         (body(messages=[]), "messages", "Unrecognized request argument supplied: messages"),
@@ -65,8 +67,9 @@ VOCAB = 100  # ids 0..99
 
 
 def test_token_ids_inside_the_vocabulary_pass() -> None:
-    request = parse_completion_request(body(prompt=[0, 99], stop_token_ids=[99]), VOCAB)
+    request = parse_completion_request(body(prompt=[0, 99], stop_token_ids=[99], logit_bias={"99": 5}), VOCAB)
     assert request.prompt == (0, 99) and request.sampling.base.stop_token_ids == (99,)
+    assert request.sampling.base.logit_bias == (TokenBias(99, 5.0),)
     assert parse_completion_request(body(prompt=[100]), None).prompt == (100,)  # the caller checks
 
 
@@ -77,6 +80,7 @@ def test_token_ids_inside_the_vocabulary_pass() -> None:
         (body(prompt=[[5, 2**32 - 1]]), "prompt", f"token id {2**32 - 1}"),
         (body(prompt=[100], echo=True), "prompt", "vocabulary"),
         (body(stop_token_ids=[7, 100]), "stop_token_ids", "token id 100"),
+        (body(logit_bias={"7": 1, "100": -100}), "logit_bias", "token id 100"),
     ],
 )
 def test_token_ids_past_the_vocabulary_are_a_400(

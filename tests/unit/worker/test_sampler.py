@@ -9,7 +9,7 @@ import torch
 
 from libs.kernels.sampling import sample_ref, uniform_from_seed
 from libs.protocol.codec import unpack_floats, unpack_tokens
-from libs.protocol.messages import SamplingParams
+from libs.protocol.messages import SamplingParams, TokenBias
 from services.worker.sampler import Sampler
 from services.worker.sequence_state import SequenceState
 
@@ -153,6 +153,27 @@ def test_repetition_penalty_applies_before_presence() -> None:
     assert greedy_pick([4.0, 1.2, -9.0], params, prompt=(2,), outputs=(0,)) == 1
 
 
+def test_logit_bias_is_added_to_the_logits_before_the_penalties() -> None:
+    def bias(*entries: tuple[int, float]) -> SamplingParams:
+        return SamplingParams(logit_bias=tuple(TokenBias(t, b) for t, b in entries))
+
+    assert greedy_pick([3.0, 2.0, 1.0], bias((2, 5.0)), prompt=(9,), outputs=()) == 2  # forced
+    assert greedy_pick([3.0, 2.0, 1.0], bias((0, -100.0)), prompt=(9,), outputs=()) == 1  # banned
+    assert greedy_pick([3.0, 2.0, 1.0], bias((0, -0.5), (1, 0.6)), prompt=(9,), outputs=()) == 1
+    assert greedy_pick([3.0, 2.0, 1.0], bias((7, 100.0)), prompt=(9,), outputs=()) == 0  # no such token
+    # bias then repetition penalty: (2 + 1) / 2 = 1.5 < 1.6; the other order would give 2 / 2 + 1 = 2
+    both = dataclasses.replace(bias((0, 1.0)), repetition_penalty=2.0)
+    assert greedy_pick([2.0, 1.6, -9.0], both, prompt=(0,), outputs=()) == 1
+    # the logprobs stay those of the raw logits
+    params = dataclasses.replace(bias((1, 50.0)), temperature=0.0, logprobs=True)
+    logits = torch.tensor([[3.0, 2.0, 1.0]])
+    out = Sampler(seed=0)(logits.clone(), [make_seq(params)])
+    assert out.token_ids == [1]
+    assert out.logprobs[0] is not None
+    raw = torch.log_softmax(logits[0], dim=-1)[1].item()
+    assert unpack_floats(out.logprobs[0].token_logprobs)[0] == pytest.approx(raw, abs=1e-6)
+
+
 def test_min_tokens_masks_stop_tokens_until_reached() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0, 4.0]])  # stop tokens 1 and 3 lead
     stops = frozenset({1, 3})
@@ -270,6 +291,8 @@ def test_mixed_batch_matches_the_plain_reference() -> None:
         SamplingParams(top_p=0.95, temperature=1.5),
         SamplingParams(top_k=1500, repetition_penalty=0.8, logprobs=True, top_logprobs=3),
         SamplingParams(min_p=0.1, temperature=0.6, min_tokens=9),
+        SamplingParams(temperature=0.0, logit_bias=(TokenBias(5, 4.0), TokenBias(2999, -100.0))),
+        SamplingParams(top_p=0.9, logit_bias=tuple(TokenBias(t, 3.0) for t in range(0, 3000, 7))),
     ]
     seqs = []
     for i in range(24):

@@ -1,6 +1,7 @@
 """Speculative decoding through the real ModelRunner and scheduler core (tiny random llama, fp32):
 n-gram drafts change no token, greedy or seeded, with overlap on and off, under preemption, with
-logprobs and with n > 1; every case checks that drafts were both accepted and rejected in it.
+logprobs, a logit bias and n > 1; every case checks that drafts were both accepted and rejected
+in it.
 
 The random model repeats its last token, which n-gram drafts predict once the output has two of
 them; a prompt where that pair was followed by something else makes the first draft wrong."""
@@ -15,7 +16,7 @@ import torch
 from deepinfer.local_engine import LocalEngine
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import unpack_floats, unpack_tokens
-from libs.protocol.messages import FinishReason, SamplingParams
+from libs.protocol.messages import FinishReason, SamplingParams, TokenBias
 from services.scheduler.spec_policy import StepTimeModel
 from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape
@@ -101,6 +102,21 @@ def test_seeded_samples_are_those_without_speculation(model: LlamaForCausalLM, o
         engine = make_engine(model, 4, overlap, policy="adaptive" if overlap else "fixed")
         assert serve(engine, SEEDED, prompts) == plain
         assert_drafts_accepted_and_rejected(engine)
+
+
+@pytest.mark.parametrize("base", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_logit_bias_applies_at_every_verified_position(
+    model: LlamaForCausalLM, base: SamplingParams
+) -> None:
+    # 3 and 40 banned, 9 favoured: the drafts the prompts suggest are often wrong now
+    bias = (TokenBias(3, -100.0), TokenBias(9, 2.0), TokenBias(40, -100.0))
+    params = dataclasses.replace(base, logit_bias=bias)
+    plain = serve(make_engine(model, 0), params)
+    assert plain != serve(make_engine(model, 0), base)  # the bias changes the output
+    assert not any(t in (3, 40) for tokens in plain.values() for t in tokens)
+    engine = make_engine(model, 4)
+    assert serve(engine, params) == plain
+    assert_drafts_accepted_and_rejected(engine)
 
 
 def test_preemption_and_n_choices_keep_the_tokens(model: LlamaForCausalLM) -> None:
