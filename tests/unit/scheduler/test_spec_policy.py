@@ -183,6 +183,30 @@ def test_the_core_cuts_drafts_to_what_pays_and_lets_the_undrafted_overlap() -> N
     assert policy.step_time.num_observed == before + 1
 
 
+@pytest.mark.parametrize(("max_num_seqs", "num_verified"), [(1, 3), (2, 4)])
+def test_drafts_are_priced_beside_the_prefill_that_can_join_the_step(
+    max_num_seqs: int, num_verified: int
+) -> None:
+    """A waiting prompt makes the step long, and the drafts beside it cheap, only if it can be
+    admitted: with ``max_num_seqs`` full it waits, and the decode is priced alone."""
+    limits = Limits(
+        64, 4, max_num_seqs, 128, 256, 16, 0.0, speculative_method="ngram", num_speculative_tokens=4
+    )
+    core = WorkerScheduler(limits)
+    core.speculator.policy.step_time = fitted(0.05, 0.006, flat_until=4)  # flat to 4 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    core.add(Sequence("s", "g", [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], params, EOS))
+    core.schedule()
+    core.postprocess(("s",), [7])  # the prefill
+    core.add(Sequence("w", "h", list(range(100, 164)), params, EOS))  # 64 tokens, waiting
+    plan = core.schedule()
+    # the draft [8, 9, 5, 6] at the prior's 0.5 a position: alone the 4th token is not worth its
+    # 6 ms; beside the 64-token prefill the step is long anyway
+    assert [len(unpack_tokens(d)) for d in plan.draft_token_ids] == [num_verified]
+    assert ("w" in {s.seq_id for s in plan.new_seqs}) == (max_num_seqs == 2)
+    core.check_integrity()
+
+
 def test_a_cut_draft_is_scored_against_the_tokens_that_came_instead() -> None:
     """The worker accepts a drafted token exactly when it equals its own sample there, so the
     tokens decoded after a draft the policy cut tell what verifying it would have accepted: the
