@@ -17,8 +17,9 @@ The fit is least squares over measured steps, older ones weighing ``decay`` as m
 is pulled toward 0 (weighing as one step, a thousandth of that beside a profile): past the
 largest size measured the curve goes on at the slope of the last stretch that was, and between
 sizes measured the slopes blend. ``d`` is pulled toward 0 as firmly as one step with one drafted
-token, beside a profile too: the profile's few shapes tell it poorly. Every slope and ``d`` are bounded below by 0 in the fit itself (non-negative least
-squares), so more tokens or drafts never predict a faster step. Clipping an unbounded fit after
+token, beside a profile too: the profile's few shapes tell it poorly. Every slope and ``d`` are
+bounded below by 0 in the fit itself (non-negative least squares), so more tokens or drafts
+never predict a faster step. Clipping an unbounded fit after
 the fact does not do: a token's and a drafted token's costs move together (drafted tokens are
 tokens), and noise that fit d < 0 and a steep slope beside it left the steep slope once d was
 raised to 0 (profiles of a busy machine had their largest step predicted at 1.2 and 2.8 times
