@@ -12,6 +12,8 @@ Parts (--parts, comma-separated; default all):
        llama.cpp's best aggregate (target >= 1.5x), and the stack at one stream for every weight
        format the worker accepts vs llama.cpp at one (target >= 1x)
   d    overlap scheduling: the stack with --overlap true vs --overlap false
+  det  the stack with --deterministic true (batch-invariant attention) vs without (target at 8
+       streams: >= 0.7x)
   bus  the stack vs the same scheduler core and ModelRunner in this process (LocalEngine, no bus,
        no HTTP), same model, dtype and limits (target: stack >= 0.95x)
 
@@ -59,11 +61,12 @@ from services.scheduler.worker_scheduler import Limits
 from services.worker.config import Config as WorkerConfig
 from services.worker.main import build_runner
 
-PARTS = ("a", "b", "d", "bus")
+PARTS = ("a", "b", "d", "det", "bus")
 WEIGHT_FORMATS = ("bfloat16", "float32", "int8", "int4")  # the worker's --dtype weight formats
 TARGET_VS_LLAMACPP = 1.5
 TARGET_BATCH1_VS_LLAMACPP = 1.0
 TARGET_STACK_VS_LOCAL = 0.95
+TARGET_DETERMINISTIC = 0.7  # at 8 streams
 STACK_READY_TIMEOUT_S = 600.0
 
 
@@ -72,6 +75,7 @@ class Options:
     parts: frozenset[str]
     concurrency: tuple[int, ...]
     overlap_concurrency: tuple[int, ...]
+    deterministic_concurrency: tuple[int, ...]
     streams_vs_llamacpp: int
     max_tokens: int
     dtype: str
@@ -90,6 +94,8 @@ class Options:
             levels.append(self.streams_vs_llamacpp)
         if "d" in self.parts:
             levels += self.overlap_concurrency
+        if "det" in self.parts:
+            levels += self.deterministic_concurrency
         return max(levels)
 
 
@@ -110,10 +116,12 @@ class Result:
 class StackSetup:
     dtype: str
     overlap: bool
+    deterministic: bool = False
 
     @property
     def label(self) -> str:
-        return f"stack {self.dtype} overlap={'on' if self.overlap else 'off'}"
+        mode = " deterministic" if self.deterministic else ""
+        return f"stack {self.dtype} overlap={'on' if self.overlap else 'off'}{mode}"
 
 
 @dataclass(slots=True)
@@ -238,6 +246,7 @@ def stack_flags(setup: StackSetup, opts: Options) -> dict[str, str]:
         "--model": opts.model,
         "--dtype": setup.dtype,
         "--overlap": "true" if setup.overlap else "false",
+        "--deterministic": "true" if setup.deterministic else "false",
         "--num-threads": str(opts.threads),
         "--max-num-seqs": str(opts.max_num_seqs),
         "--kv-cache-gb": str(opts.kv_cache_gb),
@@ -438,6 +447,9 @@ def plan_stacks(opts: Options, with_llamacpp: bool) -> dict[StackSetup, list[int
     if "d" in opts.parts:
         plan[main] |= set(opts.overlap_concurrency)
         plan[StackSetup(opts.dtype, overlap=False)] = set(opts.overlap_concurrency)
+    if "det" in opts.parts:
+        plan[main] |= set(opts.deterministic_concurrency)
+        plan[StackSetup(opts.dtype, overlap=True, deterministic=True)] = set(opts.deterministic_concurrency)
     return {setup: sorted(levels) for setup, levels in plan.items() if levels}
 
 
@@ -509,24 +521,42 @@ def report_part_b(report: Report, opts: Options, summary: list[list[str]]) -> No
 
 def print_report(report: Report, opts: Options) -> None:
     main, off = StackSetup(opts.dtype, True).label, StackSetup(opts.dtype, False).label
+    deterministic = StackSetup(opts.dtype, True, deterministic=True).label
     summary: list[list[str]] = []
     print(
         f"\nmodel {opts.model}, dtype {opts.dtype}, {opts.max_tokens} tokens/stream, {opts.threads} threads, "
         f"max_num_seqs {opts.max_num_seqs}, max_num_batched_tokens {opts.max_num_batched_tokens}, "
         f"best of {opts.repeats}"
     )
-    compared = {  # part -> (title, row name, baseline engine, levels, target)
+    compared = {  # part -> (title, row name, engine, baseline engine, levels, target)
         "a": (
             f"(a) full stack vs transformers generate ({opts.dtype})",
+            main,
             "stack vs transformers",
             "transformers",
             opts.concurrency,
             None,
         ),
-        "d": ("(d) overlap scheduling on vs off", "overlap on vs off", off, opts.overlap_concurrency, None),
+        "d": (
+            "(d) overlap scheduling on vs off",
+            "overlap on vs off",
+            main,
+            off,
+            opts.overlap_concurrency,
+            None,
+        ),
+        "det": (
+            "(det) --deterministic vs not",
+            "deterministic vs not",
+            deterministic,
+            main,
+            opts.deterministic_concurrency,
+            TARGET_DETERMINISTIC,
+        ),
         "bus": (
             "bus overhead: full stack vs LocalEngine in-process",
             "stack vs in-process",
+            main,
             "in-process",
             opts.concurrency,
             TARGET_STACK_VS_LOCAL,
@@ -538,11 +568,12 @@ def print_report(report: Report, opts: Options) -> None:
         if part == "b":
             report_part_b(report, opts, summary)
             continue
-        title, name, base, levels, goal = compared[part]
-        vs_table(report, title, main, base, levels)
+        title, name, ours, base, levels, goal = compared[part]
+        vs_table(report, title, ours, base, levels)
         for n in levels:
-            value = ratio(report.rate(main, n), report.rate(base, n))
-            summary.append(target_row(f"({part}) {name} @{n}", value, goal))
+            value = ratio(report.rate(ours, n), report.rate(base, n))
+            at_target = goal if part != "det" or n == 8 else None
+            summary.append(target_row(f"({part}) {name} @{n}", value, at_target))
     ttfts = [
         [engine, str(n), f"{r.ttft_s:.2f}"]
         for engine, by_n in report.results.items()
@@ -580,6 +611,7 @@ def parse_args() -> Options:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--concurrency", type=levels, default=(1, 8, 32, 64), help="streams for a, b, bus")
     parser.add_argument("--overlap-concurrency", type=levels, default=(1, 8, 32), help="streams for d")
+    parser.add_argument("--deterministic-concurrency", type=levels, default=(1, 8), help="streams for det")
     parser.add_argument("--streams-vs-llamacpp", type=int, default=32, help="stack streams compared in b")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per stream")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -599,6 +631,7 @@ def parse_args() -> Options:
         parts=parts,
         concurrency=args.concurrency,
         overlap_concurrency=args.overlap_concurrency,
+        deterministic_concurrency=args.deterministic_concurrency,
         streams_vs_llamacpp=args.streams_vs_llamacpp,
         max_tokens=args.max_tokens,
         dtype=args.dtype,

@@ -8,8 +8,8 @@ causally to its row's cached context plus the row's new tokens up to itself; que
 KV head h // (num_heads // num_kv_heads), with scale head_dim ** -0.5.
 
 Backends: `TorchAttentionBackend` in paged_attention_torch.py (the CPU path; plain torch, so it
-also serves fp32 on CUDA) and `FlashInferAttentionBackend` in paged_attention_flashinfer.py (CUDA,
-fp16/bf16).
+also serves fp32 on CUDA), `FlashInferAttentionBackend` in paged_attention_flashinfer.py (CUDA,
+fp16/bf16) and `BatchInvariantAttentionBackend` in paged_attention_invariant.py (`--deterministic`).
 `paged_attention_reference` is the per-row loop both are tested against: it gathers each row's
 keys and runs the cacheless `libs.kernels.attention.causal_attention` over them.
 """
@@ -155,13 +155,23 @@ class AttentionBackend(Protocol):
 
 
 def make_attention_backend(
-    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """flashinfer on CUDA for fp16/bf16 where it is installed (it has no fp32 kernels); plain torch
-    otherwise, on any device."""
+    otherwise, on any device. ``batch_invariant``: the backend whose outputs do not depend on the
+    batch (paged_attention_invariant.py), on any device."""
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     device = torch.device(device)
+    if batch_invariant:
+        from libs.kernels.paged_attention_invariant import BatchInvariantAttentionBackend
+
+        return BatchInvariantAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
     # Imported here: both modules import this one (and flashinfer itself is CUDA-only).
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
         from libs.kernels.paged_attention_flashinfer import FlashInferAttentionBackend

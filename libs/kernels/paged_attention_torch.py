@@ -4,6 +4,7 @@ paged_attention.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ def decode_groups(padded_lens: list[int], factor: float = 2.0, slack: int | None
 class _PrefillRow:
     start: int  # first token of the row in the step's flat batch
     end: int
-    kv_index: Tensor | None  # gather index (see _kv_index) over the row's pages; None: no context
+    kv_index: Tensor | None  # gather index (see HeadMajorGather.index) over the row's pages; None: no context
     mask: Tensor | None  # [query_len, padded_len] additive (0 / -inf), padded_len = blocks * block_size
 
 
@@ -58,7 +59,7 @@ class _RowBatch:
     start: int  # first token of the batch's part of the flat batch (its decodes: num_prefill_tokens)
     num_rows: int
     query_len: int  # queries per row
-    kv_index: Tensor  # gather index (see _kv_index) over the group's rows' pages, padded
+    kv_index: Tensor  # gather index (see HeadMajorGather.index) over the group's rows' pages, padded
     mask: Tensor  # [num_rows, 1, 1 or query_len * group, padded_len] additive (0 / -inf)
     # [num_rows * query_len] flat tokens read as queries; None: q[start:] as it is
     query_index: Tensor | None
@@ -81,10 +82,7 @@ class TorchAttentionBackend:
     context attends over its own new k/v with `is_causal`; a row with context gathers its keys
     and uses the offset causal mask from plan().
 
-    Gathers are head-major ([rows, kv_heads, padded_len, head_dim], contiguous), which SDPA reads
-    about twice as fast as a transposed view of the cache's token-major pages, and they land in
-    two buffers kept across layers and steps (grown, never shrunk): a fresh multi-megabyte tensor
-    per layer costs more in page faults than the copy itself.
+    Keys and values are gathered head-major (``HeadMajorGather``).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
@@ -94,8 +92,7 @@ class TorchAttentionBackend:
         self._meta: PagedAttentionMetadata | None = None
         self._prefills: list[_PrefillRow] = []
         self._batches: list[_RowBatch] = []
-        self._k_buf = torch.empty(0, head_dim, dtype=dtype)  # [gathered vectors, head_dim]
-        self._v_buf = torch.empty(0, head_dim, dtype=dtype)
+        self._gather = HeadMajorGather(num_kv_heads, head_dim, dtype)
 
     def plan(self, meta: PagedAttentionMetadata) -> None:
         device = meta.block_tables.device
@@ -119,7 +116,7 @@ class TorchAttentionBackend:
             query_pos = context_len + torch.arange(end - start, device=device)
             # Keys past seq_len are beyond every query position, so the causal test masks them too.
             mask = self._additive(key_pos[None, :] <= query_pos[:, None])
-            kv_index = self._kv_index(tables[row : row + 1], padded_len, block_size)
+            kv_index = self._gather.index(tables[row : row + 1], padded_len, block_size)
             self._prefills.append(_PrefillRow(start, end, kv_index, mask))
         self._batches = []
         # Short rows are compute-bound (k + 1 queries each): their groups pad less than decodes'.
@@ -131,7 +128,7 @@ class TorchAttentionBackend:
             rows = [first + i for i in group]
             padded_len = max(num_pages[r] for r in rows) * block_size
             index = torch.tensor(rows, device=device)
-            kv_index = self._kv_index(tables[index], padded_len, block_size)
+            kv_index = self._gather.index(tables[index], padded_len, block_size)
             seq_lens = meta.seq_lens[rows].to(device=device, dtype=torch.long)
             valid = torch.arange(padded_len, device=device)[None, :] < seq_lens[:, None]
             mask = self._additive(valid).view(len(rows), 1, 1, padded_len)
@@ -139,7 +136,8 @@ class TorchAttentionBackend:
             tokens = None if len(groups) == 1 else index + (meta.num_prefill_tokens - first)
             batch = _RowBatch(meta.num_prefill_tokens, len(rows), 1, kv_index, mask, tokens, None, tokens)
             self._batches.append(batch)
-        self._reserve_buffers(device)
+        indices = [r.kv_index for r in self._prefills if r.kv_index is not None]
+        self._gather.reserve([*indices, *(batch.kv_index for batch in self._batches)], device)
         self._meta = meta
 
     def _short_batch(self, meta: PagedAttentionMetadata, rows: list[int], tables: Tensor) -> _RowBatch:
@@ -167,7 +165,7 @@ class TorchAttentionBackend:
             start=0,
             num_rows=len(rows),
             query_len=query_len,
-            kv_index=self._kv_index(tables[index], padded_len, meta.block_size),
+            kv_index=self._gather.index(tables[index], padded_len, meta.block_size),
             mask=self._additive(allowed.to(device)),
             query_index=query_index.to(device),
             out_index=out_index.to(device),
@@ -210,10 +208,7 @@ class TorchAttentionBackend:
                 queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            keys = self._gather(
-                k_vectors, row.kv_index, 1, self._k_buf
-            )  # [1, kv_heads, padded_len, head_dim]
-            values = self._gather(v_vectors, row.kv_index, 1, self._v_buf)
+            keys, values = self._gather(k_vectors, v_vectors, row.kv_index, 1)  # [1, kv_heads, padded, d]
             out = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=row.mask, scale=self.scale, enable_gqa=True
             )
@@ -226,14 +221,30 @@ class TorchAttentionBackend:
         # Query head h = kv_head * group + g: [rows, t, kv_heads, group, d] -> [rows, kv_heads, t * group, d]
         queries = q.reshape(n, t, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
         queries = queries.reshape(n, self.num_kv_heads, t * group, self.head_dim)
-        keys = self._gather(k_vectors, batch.kv_index, n, self._k_buf)  # [rows, kv, padded, d]
-        values = self._gather(v_vectors, batch.kv_index, n, self._v_buf)
+        keys, values = self._gather(k_vectors, v_vectors, batch.kv_index, n)  # [rows, kv, padded, d]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=self.scale)
         out = out.view(n, self.num_kv_heads, t, group, self.head_dim).transpose(1, 2)
         return out.reshape(n * t, self.num_heads, self.head_dim)
 
-    def _kv_index(self, tables: Tensor, padded_len: int, block_size: int) -> Tensor:
-        """Gather index, head-major: entry (row, kv_head, j) is the cache vector (in the cache seen as
+    def _additive(self, allowed: Tensor) -> Tensor:
+        """0 where allowed, -inf elsewhere, in the compute dtype (SDPA adds it to the scores)."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
+
+
+class HeadMajorGather:
+    """Rows' keys and values gathered from the paged cache head-major, [rows, kv_heads,
+    padded_len, head_dim] contiguous, which SDPA reads about twice as fast as a transposed view of
+    the cache's token-major pages. They land in two buffers kept across layers and steps (grown,
+    never shrunk): a fresh multi-megabyte tensor per layer costs more in page faults than the copy."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self._k_buf = torch.empty(0, head_dim, dtype=dtype)  # [gathered vectors, head_dim]
+        self._v_buf = torch.empty(0, head_dim, dtype=dtype)
+
+    def index(self, tables: Tensor, padded_len: int, block_size: int) -> Tensor:
+        """Gather index: entry (row, kv_head, j) is the cache vector (in the cache seen as
         [num_slots * num_kv_heads, head_dim]) of position j of the row at that head.
 
         tables: [rows, >= padded_len / block_size] int64. Returns [rows * num_kv_heads * padded_len]
@@ -244,23 +255,23 @@ class TorchAttentionBackend:
         heads = torch.arange(self.num_kv_heads, device=tables.device)
         return (slots[:, None, :] * self.num_kv_heads + heads[None, :, None]).reshape(-1)
 
-    def _gather(self, vectors: Tensor, kv_index: Tensor, num_rows: int, buf: Tensor) -> Tensor:
-        """[num_rows, num_kv_heads, padded_len, head_dim], contiguous, in buf's memory."""
-        gathered = buf[: kv_index.numel()]
-        torch.index_select(vectors, 0, kv_index, out=gathered)
-        return gathered.view(num_rows, self.num_kv_heads, -1, self.head_dim)
-
-    def _reserve_buffers(self, device: torch.device) -> None:
-        """Grow the gather buffers to the step's largest gather (one prefill row's, or a batch's)."""
-        indices = [r.kv_index for r in self._prefills if r.kv_index is not None]
-        indices += [batch.kv_index for batch in self._batches]
+    def reserve(self, indices: Iterable[Tensor], device: torch.device) -> None:
+        """Grow the buffers to the step's largest gather."""
         size = max((int(i.numel()) for i in indices), default=0)
         if self._k_buf.device == device and self._k_buf.shape[0] >= size:
             return
         self._k_buf = torch.empty(size, self.head_dim, dtype=self.dtype, device=device)
         self._v_buf = torch.empty(size, self.head_dim, dtype=self.dtype, device=device)
 
-    def _additive(self, allowed: Tensor) -> Tensor:
-        """0 where allowed, -inf elsewhere, in the compute dtype (SDPA adds it to the scores)."""
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-        return mask.masked_fill_(~allowed, float("-inf"))
+    def __call__(
+        self, k_vectors: Tensor, v_vectors: Tensor, kv_index: Tensor, num_rows: int
+    ) -> tuple[Tensor, Tensor]:
+        """Keys and values at ``kv_index`` ([num_slots * num_kv_heads, head_dim] vectors), each
+        [num_rows, num_kv_heads, padded_len, head_dim] in the buffers' memory (valid until the
+        next call)."""
+        out = []
+        for vectors, buf in ((k_vectors, self._k_buf), (v_vectors, self._v_buf)):
+            gathered = buf[: kv_index.numel()]
+            torch.index_select(vectors, 0, kv_index, out=gathered)
+            out.append(gathered.view(num_rows, self.num_kv_heads, -1, self.head_dim))
+        return out[0], out[1]

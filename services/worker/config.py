@@ -49,6 +49,13 @@ class Config:
             "unchanged"
         },
     )
+    deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "a request's tokens do not depend on its batch mates, chunking or preemption "
+            "(batch-invariant attention; bfloat16 on the CPU only, checked at start: refused otherwise)"
+        },
+    )
     max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for KV pages, GiB"})

@@ -66,7 +66,9 @@ class ForwardExecutor:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        batch_invariant: bool = False,
     ) -> None:
+        """``batch_invariant``: attention whose outputs do not depend on the batch (--deterministic)."""
         self.model = model
         self.shape = shape
         self.device = torch.device(device)
@@ -75,7 +77,9 @@ class ForwardExecutor:
         self.backend: AttentionBackend | PagedMLABackend = (
             PagedMLABackend()
             if spec.kind == MLA
-            else make_attention_backend(self.device, shape.num_heads, spec.num_kv_heads, spec.head_dim, dtype)
+            else make_attention_backend(
+                self.device, shape.num_heads, spec.num_kv_heads, spec.head_dim, dtype, batch_invariant
+            )
         )
         self.last_hidden: torch.Tensor | None = None
 

@@ -27,7 +27,7 @@ from libs.recipe.tokenizer import Tokenizer
 from libs.runtime.metrics_server import start_metrics_server
 from libs.runtime.process import run_service, setup_logging
 from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
-from services.worker import metrics
+from services.worker import determinism, metrics
 from services.worker.config import Config
 from services.worker.forward_executor import ModelShape
 from services.worker.grammar import DEFAULT_BACKEND, Grammars
@@ -156,6 +156,20 @@ def build_handoff_area(
     return HandoffArea(root, fingerprint, block_layout, dtype, max_age_s=config.handoff_max_age_s)
 
 
+def check_deterministic(
+    model: LlamaForCausalLM | DeepseekV3ForCausalLM, device: torch.device, dtype: torch.dtype, method: str
+) -> None:
+    """Raise ValueError, with the reason, where --deterministic cannot hold (worker/determinism.py)."""
+    reason = determinism.refusal(device, dtype, model.config.kv_spec(), method)
+    if reason is None and isinstance(model, LlamaForCausalLM):
+        reason = determinism.probe(model, dtype)
+    elif reason is None:
+        reason = f"{type(model).__name__} is not checked for batch invariance"
+    if reason is not None:
+        raise ValueError(f"--deterministic: {reason}")
+    log.info("deterministic: batch-invariant attention; the projections passed the batch-invariance probe")
+
+
 @dataclass(frozen=True, slots=True)
 class Worker:
     runner: ModelRunner
@@ -172,6 +186,8 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     dtype = resolve_dtype(config.dtype, device)
     with_mtp = config.speculative_method == "mtp"
     model = load_model(path, Path(cache_dir), config.dtype, device, with_mtp)
+    if config.deterministic:
+        check_deterministic(model, device, dtype, config.speculative_method)
     num_positions = model.config.max_position_embeddings
     max_model_len = min(config.max_model_len or num_positions, num_positions)
     if config.max_model_len > num_positions:
@@ -220,6 +236,7 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
         kv_tiers=kv_tiers,
         handoff=handoff,
         drafter=drafter,
+        batch_invariant=config.deterministic,
     )
     # Before the worker announces itself: its owner's speculative policy starts from these
     # times, and the shapes a first request takes are warm.

@@ -4,6 +4,7 @@ Events are counted in module-level metrics as they happen (one worker per proces
 sequences are read from the runner at scrape time by ``RunnerCollector``:
 
 - ``deepinfer_worker_step_seconds``: one step's forward (the model run of a plan), failed ones too
+- ``deepinfer_worker_step_sequences``: sequences that sampled in one step (the decode batch)
 - ``deepinfer_worker_num_running_seqs``: sequences whose state the runner holds
 - ``deepinfer_worker_sequences_failed_total{reason}``: sequences this worker failed alone (each a
   ``ModelRunnerOutput.failed_seq_ids`` entry); reason from its error (``failure_reason``)
@@ -37,6 +38,12 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 STEP_SECONDS = Histogram(
     "deepinfer_worker_step_seconds", "one step's forward", buckets=STEP_BUCKETS, registry=EVENTS
 )
+STEP_SEQUENCES = Histogram(
+    "deepinfer_worker_step_sequences",
+    "sequences that sampled in one step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    registry=EVENTS,
+)
 SEQUENCES_FAILED = Counter(
     "deepinfer_worker_sequences_failed",
     "sequences this worker failed alone, by reason",
@@ -53,6 +60,8 @@ GRAMMAR_COMPILE_TIMEOUTS = Counter(
 def observe_step(seconds: float, result: ModelRunnerOutput) -> None:
     """A step ran for ``seconds``; its sequences that failed alone are counted."""
     STEP_SECONDS.observe(seconds)
+    if result.seq_ids:
+        STEP_SEQUENCES.observe(len(result.seq_ids))
     for error in result.failed_errors:
         SEQUENCES_FAILED.labels(failure_reason(error)).inc()
 

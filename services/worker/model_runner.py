@@ -72,8 +72,9 @@ class ModelRunner:
         kv_tiers: KVTiers | None = None,
         handoff: HandoffArea | None = None,
         drafter: MTPDrafter | None = None,
+        batch_invariant: bool = False,
     ) -> None:
-        self.executor = ForwardExecutor(model, shape, num_blocks, block_size, dtype, device)
+        self.executor = ForwardExecutor(model, shape, num_blocks, block_size, dtype, device, batch_invariant)
         self.drafter = drafter  # None: drafts come only from the scheduler
         self.shape = shape
         self.device = self.executor.device

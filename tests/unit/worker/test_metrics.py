@@ -40,6 +40,9 @@ def test_a_step_is_timed_and_its_failed_sequences_counted_by_reason() -> None:
     assert delta("deepinfer_worker_step_seconds_bucket", le="0.025") == 1
     assert delta("deepinfer_worker_step_seconds_bucket", le="0.01") == 0
     assert delta("deepinfer_grammar_compile_timeouts_total") == 1
+    assert delta("deepinfer_worker_step_sequences_count") == 1
+    assert delta("deepinfer_worker_step_sequences_bucket", le="4.0") == 1
+    assert delta("deepinfer_worker_step_sequences_bucket", le="2.0") == 0
 
 
 def test_failure_reasons_are_the_leading_words_or_other() -> None:

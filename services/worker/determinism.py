@@ -1,0 +1,85 @@
+"""``--deterministic``: whether this worker can give a request the same tokens whatever else is in
+its batch, however its prompt was chunked and whether it was preempted, and if not, why.
+
+A token's computation is batch-invariant when every op computes a row from that row alone in a
+fixed order. Elementwise ops, the fp32 norms and the sampler (each row's own draws from its seed
+and position) are; attention is made so by the batch-invariant backend
+(libs/kernels/paged_attention_invariant.py); the products of the projections are whatever the
+matmul library does. The probe here runs the model's own projections, norms, MLP and head on
+rows alone and within larger batches and compares the bits: a library or format whose kernel
+changes with the number of rows is refused at start, with that reason, instead of serving
+"deterministic" output that is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from libs.kvstore.kv_spec import MLA, KVSpec
+from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+# Row slices of a 37-row batch compared with the same rows computed alone or in a smaller batch:
+# one row (a matrix-vector path), a few, a partial tile, and the tail.
+PROBE_ROWS = 37
+PROBE_SLICES = ((0, 1), (0, 2), (3, 4), (5, 13), (8, 25), (36, 37))
+
+
+def refusal(device: torch.device, dtype: torch.dtype, kv_spec: KVSpec, speculative_method: str) -> str | None:
+    """Why ``--deterministic`` cannot hold for this worker's setup, before any probe (None: it may)."""
+    if device.type != "cpu":
+        return (
+            f"batch-invariant kernels are CPU-only here; on {device.type} the matmul library picks "
+            "its kernel by batch size"
+        )
+    if dtype != torch.bfloat16:
+        return (
+            f"it needs bfloat16 activations (got {dtype}): on the CPU an fp32 product of one row takes "
+            "a matrix-vector path that sums in another order than a batch's"
+        )
+    if kv_spec.kind == MLA:
+        return "the MLA attention backend is not batch-invariant"
+    if speculative_method == "mtp":
+        return "MTP drafting runs a second model that is not checked for batch invariance"
+    return None
+
+
+def probe(model: LlamaForCausalLM, dtype: torch.dtype) -> str | None:
+    """Run the model's first block's projections, MLP and norms, its final norm and its head on
+    random rows, alone and in batches; the first op whose rows differ, as a reason (None: none)."""
+    ops = _probed_ops(model)
+    generator = torch.Generator().manual_seed(0)
+    for name, op, width in ops:
+        x = torch.randn(PROBE_ROWS, width, generator=generator).to(dtype)
+        with torch.inference_mode():
+            whole = op(x)
+            for start, end in PROBE_SLICES:
+                if not torch.equal(op(x[start:end]), whole[start:end]):
+                    return (
+                        f"{name} gives rows {start}..{end - 1} other bits alone than in a batch of "
+                        f"{PROBE_ROWS} on this machine (its matmul kernel depends on the batch size)"
+                    )
+    return None
+
+
+def _probed_ops(model: LlamaForCausalLM) -> list[tuple[str, Callable[[Tensor], Tensor], int]]:
+    """(name, op over [rows, width] inputs, width) for each op a token's rows pass through."""
+    hidden = model.config.hidden_size
+    layer = cast(LlamaDecoderLayer, model.layers[0])
+    ops: list[tuple[str, Callable[[Tensor], Tensor], int]] = []
+    for name, module in layer.named_modules():
+        if hasattr(module, "in_features"):  # nn.Linear and the packed int8 / int4 layers
+            ops.append((f"layers.0.{name}", module, int(module.in_features)))
+    ops.append(("layers.0.mlp", layer.mlp, hidden))
+    ops.append(("layers.0.input_layernorm", layer.input_layernorm, hidden))
+
+    def add_and_norm(x: Tensor) -> Tensor:
+        normed, residual = model.norm.add_and_norm(x, x.float())
+        return torch.cat([normed.float(), residual], dim=-1)
+
+    ops.append(("norm.add_and_norm", add_and_norm, hidden))
+    ops.append(("compute_logits", model.compute_logits, hidden))
+    return ops
