@@ -306,6 +306,32 @@ def bench_decode_groups(dtype: torch.dtype, g: torch.Generator) -> None:
     )  # fmt: skip
 
 
+def bench_batch_invariant(g: torch.Generator) -> None:
+    """The batch-invariant backend (--deterministic) against the SDPA backend (the baseline), in
+    bf16, its only dtype in service: what the flag costs attention."""
+    decodes = [100 + 50 * i for i in range(8)]
+    steps = {
+        "1 decode, ctx 200": ([1], [200]),
+        "8 decodes, ctx 100-450": ([1] * 8, decodes),
+        "prefill 300": ([300], [0]),
+        "chunk 24 after 200 + 7 dec": ([24] + [1] * 7, [200, *decodes[:7]]),
+    }
+    for label, (query_lens, contexts) in steps.items():
+        meta, (q, k, v, k_cache, v_cache) = attention_step(query_lens, contexts, torch.bfloat16, g)
+        backends: dict[str, Callable[[], object]] = {}
+        for name, invariant in (("sdpa", False), ("invariant", True)):
+            backend = make_attention_backend(
+                torch.device("cpu"), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, invariant
+            )
+            backend.plan(meta)
+            backends[name] = partial(backend.forward, q, k, v, k_cache, v_cache)
+        t = best_per_call(backends)
+        print(
+            f"{'paged_attention':<22} {label:<28} {'bf16':<9} {t['sdpa'] * 1e6:>10.1f}"
+            f" {t['invariant'] * 1e6:>10.1f} {t['invariant'] / t['sdpa']:>6.2f}  (SDPA vs batch-invariant)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Reference vs fast path of each kernel op.")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
@@ -319,6 +345,7 @@ def main() -> None:
         bench_activation(g)
         bench_linear(g)
         bench_attention(g)
+        bench_batch_invariant(g)
 
 
 if __name__ == "__main__":
