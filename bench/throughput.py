@@ -531,8 +531,8 @@ def print_report(report: Report, opts: Options) -> None:
     compared = {  # part -> (title, row name, engine, baseline engine, levels, target)
         "a": (
             f"(a) full stack vs transformers generate ({opts.dtype})",
-            main,
             "stack vs transformers",
+            main,
             "transformers",
             opts.concurrency,
             None,

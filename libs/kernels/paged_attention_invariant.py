@@ -20,7 +20,8 @@ bit); fp32 ones are not (a single row takes a matrix-vector path that sums in an
 the worker refuses ``--deterministic`` but in bf16 (services/worker/determinism.py).
 
 Cost against the SDPA backend: keys padded to a whole chunk, and the scores in memory (a long
-prefill row's queries go in blocks of ``QUERY_BLOCK``, each over the keys up to its last query).
+prefill row's queries go in blocks of ``QUERY_BLOCK``, each over the keys up to its last query;
+decodes are batched by length as that backend groups them, ``decode_groups``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from libs.kernels.paged_attention import PagedAttentionMetadata, write_kv
-from libs.kernels.paged_attention_torch import HeadMajorGather
+from libs.kernels.paged_attention_torch import HeadMajorGather, decode_groups
 
 KV_CHUNK = 64  # keys per reduction; a multiple of any block size up to it keeps gathers whole pages
 QUERY_BLOCK = 128  # queries of a long row attended together (bounds the scores' memory)
@@ -71,11 +72,18 @@ class BatchInvariantAttentionBackend:
                 last = min(first + QUERY_BLOCK, starts[row + 1])
                 offset = context_lens[row] + first - starts[row]  # position of the block's first query
                 positions = torch.arange(offset, offset + last - first)[None, :]
-                self._batches.append(self._batch(meta, [row], positions, first, tables, device))
-        if meta.num_prefills < meta.num_seqs:
-            rows = list(range(meta.num_prefills, meta.num_seqs))
+                tokens = torch.arange(first, last, device=device)
+                self._batches.append(self._batch(meta, [row], positions, tokens, tables, device))
+        first = meta.num_prefills
+        num_chunks = [-(-n // KV_CHUNK) * KV_CHUNK for n in meta.seq_lens[first:].tolist()]
+        # Decodes of similar length share a batch (padding a short one to a long one's keys costs
+        # work, not bits: its extra chunks add exact zeros).
+        for group in decode_groups(num_chunks):
+            rows = [first + i for i in group]
             positions = (meta.seq_lens[rows].long() - 1)[:, None]  # [rows, 1]: a decode's position
-            self._batches.append(self._batch(meta, rows, positions, meta.num_prefill_tokens, tables, device))
+            # Decode row r's token sits at num_prefill_tokens + (r - num_prefills) in the flat batch.
+            tokens = torch.tensor(group, device=device) + meta.num_prefill_tokens
+            self._batches.append(self._batch(meta, rows, positions, tokens, tables, device))
         self._gather.reserve([batch.kv_index for batch in self._batches], device)
         self._meta = meta
 
@@ -84,12 +92,12 @@ class BatchInvariantAttentionBackend:
         meta: PagedAttentionMetadata,
         rows: list[int],
         positions: Tensor,
-        first_token: int,
+        token_index: Tensor,
         tables: Tensor,
         device: torch.device,
     ) -> _Batch:
         """``positions``: [rows, query_len], the positions of the queries, which sit at
-        ``first_token`` on in the flat batch, row after row."""
+        ``token_index`` in the flat batch, row after row."""
         num_rows, query_len = positions.shape
         num_chunks = -(-(int(positions.max()) + 1) // KV_CHUNK)
         padded_len = num_chunks * KV_CHUNK
@@ -101,7 +109,7 @@ class BatchInvariantAttentionBackend:
         # Queries fold as (t, g) -> t * group + g, as the forward lays them out.
         allowed = allowed[:, None, :, None, :].expand(-1, 1, -1, self.group, -1)
         return _Batch(
-            token_index=torch.arange(first_token, first_token + num_rows * query_len, device=device),
+            token_index=token_index,
             num_rows=num_rows,
             query_len=query_len,
             kv_index=self._gather.index(row_tables, padded_len, meta.block_size),

@@ -19,13 +19,16 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from libs.kernels.paged_attention import PagedAttentionMetadata
+from libs.kernels.paged_attention_invariant import BatchInvariantAttentionBackend
 from libs.kvstore.kv_spec import MLA, KVSpec
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-# Row slices of a 37-row batch compared with the same rows computed alone or in a smaller batch:
-# one row (a matrix-vector path), a few, a partial tile, and the tail.
-PROBE_ROWS = 37
-PROBE_SLICES = ((0, 1), (0, 2), (3, 4), (5, 13), (8, 25), (36, 37))
+# Row slices of a 256-row batch (the head's: 37, it is large) compared with the same rows computed
+# alone or in a smaller batch: one row (a matrix-vector path), a few, a partial tile, the tail.
+PROBE_ROWS = 256
+HEAD_PROBE_ROWS = 37
+PROBE_SLICES = ((0, 1), (0, 2), (3, 4), (5, 13), (8, 25), (36, 37), (40, 140), (100, 256))
 
 
 def refusal(device: torch.device, dtype: torch.dtype, kv_spec: KVSpec, speculative_method: str) -> str | None:
@@ -53,15 +56,39 @@ def probe(model: LlamaForCausalLM, dtype: torch.dtype) -> str | None:
     ops = _probed_ops(model)
     generator = torch.Generator().manual_seed(0)
     for name, op, width in ops:
-        x = torch.randn(PROBE_ROWS, width, generator=generator).to(dtype)
+        num_rows = HEAD_PROBE_ROWS if name == "compute_logits" else PROBE_ROWS
+        x = torch.randn(num_rows, width, generator=generator).to(dtype)
         with torch.inference_mode():
             whole = op(x)
             for start, end in PROBE_SLICES:
-                if not torch.equal(op(x[start:end]), whole[start:end]):
+                if end <= num_rows and not torch.equal(op(x[start:end]), whole[start:end]):
                     return (
                         f"{name} gives rows {start}..{end - 1} other bits alone than in a batch of "
-                        f"{PROBE_ROWS} on this machine (its matmul kernel depends on the batch size)"
+                        f"{num_rows} on this machine (its matmul kernel depends on the batch size)"
                     )
+    config = model.config
+    return _attention_probe(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype)
+
+
+def _attention_probe(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """The batch-invariant attention's products on this machine: a 100-token sequence's last
+    position as a lone decode, and as the last query of a 4-token row beside a 300-token decode."""
+    backend = BatchInvariantAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+    generator = torch.Generator().manual_seed(1)
+    cache_shape = (32, 16, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(cache_shape, generator=generator).to(dtype) for _ in range(2))
+    q = torch.randn(5, num_heads, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(5, num_kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
+    a_table, b_table = list(range(7)), list(range(7, 26))
+    with torch.inference_mode():
+        # A's positions 96..99 (q[0..3]) as one row, beside B's decode at 299 (q[4]) ...
+        backend.plan(PagedAttentionMetadata.build([4, 1], [96, 299], [a_table, b_table], 16))
+        in_batch = backend.forward(q, k, v, k_cache, v_cache)[3]
+        # ... then position 99 again, alone, over the keys that step wrote.
+        backend.plan(PagedAttentionMetadata.build([1], [99], [a_table], 16))
+        alone = backend.forward(q[3:4], k[3:4], v[3:4], k_cache, v_cache)[0]
+    if not torch.equal(alone, in_batch):
+        return "attention gives a query other bits alone than in a batch (its products depend on the shape)"
     return None
 
 

@@ -105,6 +105,10 @@ def test_the_probe_passes_bf16_and_names_what_fails(bf16_model: LlamaForCausalLM
     assert reason is not None and "bfloat16" in reason
     probed = determinism.probe(fp32, torch.float32)
     assert probed is None or "alone than in a batch" in probed
+    heads = (CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim)
+    assert determinism._attention_probe(*heads, torch.bfloat16) is None
+    attention_fp32 = determinism._attention_probe(*heads, torch.float32)
+    assert attention_fp32 is None or attention_fp32.startswith("attention gives a query other bits")
 
 
 def test_refusals_name_their_reason() -> None:
