@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from libs.kernels.paged_attention import PagedAttentionMetadata, write_kv
-from libs.kernels.paged_attention_torch import HeadMajorGather, decode_groups
+from libs.kernels.paged_attention import PagedAttentionMetadata
+from libs.kernels.paged_attention_torch import HeadMajorGather, decode_groups, start_forward
 
 KV_CHUNK = 64  # keys per reduction; a multiple of any block size up to it keeps gathers whole pages
 QUERY_BLOCK = 128  # queries of a long row attended together (bounds the scores' memory)
@@ -117,15 +117,8 @@ class BatchInvariantAttentionBackend:
         )
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        meta = self._meta
-        if meta is None:
-            raise RuntimeError("forward() before plan()")
-        if q.dtype != self.dtype:
-            raise ValueError(f"backend planned for {self.dtype}, got q in {q.dtype}")
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_vectors, v_vectors = start_forward(self._meta, self.dtype, q, k, v, k_cache, v_cache)
         out = torch.empty_like(q)
-        k_vectors = k_cache.view(-1, self.head_dim)  # [num_slots * num_kv_heads, head_dim]
-        v_vectors = v_cache.view(-1, self.head_dim)
         for batch in self._batches:
             n, t = batch.num_rows, batch.query_len
             # [n * t, heads, d] -> [n, kv_heads, t * group, d]; query head h = kv_head * group + g

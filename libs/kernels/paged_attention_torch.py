@@ -173,15 +173,8 @@ class TorchAttentionBackend:
         )
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        meta = self._meta
-        if meta is None:
-            raise RuntimeError("forward() before plan()")
-        if q.dtype != self.dtype:
-            raise ValueError(f"backend planned for {self.dtype}, got q in {q.dtype}")
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_vectors, v_vectors = start_forward(self._meta, self.dtype, q, k, v, k_cache, v_cache)
         out = torch.empty_like(q)
-        k_vectors = k_cache.view(-1, self.head_dim)  # [num_slots * num_kv_heads, head_dim]
-        v_vectors = v_cache.view(-1, self.head_dim)
         for row in self._prefills:
             out[row.start : row.end] = self._prefill_row(row, q, k, v, k_vectors, v_vectors)
         for batch in self._batches:
@@ -230,6 +223,26 @@ class TorchAttentionBackend:
         """0 where allowed, -inf elsewhere, in the compute dtype (SDPA adds it to the scores)."""
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         return mask.masked_fill_(~allowed, float("-inf"))
+
+
+def start_forward(
+    meta: PagedAttentionMetadata | None,
+    dtype: torch.dtype,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """What a plain-torch backend's forward starts with: its plan and dtype checked, the step's
+    k/v written; returns the caches as [num_slots * num_kv_heads, head_dim] vectors."""
+    if meta is None:
+        raise RuntimeError("forward() before plan()")
+    if q.dtype != dtype:
+        raise ValueError(f"backend planned for {dtype}, got q in {q.dtype}")
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    head_dim = k_cache.shape[-1]
+    return k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
 
 
 class HeadMajorGather:
