@@ -7,21 +7,23 @@ runs SDPA, whose reductions over the keys change with that padded length: a deco
 depends on its batch mates. Here every reduction has a shape fixed by the query alone:
 
 - keys are taken in chunks of ``KV_CHUNK`` at absolute positions 0, KV_CHUNK, 2 * KV_CHUNK, ...;
-- per chunk: scores (q . k over head_dim, a bf16 product), their max and sum of exponentials over
-  exactly ``KV_CHUNK`` keys in fp32, and the chunk's weighted values (a product over those keys);
+- per chunk and query position: scores (a [KV_CHUNK, d] @ [d, group] product in fp32), their max
+  over the chunk, and the chunk's weighted values with the sum of its weights (a
+  [d + 1, KV_CHUNK] @ [KV_CHUNK, group] product: a column of ones beside the values sums them);
 - chunks combine by a sequential scan (``cumsum``) in chunk order. A chunk past the query's
-  position (padding, or keys of later queries in the row) has weight exp(-inf) = 0 and adds exact
-  zeros at the end of the scan, so it changes nothing.
+  position (padding, or keys of later queries in the row) has weight exp(MASKED - max) = 0 and
+  adds exact zeros at the end of the scan, so it changes nothing.
 
-This holds where the products themselves are batch-invariant: a dot product over head_dim and
-over a chunk does not change with the number of rows, queries or chunks beside it. oneDNN's bf16
-products on x86 CPUs are (tests/unit/kernels/test_paged_attention_invariant.py checks it bit for
-bit); fp32 ones are not (a single row takes a matrix-vector path that sums in another order), so
-the worker refuses ``--deterministic`` but in bf16 (services/worker/determinism.py).
+Every product has the same shape in every step, batched over rows, heads, positions and chunks.
+That is what makes it invariant: the matmul library computes a batch of equal products one by
+one, the same way whatever their number, while one product's bits change with its own shape (an
+fp32 product of one row takes a matrix-vector path, of 5 or more another blocking; measured with
+MKL here). tests/unit/kernels/test_paged_attention_invariant.py checks it bit for bit, and the
+worker's start-up probe on the machine it runs on (services/worker/determinism.py).
 
-Cost against the SDPA backend: keys padded to a whole chunk, and the scores in memory (a long
-prefill row's queries go in blocks of ``QUERY_BLOCK``, each over the keys up to its last query;
-decodes are batched by length as that backend groups them, ``decode_groups``).
+Cost against the SDPA backend: keys padded to a whole chunk, and a long prefill row's keys copied
+once per position of a block of ``QUERY_BLOCK`` (the product broadcasts them); decodes are
+batched by length as that backend groups them (``decode_groups``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from libs.kernels.paged_attention import PagedAttentionMetadata
 from libs.kernels.paged_attention_torch import HeadMajorGather, decode_groups, start_forward
 
 KV_CHUNK = 64  # keys per reduction; a multiple of any block size up to it keeps gathers whole pages
-QUERY_BLOCK = 128  # queries of a long row attended together (bounds the scores' memory)
+QUERY_BLOCK = 32  # positions of a long row attended together (bounds the copies of its keys)
+MASKED = -1e30  # a masked score: finite, so a chunk with no key allowed stays finite (weight 0 later)
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class _Batch:
     num_rows: int
     query_len: int
     kv_index: Tensor  # HeadMajorGather.index over the rows' keys, num_chunks * KV_CHUNK each
-    allowed: Tensor  # [num_rows, 1, query_len * group, num_chunks * KV_CHUNK] bool: key <= query
+    mask: Tensor  # [num_rows, 1, query_len, num_chunks, KV_CHUNK, 1] fp32: 0 (key <= query) or MASKED
 
 
 class BatchInvariantAttentionBackend:
@@ -58,6 +61,7 @@ class BatchInvariantAttentionBackend:
         self.dtype = dtype
         self.scale = head_dim**-0.5
         self._gather = HeadMajorGather(num_kv_heads, head_dim, dtype)
+        self._ones_buf = torch.ones(0)  # see _augmented_values
         self._batches: list[_Batch] = []
         self._meta: PagedAttentionMetadata | None = None
 
@@ -106,14 +110,13 @@ class BatchInvariantAttentionBackend:
         if row_tables.shape[1] < num_blocks:  # keys past the rows' pages read block 0 (masked out)
             row_tables = torch.nn.functional.pad(row_tables, (0, num_blocks - row_tables.shape[1]))
         allowed = torch.arange(padded_len)[None, None, :] <= positions[:, :, None]  # [rows, t, keys]
-        # Queries fold as (t, g) -> t * group + g, as the forward lays them out.
-        allowed = allowed[:, None, :, None, :].expand(-1, 1, -1, self.group, -1)
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, MASKED)
         return _Batch(
             token_index=token_index,
             num_rows=num_rows,
             query_len=query_len,
             kv_index=self._gather.index(row_tables, padded_len, meta.block_size),
-            allowed=allowed.reshape(num_rows, 1, query_len * self.group, padded_len).to(device),
+            mask=mask.view(num_rows, 1, query_len, num_chunks, KV_CHUNK, 1).to(device),
         )
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
@@ -121,32 +124,51 @@ class BatchInvariantAttentionBackend:
         out = torch.empty_like(q)
         for batch in self._batches:
             n, t = batch.num_rows, batch.query_len
-            # [n * t, heads, d] -> [n, kv_heads, t * group, d]; query head h = kv_head * group + g
+            # [n * t, heads, d] -> [n, t, kv_heads, group, d]: query head h = kv_head * group + g
             queries = q.index_select(0, batch.token_index).view(n, t, self.num_kv_heads, self.group, -1)
-            queries = queries.transpose(1, 2).reshape(n, self.num_kv_heads, t * self.group, self.head_dim)
             keys, values = self._gather(k_vectors, v_vectors, batch.kv_index, n)
-            attended = self.attend(queries, keys, values, batch.allowed)
-            attended = attended.view(n, self.num_kv_heads, t, self.group, self.head_dim).transpose(1, 2)
+            attended = self.attend(queries, keys, values, batch.mask)
             out[batch.token_index] = attended.reshape(n * t, self.num_heads, self.head_dim)
         return out
 
-    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
-        """queries: [n, kv_heads, m, d]; keys, values: [n, kv_heads, chunks * KV_CHUNK, d];
-        allowed: [n, 1, m, chunks * KV_CHUNK] (every query allows key 0). Returns [n, kv_heads, m, d]
-        in the compute dtype, each query's row a function of its own query, keys and mask only."""
-        n, h, m, d = queries.shape
+    def _augmented_values(self, values: Tensor) -> Tensor:
+        """``values`` ([n, h, keys, d]) in fp32 with a column of ones, [n, h, keys, d + 1], in a
+        buffer kept across layers and steps: its rows are d + 1 long whatever the view, so the
+        ones, written once when it grows, stay in place."""
+        n, h, num_keys, d = values.shape
+        size = n * h * num_keys * (d + 1)
+        if self._ones_buf.numel() < size or self._ones_buf.device != values.device:
+            self._ones_buf = torch.ones(size, dtype=torch.float32, device=values.device)
+        augmented = self._ones_buf[:size].view(n, h, num_keys, d + 1)
+        augmented[..., :d] = values
+        return augmented
+
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """queries: [n, t, kv_heads, group, d]; keys, values: [n, kv_heads, chunks * KV_CHUNK, d];
+        mask: [n, 1, t, chunks, KV_CHUNK, 1] (every query allows key 0). Returns
+        [n, t, kv_heads, group, d] in the compute dtype.
+
+        Every product has one shape whatever the step: a chunk's keys by one position's queries
+        of one KV head ([KV_CHUNK, d] @ [d, group]), and its values, with a column of ones that
+        sums the weights, by those queries' weights ([d + 1, KV_CHUNK] @ [KV_CHUNK, group]), in
+        fp32, batched over rows, heads, positions and chunks (a batch of equal products is
+        computed product by product)."""
+        n, _, h, _, d = queries.shape  # [n, t, h, g, d]
         num_chunks = keys.shape[2] // KV_CHUNK
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale
-        scores = scores.masked_fill(~allowed, float("-inf")).view(n, h, m, num_chunks, KV_CHUNK)
-        chunk_max = scores.amax(-1, keepdim=True)  # [n, h, m, chunks, 1]; -inf: a chunk all masked
-        weights = torch.exp(scores - chunk_max.masked_fill(chunk_max == float("-inf"), 0.0))
-        chunk_sum = weights.sum(-1)  # [n, h, m, chunks]
-        # [n, h, chunks, m, KV_CHUNK] @ [n, h, chunks, KV_CHUNK, d] -> [n, h, chunks, m, d]
-        chunk_out = torch.matmul(
-            weights.to(self.dtype).transpose(2, 3), values.view(n, h, num_chunks, KV_CHUNK, d)
-        ).float()
-        chunk_max = chunk_max.squeeze(-1)
-        rescale = torch.exp(chunk_max - chunk_max.amax(-1, keepdim=True))  # [n, h, m, chunks]
-        total = (chunk_sum * rescale).cumsum(-1)[..., -1:]  # [n, h, m, 1]
-        weighted = (chunk_out * rescale.transpose(2, 3)[..., None]).cumsum(2)[:, :, -1]  # [n, h, m, d]
-        return (weighted / total).to(self.dtype)
+        # [n, h, 1, chunks, KV_CHUNK, d] @ [n, h, t, 1, d, g] -> [n, h, t, chunks, KV_CHUNK, g]
+        scores = torch.matmul(
+            keys.float().view(n, h, 1, num_chunks, KV_CHUNK, d),
+            queries.float().permute(0, 2, 1, 4, 3).unsqueeze(3),
+        )
+        scores = torch.add(mask, scores, alpha=self.scale)
+        chunk_max = scores.amax(4, keepdim=True)  # [n, h, t, chunks, 1, g]
+        weights = scores.sub_(chunk_max).exp_()  # a masked key: exp(MASKED - max) = 0
+        augmented = self._augmented_values(values)
+        # [n, h, 1, chunks, d + 1, KV_CHUNK] @ [n, h, t, chunks, KV_CHUNK, g] -> [..., d + 1, g]
+        chunked_values = augmented.view(n, h, 1, num_chunks, KV_CHUNK, d + 1).transpose(-1, -2)
+        chunk_out = torch.matmul(chunked_values, weights)
+        # A chunk past the query (all masked) has max MASKED: its rescale is exp(-1e30) = 0.
+        rescale = chunk_max.sub_(chunk_max.amax(3, keepdim=True)).exp_()  # [n, h, t, chunks, 1, g]
+        combined = chunk_out.mul_(rescale).cumsum(3)[:, :, :, -1]  # [n, h, t, d + 1, g]
+        out = combined[:, :, :, :d] / combined[:, :, :, d:]  # [n, h, t, d, g]
+        return out.permute(0, 2, 1, 4, 3).to(self.dtype)
