@@ -38,7 +38,27 @@ from libs.kernels.paged_attention_torch import HeadMajorGather, decode_groups, s
 
 KV_CHUNK = 64  # keys per reduction; a multiple of any block size up to it keeps gathers whole pages
 QUERY_BLOCK = 32  # positions of a long row attended together (bounds the copies of its keys)
+EXP_SLICE = 16384  # see exp_invariant_
 MASKED = -1e30  # a masked score: finite, so a chunk with no key allowed stays finite (weight 0 later)
+
+
+def exp_invariant_(x: Tensor) -> Tensor:
+    """exp of contiguous ``x`` in place, every element by the same code whatever ``x``'s size.
+
+    torch's CPU exp runs a vectorized exp over whole vectors and a scalar one (other bits, now and
+    then) over a loop's last few elements; the elements that fall there depend on the tensor's
+    size and on how threads split it. So it runs here over slices of ``EXP_SLICE`` elements (too
+    few to be split across threads), a multiple of any vector width, and a last partial slice is
+    padded to one in a copy."""
+    flat = x.view(-1)
+    num_whole = flat.numel() - flat.numel() % EXP_SLICE
+    for start in range(0, num_whole, EXP_SLICE):
+        flat[start : start + EXP_SLICE].exp_()
+    if num_whole < flat.numel():
+        rest = flat.new_zeros(EXP_SLICE)
+        rest[: flat.numel() - num_whole] = flat[num_whole:]
+        flat[num_whole:] = rest.exp_()[: flat.numel() - num_whole]
+    return x
 
 
 @dataclass(frozen=True)
@@ -132,15 +152,17 @@ class BatchInvariantAttentionBackend:
         return out
 
     def _augmented_values(self, values: Tensor) -> Tensor:
-        """``values`` ([n, h, keys, d]) in fp32 with a column of ones, [n, h, keys, d + 1], in a
-        buffer kept across layers and steps: its rows are d + 1 long whatever the view, so the
-        ones, written once when it grows, stay in place."""
+        """``values`` ([n, h, chunks * KV_CHUNK, d]) per chunk, transposed, in fp32 under a row of
+        ones: [n, h, chunks, d + 1, KV_CHUNK], in a buffer kept across layers and steps. Its blocks
+        are (d + 1) * KV_CHUNK long whatever the view, so the ones, written once when it grows,
+        stay in place."""
         n, h, num_keys, d = values.shape
+        num_chunks = num_keys // KV_CHUNK
         size = n * h * num_keys * (d + 1)
         if self._ones_buf.numel() < size or self._ones_buf.device != values.device:
             self._ones_buf = torch.ones(size, dtype=torch.float32, device=values.device)
-        augmented = self._ones_buf[:size].view(n, h, num_keys, d + 1)
-        augmented[..., :d] = values
+        augmented = self._ones_buf[:size].view(n, h, num_chunks, d + 1, KV_CHUNK)
+        augmented[:, :, :, :d] = values.view(n, h, num_chunks, KV_CHUNK, d).transpose(-1, -2)
         return augmented
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
@@ -153,22 +175,24 @@ class BatchInvariantAttentionBackend:
         sums the weights, by those queries' weights ([d + 1, KV_CHUNK] @ [KV_CHUNK, group]), in
         fp32, batched over rows, heads, positions and chunks (a batch of equal products is
         computed product by product)."""
-        n, _, h, _, d = queries.shape  # [n, t, h, g, d]
+        n, t, h, g, d = queries.shape
         num_chunks = keys.shape[2] // KV_CHUNK
-        # [n, h, 1, chunks, KV_CHUNK, d] @ [n, h, t, 1, d, g] -> [n, h, t, chunks, KV_CHUNK, g]
-        scores = torch.matmul(
-            keys.float().view(n, h, 1, num_chunks, KV_CHUNK, d),
-            queries.float().permute(0, 2, 1, 4, 3).unsqueeze(3),
-        )
+        batch = (n, h, t, num_chunks)
+        # Both operands of each product are laid out alike, contiguous, whatever the step: a
+        # strided view takes another kernel (a transposed operand) with other bits.
+        # [n, h, t, chunks, KV_CHUNK, d] @ [n, h, t, chunks, d, g] -> [n, h, t, chunks, KV_CHUNK, g]
+        chunked_keys = keys.float().view(n, h, 1, num_chunks, KV_CHUNK, d).expand(*batch, KV_CHUNK, d)
+        queries_t = queries.float().permute(0, 2, 1, 4, 3).unsqueeze(3).expand(*batch, d, g)
+        scores = torch.matmul(chunked_keys.contiguous(), queries_t.contiguous())
         scores = torch.add(mask, scores, alpha=self.scale)
         chunk_max = scores.amax(4, keepdim=True)  # [n, h, t, chunks, 1, g]
-        weights = scores.sub_(chunk_max).exp_()  # a masked key: exp(MASKED - max) = 0
+        weights = exp_invariant_(scores.sub_(chunk_max))  # a masked key: exp(MASKED - max) = 0
         augmented = self._augmented_values(values)
-        # [n, h, 1, chunks, d + 1, KV_CHUNK] @ [n, h, t, chunks, KV_CHUNK, g] -> [..., d + 1, g]
-        chunked_values = augmented.view(n, h, 1, num_chunks, KV_CHUNK, d + 1).transpose(-1, -2)
-        chunk_out = torch.matmul(chunked_values, weights)
+        # [n, h, t, chunks, d + 1, KV_CHUNK] @ [n, h, t, chunks, KV_CHUNK, g] -> [..., d + 1, g]
+        chunked_values = augmented.unsqueeze(2).expand(*batch, d + 1, KV_CHUNK)
+        chunk_out = torch.matmul(chunked_values.contiguous(), weights)
         # A chunk past the query (all masked) has max MASKED: its rescale is exp(-1e30) = 0.
-        rescale = chunk_max.sub_(chunk_max.amax(3, keepdim=True)).exp_()  # [n, h, t, chunks, 1, g]
+        rescale = exp_invariant_(chunk_max.sub_(chunk_max.amax(3, keepdim=True)))  # [n, h, t, chunks, 1, g]
         combined = chunk_out.mul_(rescale).cumsum(3)[:, :, :, -1]  # [n, h, t, d + 1, g]
         out = combined[:, :, :, :d] / combined[:, :, :, d:]  # [n, h, t, d, g]
         return out.permute(0, 2, 1, 4, 3).to(self.dtype)

@@ -128,3 +128,27 @@ def test_keys_span_whole_chunks_past_a_short_table() -> None:
     assert all(batch.kv_index.numel() % (KV_CHUNK * HEADS[1]) == 0 for batch in backend._batches)
     out = backend.forward(*tensors)
     assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_row_of_a_random_step_is_computed_as_alone(seed: int) -> None:
+    """Rows of random lengths around chunk boundaries (decodes, and rows with context of up to 40
+    queries): each row's output equals the same row planned alone, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    num_prefills = int(torch.randint(0, 3, (1,), generator=g))
+    num_decodes = int(torch.randint(1, 9, (1,), generator=g))
+    contexts = [
+        int(c) for c in torch.randint(0, 3 * KV_CHUNK + 2, (num_prefills + num_decodes,), generator=g)
+    ]
+    query_lens = [int(q) for q in torch.randint(2, 41, (num_prefills,), generator=g)] + [1] * num_decodes
+    meta, tensors = random_step(list(zip(query_lens, contexts, strict=True)), 16, HEADS, torch.bfloat16, seed)
+    q, k, v, k_cache, v_cache = tensors
+    backend = BatchInvariantAttentionBackend(*HEADS, torch.bfloat16)
+    backend.plan(meta)
+    together = backend.forward(q, k, v, k_cache, v_cache)
+    starts, tables = meta.query_start_loc.tolist(), meta.block_tables.tolist()
+    for row, (query_len, context_len) in enumerate(zip(query_lens, contexts, strict=True)):
+        a, b = starts[row], starts[row + 1]
+        alone = PagedAttentionMetadata.build([query_len], [context_len], [tables[row]], 16)
+        backend.plan(alone)
+        assert torch.equal(backend.forward(q[a:b], k[a:b], v[a:b], k_cache, v_cache), together[a:b]), row
