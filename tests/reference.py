@@ -8,7 +8,17 @@ from torch import Tensor
 from libs.kernels.attention import causal_attention
 from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.llama import LlamaForCausalLM
+from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def chat_prompts(tokenizer: Tokenizer, questions: list[str]) -> dict[str, list[int]]:
+    """Each question as one user turn in the model's chat template, by id q0, q1, ..."""
+    assert tokenizer.chat_template is not None
+    return {
+        f"q{i}": tokenizer.encode(render_chat(tokenizer.chat_template, [{"role": "user", "content": q}]))
+        for i, q in enumerate(questions)
+    }
 
 
 class GrowingCache:

@@ -182,7 +182,7 @@ class WorkerScheduler:
         limit = plan.budget + sum(len(d) for d in plan.drafts.values())
         demand = sum(s.num_uncomputed_tokens for s in self._running if s.num_uncomputed_tokens > 1)
         num_free_slots = self.limits.max_num_seqs - len(self._running)
-        for _, seq_id in itertools.islice(self._waiting, max(num_free_slots, 0)):  # the heap's head, roughly
+        for _, seq_id in heapq.nsmallest(max(num_free_slots, 0), self._waiting):  # next admitted first
             if demand >= limit:
                 break
             demand += self.seqs[seq_id].num_tokens

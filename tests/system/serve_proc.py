@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +154,17 @@ def free_ports(count: int) -> int:
             except OSError:
                 continue
         return base
+
+
+@contextlib.contextmanager
+def serving(model_cache_dir: Path, tmp: Path, *flags: str, ready_s: float) -> Iterator[Serve]:
+    """``Serve.start`` until /health answers 200 (within ``ready_s``); killed on leaving."""
+    serve = Serve.start(model_cache_dir, tmp, *flags)
+    try:
+        serve.wait_until("/health 200", serve.healthy, ready_s)
+        yield serve
+    finally:
+        serve.kill()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -18,7 +18,7 @@ import pytest
 from libs.models.tiny_deepseek import deepseek_v4_tokenizer_dir, write_tiny_checkpoint
 from libs.recipe.tokenizer import Tokenizer
 from tests.deepseek_reference import hf_from_dir, hf_logits
-from tests.system.serve_proc import Serve, free_ports, scrape
+from tests.system.serve_proc import Serve, free_ports, scrape, serving
 
 READY_S = 240.0
 NAME = "tiny-deepseek"
@@ -42,18 +42,15 @@ def serve(
     model_cache_dir: Path, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
 ) -> Iterator[Serve]:
     tmp = tmp_path_factory.mktemp("deepseek-serve")
-    proc = Serve.start(
+    with serving(
         model_cache_dir,
         tmp,
         *("--model", str(checkpoint), "--chat-format", "deepseek-v4.1"),
         *("--speculative-method", "mtp", "--speculative-policy", "fixed"),
         *("--metrics-port", str(metrics_port)),
-    )
-    try:
-        proc.wait_until("/health 200", proc.healthy, READY_S)
+        ready_s=READY_S,
+    ) as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 def test_greedy_completion_equals_transformers(serve: Serve, checkpoint: Path, metrics_port: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.system.serve_proc import MODEL, Serve, free_ports, scrape
+from tests.system.serve_proc import MODEL, Serve, free_ports, scrape, serving
 from tests.system.stack import spawn
 
 READY_S = 180.0
@@ -44,14 +44,10 @@ def metrics_port() -> int:
 def serve(
     model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
 ) -> Iterator[Serve]:
-    running = Serve.start(
-        model_cache_dir, tmp_path_factory.mktemp("deterministic"), *FLAGS, "--metrics-port", str(metrics_port)
-    )
-    try:
-        running.wait_until("/health 200", running.healthy, READY_S)
+    tmp = tmp_path_factory.mktemp("deterministic")
+    flags = (*FLAGS, "--metrics-port", str(metrics_port))
+    with serving(model_cache_dir, tmp, *flags, ready_s=READY_S) as running:
         yield running
-    finally:
-        running.kill()
 
 
 async def _ask(client: httpx.AsyncClient, question: str, params: dict[str, Any]) -> tuple[str, int]:

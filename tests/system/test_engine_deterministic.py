@@ -16,10 +16,10 @@ from deepinfer.local_engine import LocalEngine
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.messages import SamplingParams
-from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.worker_scheduler import Limits
 from services.worker.model_runner import ModelRunner, ModelShape
+from tests.reference import chat_prompts
 from tests.system.test_deterministic import QUESTIONS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -32,12 +32,7 @@ def model(smollm2_path: Path, model_cache_dir: Path) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_path: Path, model_cache_dir: Path) -> dict[str, list[int]]:
-    tokenizer = Tokenizer.from_gguf(smollm2_path, model_cache_dir)
-    assert tokenizer.chat_template is not None
-    return {
-        f"q{i}": tokenizer.encode(render_chat(tokenizer.chat_template, [{"role": "user", "content": q}]))
-        for i, q in enumerate(QUESTIONS)
-    }
+    return chat_prompts(Tokenizer.from_gguf(smollm2_path, model_cache_dir), QUESTIONS)
 
 
 def _engine(model: LlamaForCausalLM, num_blocks: int, budget: int) -> LocalEngine:

@@ -18,14 +18,13 @@ from deepinfer.local_engine import LocalEngine
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.messages import SamplingParams, StructuredOutput, StructuredOutputKind
-from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.worker_scheduler import Limits
 from services.worker.grammar import Grammars
 from services.worker.main import grammar_vocab
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.step_profile import profile_steps
-from tests.reference import reference_greedy
+from tests.reference import chat_prompts, reference_greedy
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -43,12 +42,7 @@ def model(smollm2_path: Path, model_cache_dir: Path) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_path: Path, model_cache_dir: Path) -> dict[str, list[int]]:
-    tokenizer = Tokenizer.from_gguf(smollm2_path, model_cache_dir)
-    assert tokenizer.chat_template is not None
-    return {
-        f"q{i}": tokenizer.encode(render_chat(tokenizer.chat_template, [{"role": "user", "content": q}]))
-        for i, q in enumerate(QUESTIONS)
-    }
+    return chat_prompts(Tokenizer.from_gguf(smollm2_path, model_cache_dir), QUESTIONS)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.system.serve_proc import MODEL, Serve, free_ports, scrape
+from tests.system.serve_proc import MODEL, Serve, free_ports, scrape, serving
 
 READY_S = 240.0
 HEAL_S = 180.0  # a restarted worker loads the model again, on a loaded machine
@@ -100,14 +100,9 @@ def running(
     model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
 ) -> Iterator[Serve]:
     """One stack for the fault tests below, which run in order; the last one stops it."""
-    serve = Serve.start(
-        model_cache_dir, tmp_path_factory.mktemp("serve"), "--metrics-port", str(metrics_port)
-    )
-    try:
-        serve.wait_until("/health 200", serve.healthy, READY_S)
+    tmp = tmp_path_factory.mktemp("serve")
+    with serving(model_cache_dir, tmp, "--metrics-port", str(metrics_port), ready_s=READY_S) as serve:
         yield serve
-    finally:
-        serve.kill()
 
 
 def test_kill_9_worker_is_restarted_and_serves(running: Serve, metrics_port: int) -> None:
