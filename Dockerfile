@@ -9,6 +9,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# A C++ compiler and ninja: the worker builds its CPU kernels (libs/kernels/csrc) on first start
+# for the machine it runs on, cached in the cache directory; without them it runs the torch paths.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, pinned, from the CPU index: a plain `torch` from PyPI is a multi-GB CUDA build.
 # `pip install .` below then finds its `torch>=2.4` already satisfied.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu

@@ -12,33 +12,52 @@ For fp32, bf16, int8 and int4 (libs.models.quant) in one run:
   bytes one decode step reads, and achieved bytes/s (= bytes/token x tokens/s) as a share of it; and
   the same for the weight matmuls alone (every projection and the LM head on one token, back to
   back), which says how much of a decode step is the weights and how much everything else.
+- quality (--quality-prompts, default 16): teacher-forced top-1 agreement with fp32 over a fixed
+  corpus (chat prompts with fp32's greedy answers, and plain passages), at every position and at
+  the positions where fp32's top-2 margin is >= 0.5 (not near-ties), with the quantized
+  projections through their packed kernels as decode runs them; and each format's greedy answer to
+  "What is the capital of France?".
 Rounds interleave the formats and keep each one's best, since the machine is shared and noisy.
+"int8" runs with the activations the worker gives it on this CPU (fp32 without native bf16 math),
+"int8/bf16" with bf16 ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from prompts import bench_prompts
 from torch import Tensor, nn
 
 from libs.kernels.attention import causal_attention
 from libs.modelfiles.registry import resolve_model_path
 from libs.models.attention import SingleSequenceCausalAttention
+from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from libs.models.quant import Int4Linear, Int8Linear
+from libs.models.quant import Int4Linear, Int8Linear, quantize_model
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from libs.runtime.settings import resolve_cache_dir
 from services.worker.main import load_llama_model
 
-FORMATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}  # label -> --dtype
+# label -> the worker's --dtype; int8's activations are what the worker runs it with here (fp32
+# on a CPU without bf16 math), int8/bf16 is the other choice, bf16 activations.
+FORMATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int8/bf16": "int8", "int4": "int4"}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PASSAGES = (
+    "The quick brown fox jumps over the lazy dog. Then the dog woke up and chased the fox across the field.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes it boils at lower heat.",
+    "In 1492, Columbus sailed across the Atlantic Ocean and reached the islands of the Caribbean.",
+)
 FORWARD_TOKENS = (32, 512)
 
 
@@ -138,6 +157,84 @@ def weight_bytes_per_token(model: LlamaForCausalLM) -> int:
     return total + (model.embed_tokens.weight.nbytes if model.lm_head is None else 0)
 
 
+def load_format(path: Path, cache_dir: Path, label: str) -> LlamaForCausalLM:
+    if label == "int8/bf16":
+        model = load_llama(path, cache_dir, dtype=torch.bfloat16)
+        quantize_model(model, "int8")
+        return model
+    return load_llama_model(path, cache_dir, FORMATS[label])
+
+
+MARGIN = 0.5  # fp32's top-1 minus top-2 logit: positions at or above it are not near-ties
+CORPUS_ANSWER_TOKENS = 64
+
+
+@contextlib.contextmanager
+def packed_kernels_only() -> Iterator[None]:
+    """Every quantized projection through its packed kernel at any token count (as decode steps
+    run them), not the dense path a long forward would take."""
+    settings = [
+        (Int8Linear, "dense_min_tokens"),
+        (Int8Linear, "fp32_dense_min_tokens"),
+        (Int4Linear, "dense_min_tokens"),
+    ]
+    saved = [getattr(cls, name) for cls, name in settings]
+    for cls, name in settings:
+        setattr(cls, name, 1 << 30)
+    try:
+        yield
+    finally:
+        for (cls, name), value in zip(settings, saved, strict=True):
+            setattr(cls, name, value)
+
+
+def quality_corpus(model: LlamaForCausalLM, tokenizer: Tokenizer, num_prompts: int) -> list[list[int]]:
+    """Chat prompts (rendered as the gateway does) each followed by fp32's greedy answer, and the
+    plain-text passages of tests/unit/models/test_quant.py: fixed token sequences to score."""
+    assert tokenizer.chat_template is not None
+    sequences = []
+    for text in bench_prompts(num_prompts):
+        prompt = tokenizer.encode(render_chat(tokenizer.chat_template, [{"role": "user", "content": text}]))
+        _, logits = decode(model, prompt, None, CORPUS_ANSWER_TOKENS - 1)
+        sequences.append(prompt + [int(step.argmax()) for step in logits])
+    return sequences + [tokenizer.encode(text) for text in PASSAGES]
+
+
+def quality(models: dict[str, LlamaForCausalLM], corpus: list[list[int]], tokenizer: Tokenizer) -> None:
+    """Teacher-forced top-1 agreement with fp32 at every position of the corpus, and at the positions
+    where fp32's top-2 margin is >= MARGIN; and each format's greedy answer to the France question."""
+
+    def scored(model: LlamaForCausalLM) -> Tensor:
+        """Logits at every position of every corpus sequence, [positions, vocab]."""
+        outs = []
+        for ids in corpus:
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)), SingleSequenceCausalAttention())
+            outs.append(model.compute_logits(hidden))
+        return torch.cat(outs)
+
+    with torch.inference_mode(), packed_kernels_only():
+        logits = {fmt: scored(model) for fmt, model in models.items()}
+    reference = logits["fp32"]
+    top2 = reference.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= MARGIN
+    print(f"\nteacher-forced top-1 against fp32: {len(corpus)} sequences, {len(reference)} positions, "
+          f"{int(clear.sum())} with fp32's top-2 margin >= {MARGIN}")  # fmt: skip
+    header = (
+        f"{'format':9s} {'top-1 all':>9s} {'top-1 clear':>11s} {'max|dlogit|':>11s} {'mean|dlogit|':>12s}"
+    )
+    print(f"{header}  France")
+    tokenizer_prompt = tokenizer.encode(render_chat(tokenizer.chat_template or "", QUESTION))
+    for fmt, ours in logits.items():
+        agree = ours.argmax(-1) == reference.argmax(-1)
+        delta = (ours - reference).abs()
+        _, answer = decode(models[fmt], tokenizer_prompt, None, 12)
+        text = tokenizer.decode([int(step.argmax()) for step in answer]).splitlines()[0]
+        print(
+            f"{fmt:9s} {agree.float().mean().item():9.2%} {agree[clear].float().mean().item():11.2%}"
+            f" {delta.max().item():11.3f} {delta.mean().item():12.4f}  {text!r}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -145,6 +242,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--quality-prompts",
+        type=int,
+        default=16,
+        help="chat prompts in the quality corpus (0: no quality check)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -152,7 +255,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_gguf(path, cache_dir)
     assert tokenizer.chat_template is not None
     prompt = tokenizer.encode(render_chat(tokenizer.chat_template, QUESTION))
-    models = {fmt: load_llama_model(path, cache_dir, dtype) for fmt, dtype in FORMATS.items()}
+    models = {fmt: load_format(path, cache_dir, fmt) for fmt in FORMATS}
     _, ref_logits = decode(models["fp32"], prompt, None, args.decode_tokens)
     feed = [int(step.argmax()) for step in ref_logits[:-1]]  # fp32's greedy tokens
 
@@ -171,6 +274,8 @@ def main() -> None:
                 best[num_tokens] = min(best.get(num_tokens, seconds), seconds)
     bandwidth = max(bandwidth, read_bandwidth())  # measured again after the runs; keep the better
     report(models, results, ref_logits, bandwidth, args)
+    if args.quality_prompts:
+        quality(models, quality_corpus(models["fp32"], tokenizer, args.quality_prompts), tokenizer)
 
 
 def report(
@@ -188,19 +293,19 @@ def report(
     reference = torch.stack(ref_logits)  # [steps + 1, vocab]
 
     print("\nspeed (tok/s, and ratio against bf16 / fp32)")
-    print(f"{'format':6s} {'decode':>8s} {'vs bf16':>7s} {'vs fp32':>7s}", end="")
+    print(f"{'format':9s} {'decode':>8s} {'vs bf16':>7s} {'vs fp32':>7s}", end="")
     print("".join(f" {f'fwd{n}':>8s} {'vs bf16':>7s}" for n in FORWARD_TOKENS))
     for fmt in results:
         rate, fwd = decode_rate[fmt], forward_rate[fmt]
         print(
-            f"{fmt:6s} {rate:8.1f} {rate / decode_rate['bf16']:7.2f} {rate / decode_rate['fp32']:7.2f}",
+            f"{fmt:9s} {rate:8.1f} {rate / decode_rate['bf16']:7.2f} {rate / decode_rate['fp32']:7.2f}",
             end="",
         )
         print("".join(f" {fwd[n]:8.0f} {fwd[n] / forward_rate['bf16'][n]:7.2f}" for n in FORWARD_TOKENS))
 
     print("\naccuracy against fp32 over the decode steps, and batch-1 roofline")
     print(
-        f"{'format':6s} {'max|dlogit|':>11s} {'top-1':>6s} {'MB/token':>8s} {'GB/s':>5s} {'of peak':>7s} "
+        f"{'format':9s} {'max|dlogit|':>11s} {'top-1':>6s} {'MB/token':>8s} {'GB/s':>5s} {'of peak':>7s} "
         f"{'matmul ms':>9s} {'GB/s':>5s} {'of peak':>7s} {'matmul share':>12s}"
     )
     for fmt, r in results.items():
@@ -210,7 +315,7 @@ def report(
         weight_bytes = weight_bytes_per_token(models[fmt])
         achieved, matmul_only = weight_bytes * decode_rate[fmt], weight_bytes / r.matmul_s
         print(
-            f"{fmt:6s} {delta:11.3f} {top1:6.1%} {weight_bytes / 1e6:8.1f} {achieved / 1e9:5.1f} "
+            f"{fmt:9s} {delta:11.3f} {top1:6.1%} {weight_bytes / 1e6:8.1f} {achieved / 1e9:5.1f} "
             f"{achieved / bandwidth:7.0%} {r.matmul_s * 1e3:9.2f} {matmul_only / 1e9:5.1f} "
             f"{matmul_only / bandwidth:7.0%} {r.matmul_s * decode_rate[fmt]:12.0%}"
         )

@@ -179,7 +179,7 @@ def make_attention_backend(
         return FlashInferAttentionBackend(device, num_heads, num_kv_heads, head_dim, dtype)
     from libs.kernels.paged_attention_torch import TorchAttentionBackend
 
-    return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+    return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, use_kernel=device.type == "cpu")
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

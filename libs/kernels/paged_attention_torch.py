@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from libs.kernels import cpu_ext
 from libs.kernels.paged_attention import PagedAttentionMetadata, write_kv
 
 # Rows of similar length share one padded SDPA: a row joins the group of the shortest rows while
@@ -67,6 +69,60 @@ class _RowBatch:
     token_index: Tensor | None  # where those go in the flat batch; None: out[start:]
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_MAX_GROUP = 64  # query heads per KV head the kernel takes (MAX_GROUP in cpu_ops.cpp)
+
+
+@dataclass(frozen=True)
+class _KernelTokens:
+    """The step's tokens that the extension's ``paged_attention`` computes: every token of a
+    decode row or of a short row with context (at most MAX_SHORT_QUERY_LEN new tokens), each
+    with its row and the number of the row's first keys it sees (causal)."""
+
+    ops: Any  # torch.ops.deepinfer_cpu, as the backend found it built
+    block_tables: Tensor  # [num_seqs, max_num_blocks] int32
+    token_index: Tensor  # [n] int32, flat token positions
+    token_row: Tensor  # [n] int32
+    token_num_keys: Tensor  # [n] int32
+
+    @classmethod
+    def plan(cls, meta: PagedAttentionMetadata, ops: Any) -> _KernelTokens | None:
+        if meta.block_tables.device.type != "cpu":
+            return None
+        starts = meta.query_start_loc.tolist()
+        context_lens = meta.context_lens.tolist()
+        index: list[int] = []
+        rows: list[int] = []
+        num_keys: list[int] = []
+        for row, context_len in enumerate(context_lens):
+            start, end = starts[row], starts[row + 1]
+            if row < meta.num_prefills and (context_len == 0 or end - start > MAX_SHORT_QUERY_LEN):
+                continue  # a prefill row: SDPA's
+            index.extend(range(start, end))
+            rows.extend([row] * (end - start))
+            num_keys.extend(range(context_len + 1, context_len + 1 + end - start))
+        if not index:
+            return None
+
+        def int32(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int32)
+
+        return cls(ops, meta.block_tables.contiguous(), int32(index), int32(rows), int32(num_keys))
+
+    def run(self, out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> None:
+        self.ops.paged_attention(
+            out,
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.token_index,
+            self.token_row,
+            self.token_num_keys,
+            scale,
+        )
+
+
 class TorchAttentionBackend:
     """The CPU backend: plain torch, SDPA's fused CPU kernel, no per-token Python work.
 
@@ -83,9 +139,16 @@ class TorchAttentionBackend:
     and uses the offset causal mask from plan().
 
     Keys and values are gathered head-major (``HeadMajorGather``).
+
+    With ``use_kernel`` (the worker's CPU backend, when the extension is built), decodes and short
+    rows with context go to the extension's paged kernel instead (``_KernelTokens``), which reads
+    the pages in place; prefill rows keep the paths above.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, use_kernel: bool = False
+    ) -> None:
+        """``use_kernel``: CPU tensors only; taken when the extension is built and dtype fits."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype = dtype
         self.scale = head_dim**-0.5
@@ -93,10 +156,18 @@ class TorchAttentionBackend:
         self._prefills: list[_PrefillRow] = []
         self._batches: list[_RowBatch] = []
         self._gather = HeadMajorGather(num_kv_heads, head_dim, dtype)
+        # Decodes and short rows with context go to the CPU extension's paged kernel when it is
+        # built (for fp32 / bf16): it reads each row's keys from the pages in place, with none of
+        # the gather, mask and SDPA set-up, which cost more than the arithmetic at a few rows.
+        fits = dtype in KERNEL_DTYPES and num_heads // num_kv_heads <= KERNEL_MAX_GROUP
+        self._ops = cpu_ext.ops() if use_kernel and fits else None
+        self.use_kernel = self._ops is not None
+        self._kernel: _KernelTokens | None = None
 
     def plan(self, meta: PagedAttentionMetadata) -> None:
         device = meta.block_tables.device
         block_size = meta.block_size
+        self._kernel = _KernelTokens.plan(meta, self._ops) if self._ops is not None else None
         # Row lengths come from the metadata's host arrays: no device read-back.
         starts = meta.query_start_loc.tolist()
         context_lens = meta.context_lens.tolist()
@@ -109,6 +180,8 @@ class TorchAttentionBackend:
                 self._prefills.append(_PrefillRow(start, end, None, None))
                 continue
             padded_len = num_pages[row] * block_size
+            if self._kernel is not None and end - start <= MAX_SHORT_QUERY_LEN:
+                continue  # the kernel's
             if end - start <= MAX_SHORT_QUERY_LEN and padded_len <= MAX_SHORT_KEYS:
                 short.append(row)
                 continue
@@ -123,7 +196,10 @@ class TorchAttentionBackend:
         for group in decode_groups([num_pages[r] * block_size for r in short], *SHORT_GROUPING):
             self._batches.append(self._short_batch(meta, [short[i] for i in group], tables))
         first = meta.num_prefills
-        groups = decode_groups([n * block_size for n in num_pages[first:]])
+        # Decodes are the kernel's when it runs.
+        groups = (
+            [] if self._kernel is not None else decode_groups([n * block_size for n in num_pages[first:]])
+        )
         for group in groups:
             rows = [first + i for i in group]
             padded_len = max(num_pages[r] for r in rows) * block_size
@@ -174,9 +250,11 @@ class TorchAttentionBackend:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         k_vectors, v_vectors = start_forward(self._meta, self.dtype, q, k, v, k_cache, v_cache)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
         for row in self._prefills:
             out[row.start : row.end] = self._prefill_row(row, q, k, v, k_vectors, v_vectors)
+        if self._kernel is not None:
+            self._kernel.run(out, q, k_cache, v_cache, self.scale)
         for batch in self._batches:
             queries = q[batch.start :] if batch.query_index is None else q.index_select(0, batch.query_index)
             attended = self._batch_rows(batch, queries, k_vectors, v_vectors)

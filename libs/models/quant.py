@@ -2,12 +2,15 @@
 
 Decode at batch 1 is bound by reading the weights once per token, so storing them in 8 or 4 bits
 instead of bf16 cuts the bytes read per token (SmolLM2: 295 MB bf16, 148 MB int8, 103 MB int4 with
-its int8 head). The matmuls run on torch's CPU kernels for packed weights (`_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu`) with bf16 activations: with fp32 activations the same kernels are
-over 10x slower than a dense bf16 matmul here.
+its int8 head). The matmuls run on packed-weight kernels in the activations' dtype:
+- bf16 activations (a CPU with native bf16 math): torch's `_weight_int8pack_mm` and
+  `_weight_int4pack_mm_for_cpu`;
+- fp32 activations (int8 only; a CPU without bf16 math, where bf16 products are emulated and
+  slow): the CPU extension's `int8_linear` (libs/kernels/int8_linear.py), since torch's kernels
+  with fp32 activations are over 10x slower than a dense matmul.
 
-Those kernels lose to a dense bf16 matmul once a call carries many tokens (prefill), so from
-`dense_min_tokens` tokens on a layer dequantizes its weight into a temporary bf16 matrix and uses
+Those kernels lose to a dense matmul once a call carries many tokens (prefill), so from
+`dense_min_tokens` tokens on a layer dequantizes its weight into a temporary dense matrix and uses
 F.linear instead; the temporary is dropped after the call, memory stays quantized.
 """
 
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from libs.kernels.int8_linear import int8_linear
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 __all__ = ["INT4_GROUP_SIZE", "Int4Linear", "Int8Linear", "quantize_model"]
@@ -30,6 +34,10 @@ __all__ = ["INT4_GROUP_SIZE", "Int4Linear", "Int8Linear", "quantize_model"]
 # packed kernels barely speed up with more tokens (one thread, 32 -> 128 tokens: int8 175 -> 190 tok/s,
 # int4 205 -> 212), while dequantizing costs ~0.3 ms (int8) / ~1.5 ms (int4) per 1M weights per call.
 INT8_DENSE_MIN_TOKENS: Final = 64
+# With fp32 activations (the CPU extension's int8 kernel against a dense fp32 matmul on a CPU without
+# bf16 math) the crossing is later: a SmolLM2 forward of 64 tokens took 199 ms packed and 292 ms dense,
+# of 128 tokens 457 and 422 ms.
+INT8_FP32_DENSE_MIN_TOKENS: Final = 128
 INT4_DENSE_MIN_TOKENS: Final = 128
 # 32 is the finest group the CPU kernel takes, and the one the Q4_1 GGUF was made with: re-quantizing
 # its weights at 32 reproduces them up to the bf16 rounding of scale and zero.
@@ -61,20 +69,33 @@ class _PackedLinear(nn.Module, abc.ABC):
     @abc.abstractmethod
     def _matmul(self, x2d: Tensor) -> Tensor: ...
 
+    def _dense_from(self) -> int:
+        """Tokens per call from which the dense path runs."""
+        return self.dense_min_tokens
+
     def forward(self, x: Tensor) -> Tensor:
-        x2d = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [num_tokens, K]
-        dense = x2d.shape[0] >= self.dense_min_tokens
+        # Casts and reshapes only where needed: at one token a step runs ~120 of these, and each
+        # no-op call still costs microseconds.
+        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [num_tokens, K]
+        if x2d.dtype != self.compute_dtype:
+            x2d = x2d.to(self.compute_dtype)
+        if not x2d.is_contiguous():
+            x2d = x2d.contiguous()
+        dense = x2d.shape[0] >= self._dense_from()
         out = F.linear(x2d, self.dequantize()) if dense else self._matmul(x2d)
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if x.dim() != 2:
+            out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class Int8Linear(_PackedLinear):
     """y = x @ W.T with W stored as int8 [N, K] and one symmetric scale per output row.
 
-    W[n, k] = weight_int8[n, k] * scales[n]; the compute dtype is the scales' (bf16 in practice).
+    W[n, k] = weight_int8[n, k] * scales[n]; the compute dtype is the scales' (the model's: bf16 or fp32).
     """
 
     dense_min_tokens = INT8_DENSE_MIN_TOKENS
+    fp32_dense_min_tokens: ClassVar[int] = INT8_FP32_DENSE_MIN_TOKENS
     weight_int8: Tensor  # [out_features, in_features] int8
     scales: Tensor  # [out_features], compute dtype
 
@@ -101,7 +122,12 @@ class Int8Linear(_PackedLinear):
     def compute_dtype(self) -> torch.dtype:
         return self.scales.dtype
 
+    def _dense_from(self) -> int:
+        return self.fp32_dense_min_tokens if self.scales.dtype == torch.float32 else self.dense_min_tokens
+
     def _matmul(self, x2d: Tensor) -> Tensor:
+        if self.scales.dtype == torch.float32:  # fp32 activations: the CPU extension's kernel
+            return int8_linear(x2d, self.weight_int8, self.scales)
         out: Tensor = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)
         return out
 
@@ -221,24 +247,29 @@ def _int4_pack_block_n() -> int:
 def quantize_model(model: LlamaForCausalLM, fmt: str, group_size: int = INT4_GROUP_SIZE) -> None:
     """Replace every decoder projection and the LM head with int8 or int4 layers, in place.
 
-    The model must be bf16: its activations stay bf16 and the fp32 residual stream is untouched.
-    `group_size` applies to the int4 projections. The LM head is int8 in both formats: at int4 (g32)
+    Activations keep the model's dtype: bf16 for both formats, or fp32 for int8 (int4's kernel
+    wants bf16). The fp32 residual stream is untouched. `group_size` applies to the int4
+    projections. The LM head is int8 in both formats: at int4 (g32)
     SmolLM2's logits drift 4x further from fp32 (max |dlogit| 4.9 vs 1.4, top-1 86% vs 96%), while
     the head is only a fifth of the weights. A tied head gets its own quantized copy of the embedding
     table; the table stays dense for lookups (one row per token, so it costs no bandwidth).
     """
     if fmt not in ("int8", "int4"):
         raise ValueError(f"fmt={fmt!r}: expected 'int8' or 'int4'")
-    if model.dtype != torch.bfloat16:
-        raise ValueError(f"quantize_model needs a bfloat16 model, got {model.dtype}")
+    allowed = (torch.bfloat16, torch.float32) if fmt == "int8" else (torch.bfloat16,)
+    if model.dtype not in allowed:
+        raise ValueError(
+            f"quantize_model({fmt}) needs a {' or '.join(map(str, allowed))} model, got {model.dtype}"
+        )
     if isinstance(model.lm_head, _PackedLinear):
         raise ValueError("model is already quantized")
+    dtype = model.dtype
 
     def convert(linear: nn.Module) -> _PackedLinear:
         assert isinstance(linear, nn.Linear) and linear.bias is None
         if fmt == "int4":
-            return Int4Linear.from_weight(linear.weight, group_size, torch.bfloat16)
-        return Int8Linear.from_weight(linear.weight, torch.bfloat16)
+            return Int4Linear.from_weight(linear.weight, group_size, dtype)
+        return Int8Linear.from_weight(linear.weight, dtype)
 
     for layer in model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
@@ -246,4 +277,4 @@ def quantize_model(model: LlamaForCausalLM, fmt: str, group_size: int = INT4_GRO
         attn.qkv_proj, attn.o_proj = convert(attn.qkv_proj), convert(attn.o_proj)
         mlp.gate_up_proj, mlp.down_proj = convert(mlp.gate_up_proj), convert(mlp.down_proj)
     head = model.lm_head.weight if isinstance(model.lm_head, nn.Linear) else model.embed_tokens.weight
-    model.lm_head = Int8Linear.from_weight(head, torch.bfloat16)
+    model.lm_head = Int8Linear.from_weight(head, dtype)

@@ -34,8 +34,9 @@ class Config:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "weights: auto (bfloat16 where the CPU has bf16 math, else float32) | bfloat16 | float32"
-            " | int8 | int4 (weight-only, kept quantized; activations bfloat16)"
+            "help": "weights: auto (on a CPU without bf16 math, int8 with float32 activations where the CPU"
+            " kernels build, else float32; bfloat16 on a CPU with bf16 math and on accelerators) | bfloat16"
+            " | float32 | int8 (weight-only, kept quantized; activations as auto's) | int4 (bf16 activations)"
         },
     )
     max_num_seqs: int = field(default=32, metadata={"help": "sequences decoded together"})
@@ -54,6 +55,13 @@ class Config:
         metadata={
             "help": "a request's tokens do not depend on its batch mates, chunking or preemption "
             "(batch-invariant attention; bfloat16 on the CPU only, checked at start: refused otherwise)"
+        },
+    )
+    cpu_kernels: bool = field(
+        default=True,
+        metadata={
+            "help": "on the CPU, build (once, cached) and use the C++ kernels for int8 matmuls and decode"
+            " attention; false: the plain torch paths"
         },
     )
     max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})

@@ -13,6 +13,7 @@ import torch
 
 from libs.bus.nats_bus import NatsBus
 from libs.grammar import resolve_backend
+from libs.kernels import cpu_ext
 from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.kv_spec import KVSpec
 from libs.modelfiles.registry import model_architecture, resolve_model_path
@@ -40,6 +41,7 @@ from services.worker.model_runner import ModelRunner
 from services.worker.mtp_drafter import MTPDrafter
 from services.worker.service import WorkerService
 from services.worker.step_profile import profile_steps
+from services.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 CPU = torch.device("cpu")
@@ -62,17 +64,34 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device = CPU) -> torch.dtype:
     """The activation and KV dtype. auto: bf16 on an accelerator, and on a CPU with native bf16 math
-    (AVX-512 BF16 / AMX), else fp32. int8 / int4 weights run with bf16 activations (their fp32 CPU
-    kernels are over 10x slower); they are CPU kernels."""
+    (AVX-512 BF16 / AMX), else fp32. int8 weights run with the same activations as auto (fp32 ones
+    through the CPU extension's kernel); int4 weights with bf16 (torch's int4 kernel wants them).
+    Both are CPU kernels."""
     if name in ("int8", "int4") and device.type != "cpu":
         raise ValueError(f"--dtype {name}: weight-only int8/int4 are CPU kernels; use bfloat16 on {device}")
-    if name == "auto":
-        if device.type != "cpu":
+    if name in ("auto", "int8"):
+        if device.type != "cpu" or torch.cpu._is_avx512_bf16_supported():
             return torch.bfloat16
-        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
-    if name in ("int8", "int4"):
+        # fp32 int8 needs the extension's kernel: without it, torch's bf16 one is the faster route
+        return torch.float32 if name == "auto" or cpu_ext.ops() is not None else torch.bfloat16
+    if name == "int4":
         return torch.bfloat16
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def resolve_format(name: str, device: torch.device = CPU, dense_only: bool = False) -> str:
+    """The weight format ``--dtype name`` loads: auto is int8 (with fp32 activations) on a CPU
+    without native bf16 math where the CPU kernels are built: there it decodes 1.6x as fast as
+    fp32, and agrees with fp32's top-1 wherever fp32's top-2 margin is >= 0.5
+    (bench/weight_formats.py, bench/vs_llama_server.py). Elsewhere, and for models the int8 layers
+    do not cover (``dense_only``: DeepSeek checkpoints, MTP drafting), auto is the activation
+    dtype, as before."""
+    if name != "auto":
+        return name
+    no_bf16 = device.type == "cpu" and not torch.cpu._is_avx512_bf16_supported()
+    if no_bf16 and not dense_only and cpu_ext.ops() is not None:
+        return "int8"
+    return {torch.bfloat16: "bfloat16", torch.float32: "float32"}[resolve_dtype("auto", device)]
 
 
 # HF config.json architectures served from a checkpoint directory (GGUF files: llama).
@@ -183,9 +202,14 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     """Load the model, size the KV pool and the KV tiers, and (``profile``) time a few steps."""
     path = resolve_model_path(config.model)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu":  # built (or loaded from the cache) now, before the worker announces itself
+        cpu_ext.configure(config.cpu_kernels, Path(cache_dir) / "kernels")
     with_mtp = config.speculative_method == "mtp"
-    model = load_model(path, Path(cache_dir), config.dtype, device, with_mtp)
+    fmt = resolve_format(config.dtype, device, path.is_dir() or with_mtp)
+    dtype = resolve_dtype(fmt, device)
+    if fmt == "int8" and dtype == torch.float32 and cpu_ext.ops() is None:
+        log.warning("--dtype int8 with fp32 activations and no CPU kernels: its matmuls dequantize, slowly")
+    model = load_model(path, Path(cache_dir), fmt, device, with_mtp)
     if config.deterministic:
         check_deterministic(model, device, dtype, config.speculative_method)
     num_positions = model.config.max_position_embeddings
@@ -216,7 +240,7 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     # The gateway's default, or the other backend (with a warning) where it does not import; the
     # other one starts on its first request. Neither importing: a broken install, no start.
     grammars.warm(resolve_backend(DEFAULT_BACKEND))
-    weights = config.dtype if config.dtype in ("int8", "int4") else dtype_name(dtype)  # "auto" resolved
+    weights = fmt if fmt in ("int8", "int4") else dtype_name(dtype)
     fingerprint = kv_fingerprint(path, weights, dtype, shape.kv_spec)
     kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.kv_spec, dtype)
     handoff = build_handoff_area(config, cache_dir, fingerprint, shape.kv_spec, dtype)
@@ -241,6 +265,8 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     # Before the worker announces itself: its owner's speculative policy starts from these
     # times, and the shapes a first request takes are warm.
     step_profile = profile_steps(runner, config.max_num_seqs) if profile else ()
+    if profile:
+        warm_up(runner)
     return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint, step_profile)
 
 

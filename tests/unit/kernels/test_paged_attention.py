@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from libs.kernels import cpu_ext
 from libs.kernels.paged_attention import (
     PagedAttentionMetadata,
     make_attention_backend,
@@ -62,12 +63,17 @@ def naive_slots(rows: list[Row], tables: list[list[int]], block_size: int) -> li
 
 
 def run_backend(
-    meta: PagedAttentionMetadata, tensors: list[torch.Tensor], heads: tuple[int, int, int]
+    meta: PagedAttentionMetadata, tensors: list[torch.Tensor], heads: tuple[int, int, int], use_kernel: bool
 ) -> torch.Tensor:
+    """The CPU backend's output, through the extension's paged kernel or through SDPA only."""
     q, k, v, k_cache, v_cache = tensors
-    backend = make_attention_backend(torch.device("cpu"), *heads, q.dtype)
+    backend = TorchAttentionBackend(*heads, q.dtype, use_kernel=use_kernel)
+    assert backend.use_kernel == use_kernel  # the extension builds wherever the tests run
     backend.plan(meta)
     return backend.forward(q, k, v, k_cache, v_cache)
+
+
+KERNEL = pytest.mark.parametrize("use_kernel", [False, True], ids=["sdpa", "kernel"])
 
 
 # --- metadata --------------------------------------------------------------------------------
@@ -148,28 +154,34 @@ CASES: dict[str, list[Row]] = {
 }
 
 
+@KERNEL
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cpu_backend_matches_reference_fp32(case: str, block_size: int) -> None:
+def test_cpu_backend_matches_reference_fp32(case: str, block_size: int, use_kernel: bool) -> None:
     meta, tensors = random_step(CASES[case], block_size, SMOLLM2, torch.float32, seed=block_size)
-    out = run_backend(meta, tensors, SMOLLM2)
+    out = run_backend(meta, tensors, SMOLLM2, use_kernel)
     q, _, _, k_cache, v_cache = tensors  # caches now hold the step's k/v
     expected = paged_attention_reference(q, k_cache, v_cache, meta)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads", [(4, 4, 32), (8, 2, 16), (6, 1, 64)])
-def test_cpu_backend_matches_reference_other_head_layouts(heads: tuple[int, int, int]) -> None:
+@KERNEL
+@pytest.mark.parametrize("heads", [(4, 4, 32), (8, 2, 16), (6, 1, 64), (4, 2, 20)])
+def test_cpu_backend_matches_reference_other_head_layouts(
+    heads: tuple[int, int, int], use_kernel: bool
+) -> None:
+    # (4, 2, 20): a head_dim that is not a multiple of the kernel's vector width
     meta, tensors = random_step(MIXED, 16, heads, torch.float32, seed=7)
-    out = run_backend(meta, tensors, heads)
+    out = run_backend(meta, tensors, heads, use_kernel)
     torch.testing.assert_close(out, paged_attention_reference(tensors[0], tensors[3], tensors[4], meta))
 
 
+@KERNEL
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_cpu_backend_matches_reference_bf16(block_size: int) -> None:
+def test_cpu_backend_matches_reference_bf16(block_size: int, use_kernel: bool) -> None:
     meta, tensors = random_step(MIXED, block_size, SMOLLM2, torch.bfloat16, seed=3)
-    out = run_backend(meta, tensors, SMOLLM2)
+    out = run_backend(meta, tensors, SMOLLM2, use_kernel)
     expected = paged_attention_reference(tensors[0], tensors[3], tensors[4], meta)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
@@ -186,10 +198,11 @@ def test_decode_rows_group_by_length_within_twice_the_shortest_plus_slack() -> N
 
 
 def test_cache_written_at_slots_and_nowhere_else() -> None:
+    # (the kernel path: the extension reads the pages in place after the write)
     meta, tensors = random_step(MIXED, 16, SMOLLM2, torch.float32, seed=11)
     _, k, v, k_cache, v_cache = tensors
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    run_backend(meta, tensors, SMOLLM2)
+    run_backend(meta, tensors, SMOLLM2, use_kernel=True)
     slots = meta.slot_mapping
     flat_k, flat_v = k_cache.view(-1, 3, 64), v_cache.view(-1, 3, 64)
     assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
@@ -210,13 +223,56 @@ def test_short_rows_with_context_share_sdpas_and_long_ones_do_not() -> None:
     assert [(b.num_rows, b.query_len) for b in backend._batches] == [(3, 16), (2, 1)]
 
 
+def test_kernel_takes_decodes_and_short_rows_and_sdpa_the_long_prefills() -> None:
+    meta, _ = random_step(CASES["verification_rows"], 16, SMOLLM2, torch.float32)
+    backend = TorchAttentionBackend(*SMOLLM2, torch.float32, use_kernel=True)
+    backend.plan(meta)
+    assert backend._kernel is not None and backend._batches == []
+    # (17, 40) is one token past MAX_SHORT_QUERY_LEN: SDPA's; every other row is the kernel's
+    assert [(r.start, r.end) for r in backend._prefills] == [(27, 44)]
+    kernel_tokens = set(backend._kernel.token_index.tolist())
+    assert kernel_tokens == set(range(meta.num_tokens)) - set(range(27, 44))
+    # a decode row sees its whole sequence; a short row's tokens see up to themselves
+    first_row = backend._kernel.token_num_keys[:6].tolist()
+    assert first_row == list(range(31, 37)) and backend._kernel.token_num_keys[-1] == 301
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_refuses_indices_out_of_range(dtype: torch.dtype) -> None:
+    meta, (q, _, _, k_cache, v_cache) = random_step([(1, 30)], 16, SMOLLM2, dtype)
+    ops = cpu_ext.ops()
+    assert ops is not None
+    out = torch.empty_like(q)
+    tables = meta.block_tables.clone()
+    good = [
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([31], dtype=torch.int32),
+    ]
+    ops.paged_attention(out, q, k_cache, v_cache, tables, *good, 0.125)
+    for bad in (
+        [
+            good[0],
+            good[1],
+            torch.tensor([tables.shape[1] * 16 + 1], dtype=torch.int32),
+        ],  # more keys than pages
+        [torch.tensor([5], dtype=torch.int32), good[1], good[2]],  # no such token
+        [good[0], torch.tensor([1], dtype=torch.int32), good[2]],  # no such row
+    ):
+        with pytest.raises(RuntimeError, match="out of range"):
+            ops.paged_attention(out, q, k_cache, v_cache, tables, *bad, 0.125)
+    tables[0, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_attention(out, q, k_cache, v_cache, tables, *good, 0.125)
+
+
 def test_decode_padding_over_zeroed_cache_is_finite() -> None:
     # The owner zero-initialises the cache: a short row padded to a long one reads zeros, masked.
     rows: list[Row] = [(1, 0), (1, 200)]
     meta, tensors = random_step(rows, 16, SMOLLM2, torch.float32)
     tensors[3].zero_()
     tensors[4].zero_()
-    out = run_backend(meta, tensors, SMOLLM2)
+    out = run_backend(meta, tensors, SMOLLM2, use_kernel=False)
     assert torch.isfinite(out).all()
     # A one-token sequence attends only to itself: the output is its own value, per KV head.
     v_own = tensors[2][0].repeat_interleave(3, dim=0)
@@ -281,9 +337,8 @@ def test_forward_needs_plan_and_planned_dtype() -> None:
 
 
 def test_make_attention_backend_on_cpu() -> None:
-    assert isinstance(
-        make_attention_backend(torch.device("cpu"), *SMOLLM2, torch.float32), TorchAttentionBackend
-    )
+    backend = make_attention_backend(torch.device("cpu"), *SMOLLM2, torch.float32)
+    assert isinstance(backend, TorchAttentionBackend) and backend.use_kernel
     with pytest.raises(ValueError, match="multiple"):
         make_attention_backend(torch.device("cpu"), 9, 2, 64, torch.float32)
 

@@ -36,8 +36,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 #   int4 (g32, int8 head)   max |dlogit| 1.36, top-1 agreement 96.2%
 # The bounds leave headroom for other CPUs' summation order; the floor on agreement is what plain
 # bf16 reaches minus ~3 flips of near-tied positions.
-MAX_LOGIT_DELTA = {"int8": 3.0, "int4": 3.0}
-MIN_TOP1_AGREEMENT = {"int8": 0.93, "int4": 0.93}
+#   int8, fp32 activations  max |dlogit| 2.16, top-1 agreement 95.3%
+MAX_LOGIT_DELTA = {"int8": 3.0, "int4": 3.0, "int8-fp32": 3.0}
+MIN_TOP1_AGREEMENT = {"int8": 0.93, "int4": 0.93, "int8-fp32": 0.93}
 
 
 def logits_of(model: LlamaForCausalLM, ids: list[int] | Tensor) -> Tensor:
@@ -59,6 +60,7 @@ def force_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     threshold = 1 if path == "dense" else 10**9
     for cls in (Int8Linear, Int4Linear):
         monkeypatch.setattr(cls, "dense_min_tokens", threshold)
+    monkeypatch.setattr(Int8Linear, "fp32_dense_min_tokens", threshold)
 
 
 @pytest.fixture(params=["packed", "dense"])
@@ -179,7 +181,9 @@ def test_quantize_model_rejects_what_it_cannot_do() -> None:
     with pytest.raises(ValueError, match="fmt"):
         quantize_model(tiny_bf16(), "int2")
     with pytest.raises(ValueError, match="bfloat16"):
-        quantize_model(LlamaForCausalLM(TINY_LLAMA, dtype=torch.float32), "int8")
+        quantize_model(LlamaForCausalLM(TINY_LLAMA, dtype=torch.float32), "int4")
+    with pytest.raises(ValueError, match=r"bfloat16 or torch\.float32"):
+        quantize_model(LlamaForCausalLM(TINY_LLAMA, dtype=torch.float16), "int8")
     model = tiny_bf16()
     quantize_model(model, "int8")
     with pytest.raises(ValueError, match="already"):
@@ -207,14 +211,17 @@ def reference_logits(smollm2_path: Path, model_cache_dir: Path, prompts: list[li
     return [logits_of(model, ids) for ids in prompts]
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "int8-fp32"])
 def quantized(
     request: pytest.FixtureRequest, smollm2_path: Path, model_cache_dir: Path
 ) -> tuple[str, LlamaForCausalLM]:
-    """(format, SmolLM2 quantized to it)."""
-    model = load_llama(smollm2_path, model_cache_dir, torch.bfloat16)
-    quantize_model(model, request.param)
-    return request.param, model
+    """(format, SmolLM2 quantized to it): int8 and int4 with bf16 activations, int8-fp32 with fp32
+    ones (the CPU extension's kernel)."""
+    fmt = str(request.param)
+    dtype = torch.float32 if fmt.endswith("-fp32") else torch.bfloat16
+    model = load_llama(smollm2_path, model_cache_dir, dtype)
+    quantize_model(model, fmt.removesuffix("-fp32"))
+    return fmt, model
 
 
 def test_logits_stay_close_to_fp32(
@@ -251,7 +258,7 @@ def test_dense_prefill_path_agrees_with_packed_kernels(
 # int8 only. For the first answer token fp32's logits are a near-tie, "The" 25.33 vs "L" 25.24, closer
 # than bf16 logits can resolve (0.125 apart near 25); int4 lands on the tie (25.0 / 25.0) and answers
 # "L'Étoile, la Marseillaise," instead, which says nothing about int4 beyond that tie.
-@pytest.mark.parametrize("quantized", ["int8"], indirect=True)
+@pytest.mark.parametrize("quantized", ["int8", "int8-fp32"], indirect=True)
 def test_greedy_answer_names_paris(
     quantized: tuple[str, LlamaForCausalLM], tokenizer: Tokenizer, prompts: list[list[int]]
 ) -> None:

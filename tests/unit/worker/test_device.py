@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from libs.kernels import cpu_ext
 from services.worker.config import Config
-from services.worker.main import resolve_device, resolve_dtype
+from services.worker.main import resolve_device, resolve_dtype, resolve_format
 
 
 def test_the_flag_takes_three_kinds_of_device() -> None:
@@ -32,3 +33,17 @@ def test_dtype_per_device() -> None:
     assert resolve_dtype("float32", cuda) == torch.float32
     with pytest.raises(ValueError, match="int8/int4 are CPU kernels"):
         resolve_dtype("int4", cuda)
+
+
+def test_weight_format_auto_is_int8_only_on_a_cpu_without_bf16_math(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_format("float32", cpu) == "float32" and resolve_format("int4", cpu) == "int4"
+    assert resolve_format("auto", cuda) == "bfloat16"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert cpu_ext.ops() is not None  # the extension builds wherever the tests run
+    assert resolve_format("auto", cpu) == "int8" and resolve_dtype("int8", cpu) == torch.float32
+    assert resolve_format("auto", cpu, dense_only=True) == "float32"  # DeepSeek, MTP drafting
+    monkeypatch.setattr(cpu_ext, "ops", lambda: None)
+    assert resolve_format("auto", cpu) == "float32"  # no compiler: the dense weights
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert resolve_format("auto", cpu) == "bfloat16" and resolve_dtype("int8", cpu) == torch.bfloat16
