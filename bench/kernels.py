@@ -179,19 +179,28 @@ NUM_LAYERS, VOCAB = 30, 49152
 LINEAR_ROWS = (1, 2, 4, 8, 12, 16, 28, 32, 64, 128, PREFILL)  # a decode, verifications of 1-7 drafts, batches
 
 
+Weights = tuple[Tensor, ...]  # what one projection's op takes after its input
+
+
+def forward_projections(
+    op: Callable[..., Tensor],
+    layers: list[list[Weights]],
+    head: Weights,
+    inputs: list[Tensor],
+    hidden: Tensor,
+) -> None:
+    """One forward's projections: ``op(x, *weights)`` for every layer's, then the head's."""
+    for weights in layers:
+        for x, weight in zip(inputs, weights, strict=True):
+            op(x, *weight)
+    op(hidden, *head)
+
+
 def bench_linear(g: torch.Generator) -> None:
     """Every projection of one SmolLM2 forward, in fp32 (bf16 dispatches to F.linear). Each layer
     has weights of its own, so they stream from memory as in a step; one small weight timed over
     and over would stay in cache."""
-    layers = [[torch.randn(shape, generator=g) for shape in LINEAR_SHAPES] for _ in range(NUM_LAYERS)]
-    head = torch.randn(VOCAB, HIDDEN, generator=g)
-
-    def forward(fn: Callable[[Tensor, Tensor], Tensor], inputs: list[Tensor], hidden: Tensor) -> None:
-        for weights in layers:
-            for x, weight in zip(inputs, weights, strict=True):
-                fn(x, weight)
-        fn(hidden, head)
-
+    layers, head = dense_weights(g)
     for n in LINEAR_ROWS:
         inputs = [torch.randn(n, shape[1], generator=g) for shape in LINEAR_SHAPES]
         hidden = torch.randn(n, HIDDEN, generator=g)
@@ -199,8 +208,8 @@ def bench_linear(g: torch.Generator) -> None:
             "linear (a forward's)",
             f"{n} rows, {NUM_LAYERS} layers + head",
             torch.float32,
-            partial(forward, linear_reference, inputs, hidden),
-            partial(forward, linear, inputs, hidden),
+            partial(forward_projections, linear_reference, layers, head, inputs, hidden),
+            partial(forward_projections, linear, layers, head, inputs, hidden),
         )
 
 
@@ -211,22 +220,9 @@ def bench_int8_linear(g: torch.Generator) -> None:
     if cpu_ext.ops() is None:
         print(f"{'int8 linear':<22} skipped: the CPU extension is not built here")
         return
+    dense_layers, dense_head = dense_weights(g)
     layers = [[quantized_weight(shape, g) for shape in LINEAR_SHAPES] for _ in range(NUM_LAYERS)]
-    dense = [[torch.randn(shape, generator=g) for shape in LINEAR_SHAPES] for _ in range(NUM_LAYERS)]
-    head, dense_head = quantized_weight((VOCAB, HIDDEN), g), torch.randn(VOCAB, HIDDEN, generator=g)
-
-    def forward_fp32(inputs: list[Tensor], hidden: Tensor) -> None:
-        for weights in dense:
-            for x, weight in zip(inputs, weights, strict=True):
-                linear(x, weight)
-        linear(hidden, dense_head)
-
-    def forward_int8(inputs: list[Tensor], hidden: Tensor) -> None:
-        for weights in layers:
-            for x, (weight, scales) in zip(inputs, weights, strict=True):
-                int8_linear(x, weight, scales)
-        int8_linear(hidden, *head)
-
+    head = quantized_weight((VOCAB, HIDDEN), g)
     for n in (1, 4, 8, 16, 32):
         inputs = [torch.randn(n, shape[1], generator=g) for shape in LINEAR_SHAPES]
         hidden = torch.randn(n, HIDDEN, generator=g)
@@ -234,12 +230,21 @@ def bench_int8_linear(g: torch.Generator) -> None:
             "int8 vs fp32 linear",
             f"{n} rows, {NUM_LAYERS} layers + head",
             torch.float32,
-            partial(forward_fp32, inputs, hidden),
-            partial(forward_int8, inputs, hidden),
+            partial(forward_projections, linear, dense_layers, dense_head, inputs, hidden),
+            partial(forward_projections, int8_linear, layers, head, inputs, hidden),
         )
 
 
-def quantized_weight(shape: tuple[int, int], g: torch.Generator) -> tuple[Tensor, Tensor]:
+def dense_weights(g: torch.Generator) -> tuple[list[list[Weights]], Weights]:
+    """Random fp32 weights of every layer's projections, and of the head."""
+    layers: list[list[Weights]] = [
+        [(torch.randn(shape, generator=g),) for shape in LINEAR_SHAPES] for _ in range(NUM_LAYERS)
+    ]
+    head: Weights = (torch.randn(VOCAB, HIDDEN, generator=g),)
+    return layers, head
+
+
+def quantized_weight(shape: tuple[int, int], g: torch.Generator) -> Weights:
     """A random int8 weight and its per-row fp32 scales."""
     weight = torch.randint(-127, 128, shape, dtype=torch.int8, generator=g)
     return weight, torch.rand(shape[0], generator=g) / 127

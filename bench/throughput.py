@@ -264,6 +264,17 @@ def running_serve(
     port = free_port()
     argv = [sys.executable, "-m", "deepinfer", "serve", "--port", str(port)]
     argv += [x for kv in flags.items() for x in kv]
+    # SIGINT: no drain wanted, serve stops everything within seconds
+    with running_server(argv, port, log, label, signal.SIGINT) as proc:
+        yield f"http://127.0.0.1:{port}/v1", proc
+
+
+@contextlib.contextmanager
+def running_server(
+    argv: list[str], port: int, log: Path, label: str, stop: signal.Signals
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The server ``argv`` (listening on ``port``, output to ``log``) until its /health answers;
+    sent ``stop`` on exit, killed if it has not ended 30 s later."""
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -271,9 +282,9 @@ def running_serve(
             wait_healthy(f"http://127.0.0.1:{port}/health", [proc], STACK_READY_TIMEOUT_S, interval_s=0.2)
         except (ChildExited, TimeoutError) as exc:
             raise RuntimeError(f"{label} did not become ready ({exc}):\n{log_tail(log)}") from exc
-        yield f"http://127.0.0.1:{port}/v1", proc
+        yield proc
     finally:
-        proc.send_signal(signal.SIGINT)  # no drain wanted: serve stops everything within seconds
+        proc.send_signal(stop)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:

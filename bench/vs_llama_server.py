@@ -31,8 +31,8 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,9 +43,8 @@ from typing import Any
 
 import httpx
 from prompts import bench_prompts
-from throughput import load_average, log_tail, running_serve
+from throughput import load_average, running_serve, running_server
 
-from deepinfer.serve import ChildExited, wait_healthy
 from libs.bus.nats_server import free_port
 from libs.modelfiles.registry import resolve_model_path
 from libs.runtime.settings import resolve_cache_dir
@@ -53,7 +52,6 @@ from libs.runtime.settings import resolve_cache_dir
 TARGETS = {1: 1.0, 8: 1.5, 32: 2.0}  # stack / llama-server tokens/s
 TARGET_FIRST_TTFT = 2.0  # first request's TTFT / median TTFT
 NUM_SINGLE_AFTER_FIRST = 5  # single requests whose median the first one is held against
-READY_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,21 +169,8 @@ def running_llama_server(binary: str, gguf: Path, opts: argparse.Namespace, log:
     # Each slot gets ctx / slots positions: room for a prompt and max_tokens with margin.
     argv += ["-np", str(slots), "--cont-batching", "-c", str(slots * (opts.max_tokens + 256))]
     argv += ["--threads-http", str(slots + 4)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}/health", [proc], READY_TIMEOUT_S, interval_s=0.2)
-        except (ChildExited, TimeoutError) as exc:
-            raise RuntimeError(f"llama-server did not become ready ({exc}):\n{log_tail(log)}") from exc
+    with running_server(argv, port, log, "llama-server", signal.SIGTERM):
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def stack_flags(opts: argparse.Namespace, cache_dir: str) -> dict[str, str]:

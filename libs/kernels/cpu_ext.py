@@ -13,14 +13,13 @@ run can be compared against the torch paths.
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 LIBRARY = "deepinfer_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
-STALE_LOCK_S = 600.0
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"enabled": True, "cache_dir": None, "ops": None, "tried": False}
@@ -92,16 +90,6 @@ def build_dir() -> Path:
     return Path(root) / key.hexdigest()[:16]
 
 
-def _drop_stale_lock(directory: Path) -> None:
-    """torch's build lock is a file that a killed build leaves behind, and later builds wait on it
-    forever: one older than a build ever takes is removed."""
-    lock = directory / "lock"
-    with contextlib.suppress(OSError):
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-            log.warning("removed a stale build lock left by a killed build: %s", lock)
-
-
 def _build_and_load() -> Any | None:
     if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         log.warning("no C++ compiler found: CPU kernels off, the torch paths run instead")
@@ -111,16 +99,21 @@ def _build_and_load() -> Any | None:
 
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
-        _drop_stale_lock(directory)
-        cpp_extension.load(
-            name=LIBRARY,
-            sources=[str(SOURCE)],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        # One build at a time per directory, under an flock the kernel releases when its holder
+        # dies. torch's own lock is a plain file that a killed build leaves behind, on which every
+        # later build would wait forever; holding the flock, any such file is stale.
+        with (directory / "build.flock").open("w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (directory / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=LIBRARY,
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # a missing toolchain piece or a compiler error: run without them
         log.warning("CPU kernels could not be built (%s): the torch paths run instead", exc)
         return None

@@ -91,7 +91,7 @@ def resolve_format(name: str, device: torch.device = CPU, dense_only: bool = Fal
     no_bf16 = device.type == "cpu" and not torch.cpu._is_avx512_bf16_supported()
     if no_bf16 and not dense_only and cpu_ext.ops() is not None:
         return "int8"
-    return {torch.bfloat16: "bfloat16", torch.float32: "float32"}[resolve_dtype("auto", device)]
+    return dtype_name(resolve_dtype("auto", device))
 
 
 # HF config.json architectures served from a checkpoint directory (GGUF files: llama).

@@ -61,7 +61,7 @@ def profile_steps(runner: ModelRunner, max_num_seqs: int) -> tuple[StepSample, .
         for draft_len in (0, *DRAFT_LENGTHS):
             num_cached = 0 if draft_len == 0 else context_len - 1
             new_seqs = _sequences(runner, seq_ids, context_len, blocks_per_seq, num_cached)
-            _checked(runner.execute(SchedulerOutput(step_id=0, new_seqs=new_seqs)), num_rows)
+            checked(runner.execute(SchedulerOutput(step_id=0, new_seqs=new_seqs)), num_rows)
             for rows in sorted({1, num_rows}):
                 _decode(runner, seq_ids[:rows], draft_len)  # warm-up
                 seconds = min(_decode(runner, seq_ids[:rows], draft_len) for _ in range(RUNS_TIMED))
@@ -86,19 +86,36 @@ def _sequences(
 ) -> tuple[NewSequence, ...]:
     """The synthetic sequences, each on pages of its own from the pool's start, with
     ``num_cached`` of their ``context_len`` tokens already computed."""
-    vocab_size = runner.shape.vocab_size
     return tuple(
-        NewSequence(
-            seq_id=seq_id,
-            prompt_token_ids=pack_tokens([(7 * i + 13 * j + 1) % vocab_size for j in range(context_len)]),
-            output_token_ids=b"",
-            sampling_params=PARAMS,
-            stop_token_ids=(),
-            block_ids=pack_tokens(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-            num_computed_tokens=num_cached,
-            num_scheduled_tokens=context_len - num_cached,
+        synthetic_sequence(
+            runner, seq_id, 7 * i + 1, context_len, PARAMS, i * blocks_per_seq, blocks_per_seq, num_cached
         )
         for i, seq_id in enumerate(seq_ids)
+    )
+
+
+def synthetic_sequence(
+    runner: ModelRunner,
+    seq_id: str,
+    seed: int,
+    prompt_len: int,
+    params: SamplingParams,
+    first_block: int,
+    num_blocks: int,
+    num_cached: int = 0,
+) -> NewSequence:
+    """A made-up prompt of ``prompt_len`` token ids (varied by ``seed``) on the pool's pages
+    ``first_block`` onwards, ``num_cached`` of its tokens already computed."""
+    vocab_size = runner.shape.vocab_size
+    return NewSequence(
+        seq_id=seq_id,
+        prompt_token_ids=pack_tokens([(seed + 13 * j) % vocab_size for j in range(prompt_len)]),
+        output_token_ids=b"",
+        sampling_params=params,
+        stop_token_ids=(),
+        block_ids=pack_tokens(range(first_block, first_block + num_blocks)),
+        num_computed_tokens=num_cached,
+        num_scheduled_tokens=prompt_len - num_cached,
     )
 
 
@@ -115,11 +132,11 @@ def _decode(runner: ModelRunner, seq_ids: list[str], draft_len: int) -> float:
             draft_token_ids=(draft,) * len(seq_ids) if draft_len else (),
         )
     )
-    return _checked(out, len(seq_ids)).forward_time_s
+    return checked(out, len(seq_ids)).forward_time_s
 
 
-def _checked(out: ModelRunnerOutput, num_rows: int) -> ModelRunnerOutput:
+def checked(out: ModelRunnerOutput, num_rows: int) -> ModelRunnerOutput:
     """``out``, if every row ran and sampled: a step that dropped one is no measurement."""
     if out.error or out.failed_seq_ids or len(out.seq_ids) != num_rows:
-        raise RuntimeError(f"the step profile failed: {out.error or out.failed_errors}")
+        raise RuntimeError(f"a synthetic step failed: {out.error or out.failed_errors}")
     return out

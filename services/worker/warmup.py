@@ -15,8 +15,9 @@ import math
 import time
 
 from libs.protocol.codec import pack_tokens
-from libs.protocol.messages import ModelRunnerOutput, NewSequence, SamplingParams, SchedulerOutput
+from libs.protocol.messages import SamplingParams, SchedulerOutput
 from services.worker.model_runner import ModelRunner
+from services.worker.step_profile import checked, synthetic_sequence
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +60,11 @@ def _one_sequence(runner: ModelRunner, prompt_len: int, params: SamplingParams) 
     num_blocks = math.ceil((prompt_len + NUM_DECODES + 1) / runner.block_size)
     if num_blocks > runner.kv_cache.num_blocks or prompt_len + NUM_DECODES >= runner.shape.max_num_tokens:
         return
-    vocab_size = runner.shape.vocab_size
-    seq = NewSequence(
-        seq_id="warm-up",
-        prompt_token_ids=pack_tokens([(11 * j + 3) % vocab_size for j in range(prompt_len)]),
-        output_token_ids=b"",
-        sampling_params=params,
-        stop_token_ids=(),
-        block_ids=pack_tokens(range(num_blocks)),
-        num_computed_tokens=0,
-        num_scheduled_tokens=prompt_len,
-    )
-    _check(runner.execute(SchedulerOutput(step_id=0, new_seqs=(seq,))))
+    seq = synthetic_sequence(runner, "warm-up", 3, prompt_len, params, 0, num_blocks)
+    checked(runner.execute(SchedulerOutput(step_id=0, new_seqs=(seq,))), 1)
     for _ in range(NUM_DECODES):
         plan = SchedulerOutput(
             step_id=0, seq_ids=("warm-up",), num_scheduled_tokens=pack_tokens([1]), new_block_ids=(b"",)
         )
-        _check(runner.execute(plan))
+        checked(runner.execute(plan), 1)
     runner.reset()
-
-
-def _check(out: ModelRunnerOutput) -> None:
-    if out.error or out.failed_seq_ids:
-        raise RuntimeError(f"a warm-up step failed: {out.error or out.failed_errors}")
