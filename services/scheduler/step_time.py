@@ -143,6 +143,10 @@ def _nonnegative_solve(a: list[list[float]], b: list[float], bounded: frozenset[
     return x
 
 
+def _dot(coef: tuple[float, ...], features: tuple[float, ...]) -> float:
+    return sum(c * x for c, x in zip(coef, features, strict=True))
+
+
 def is_step(num_tokens: int, num_draft_tokens: int, num_draft_rows: int) -> bool:
     """Whether a step could compute these: a drafted row drafts at least one token and also
     computes its input token."""
@@ -168,10 +172,18 @@ class StepTimeModel:
     num_observed: int = 0
     num_profiled: int = 0
     max_profiled_tokens: int = 0  # the largest profiled step's tokens (0: no profile)
-    coef: tuple[float, ...] = (0.0,) * _NUM_FEATURES
+    # The fit is made when a prediction is asked for, not per step: a scheduler whose plans draft
+    # nothing never pays for it, one that drafts pays once per plan (a fit is ~100 us of Python).
+    _coef: tuple[float, ...] = ()  # the last fit's coefficients (empty: none yet)
+    _stale: bool = True  # steps or a profile came in since the last fit
 
-    def __post_init__(self) -> None:
-        self._fit()
+    @property
+    def coef(self) -> tuple[float, ...]:
+        """(base, the slope of each stretch between ``KNOTS``..., drafted token), fitted to
+        everything observed so far."""
+        if self._stale:
+            self._fit()
+        return self._coef
 
     def profiled(self, samples: list[tuple[int, int, int, float]]) -> None:
         """Steps the worker timed at start, as (tokens, drafted tokens, drafted rows, seconds):
@@ -192,7 +204,7 @@ class StepTimeModel:
         self._prior = _normal_sums(guesses + list(_NO_DRAFT_COST) + profile)
         self.num_profiled = len(kept)
         self.max_profiled_tokens = max(t for t, _, _ in kept)
-        self._fit()
+        self._coef, self._stale = (), True  # the prior changed: no earlier fit holds
 
     def observe(self, num_tokens: int, num_draft_tokens: int, seconds: float) -> None:
         # The first step sets the scale where no profile did, whatever the guesses said, and a
@@ -201,18 +213,23 @@ class StepTimeModel:
         # compiled before its first mask, a pause) counts as at most MAX_SURPRISE times the
         # prediction, so it cannot stop drafting for long: with few sizes measured, one such step
         # would bend the curve between them. A real change of speed gets there in a few steps.
-        if self.num_observed >= 1 or num_tokens <= self.max_profiled_tokens:
-            seconds = min(seconds, MAX_SURPRISE * self.seconds(num_tokens, num_draft_tokens))
+        # The last fit's prediction decides whether to clip; only a step it would clip pays for
+        # a refit (one per step would cost a step at one row ~2 ms of Python: more than the
+        # policy saves), and is clipped by the refit's prediction.
         x = _features(num_tokens, num_draft_tokens)
+        if self.num_observed >= 1 or num_tokens <= self.max_profiled_tokens:
+            last = self._coef or self.coef
+            if seconds > MAX_SURPRISE * _dot(last, x):
+                seconds = min(seconds, MAX_SURPRISE * _dot(self.coef, x))
         for i in range(_NUM_FEATURES):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
             for j in range(_NUM_FEATURES):
                 self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
         self.num_observed += 1
-        self._fit()
+        self._stale = True
 
     def seconds(self, num_tokens: int, num_draft_tokens: int = 0) -> float:
-        return sum(c * x for c, x in zip(self.coef, _features(num_tokens, num_draft_tokens), strict=True))
+        return _dot(self.coef, _features(num_tokens, num_draft_tokens))
 
     def seconds_with_drafts(self, num_tokens: int, num_draft_tokens: int, max_more: int) -> list[float]:
         """``seconds(num_tokens + m, num_draft_tokens + m)`` for m = 0..max_more, each from the
@@ -236,4 +253,5 @@ class StepTimeModel:
         # More work never takes less time (noise can fit a negative slope): the slopes and d are
         # bounded in the fit; and a step costs something.
         base, *rest = _nonnegative_solve(xtx, xty, _BOUNDED)
-        self.coef = (max(base, 1e-6), *rest)
+        self._coef = (max(base, 1e-6), *rest)
+        self._stale = False
