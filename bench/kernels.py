@@ -158,7 +158,7 @@ def bench_activation(g: torch.Generator) -> None:
             gate_up = torch.randn(n, 2 * FFN, generator=g).to(dtype)
             report(
                 "silu_and_mul",
-                f"[{n}, {2 * FFN}] (dispatch = ref)",
+                f"[{n}, {2 * FFN}] (dispatch)",
                 dtype,
                 partial(silu_and_mul_reference, gate_up),
                 partial(silu_and_mul, gate_up),
@@ -169,6 +169,38 @@ def bench_activation(g: torch.Generator) -> None:
                 dtype,
                 partial(silu_and_mul_reference, gate_up),
                 partial(_silu_and_mul_in_place, gate_up),
+            )
+
+
+def bench_write_kv(g: torch.Generator) -> None:
+    """A step's KV write, as the attention backends make it: two index_copy_ on flat views (the
+    torch path) against the CPU extension's one op (what write_kv runs on the CPU)."""
+    ops = cpu_ext.ops()
+    if ops is None:
+        print(f"{'write_kv':<22} skipped: the CPU extension is not built here")
+        return
+    for dtype in DTYPES:
+        caches = [torch.zeros(512, 16, NUM_KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2)]
+        for n in (*DECODE_BATCHES, PREFILL):
+            qkv = torch.randn(n, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=g).to(dtype)
+            k = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(
+                n, NUM_KV_HEADS, HEAD_DIM
+            )
+            v = qkv[:, (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM :].view(n, NUM_KV_HEADS, HEAD_DIM)
+            slots = torch.randperm(512 * 16, generator=g)[:n]
+
+            def index_copies(
+                k: Tensor = k, v: Tensor = v, slots: Tensor = slots, caches: list[Tensor] = caches
+            ) -> None:
+                caches[0].view(-1, NUM_KV_HEADS, HEAD_DIM).index_copy_(0, slots, k)
+                caches[1].view(-1, NUM_KV_HEADS, HEAD_DIM).index_copy_(0, slots, v)
+
+            report(
+                "write_kv",
+                f"{n} tokens, k/v views",
+                dtype,
+                index_copies,
+                partial(ops.write_kv, k, v, caches[0], caches[1], slots),
             )
 
 
@@ -414,6 +446,7 @@ def main() -> None:
         bench_norms(g)
         bench_rotary(g)
         bench_activation(g)
+        bench_write_kv(g)
         bench_linear(g)
         bench_int8_linear(g)
         bench_attention(g)

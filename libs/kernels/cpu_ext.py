@@ -1,4 +1,4 @@
-"""The CPU kernel extension (csrc/cpu_ops.cpp): built on first use with this machine's compiler,
+"""The CPU kernel extension (csrc/*.cpp): built on first use with this machine's compiler,
 cached, and loaded as ``torch.ops.deepinfer_cpu``; or absent, and callers take their torch paths.
 
 The build targets the machine it runs on (``-march=native``), so the cache key holds the CPU's
@@ -27,7 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "cpu_ops.cpp", CSRC / "cpu_pointwise.cpp")  # vec.h beside them
 LIBRARY = "deepinfer_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
@@ -61,6 +62,14 @@ def available() -> bool:
     return ops() is not None
 
 
+def fp32_ops(*tensors: torch.Tensor) -> Any | None:
+    """``ops()`` when every tensor is a float32 CPU tensor (the kernels' one dtype), else None."""
+    for t in tensors:  # a loop, not all(...): called ~200 times a step, each microsecond shows
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return None
+    return ops()
+
+
 def _cpu_kind() -> str:
     """The machine and its CPU's feature lines (x86 ``flags``, ARM ``Features`` and ``CPU part``)."""
     lines = [platform.machine()]
@@ -77,7 +86,7 @@ def build_dir() -> Path:
     """Where this source, torch version and CPU kind's build lives."""
     key = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(f.read_bytes() for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h")),
         torch.__version__.encode(),
         " ".join(CFLAGS).encode(),
         _cpu_kind().encode(),
@@ -107,7 +116,7 @@ def _build_and_load() -> Any | None:
             (directory / "lock").unlink(missing_ok=True)
             cpp_extension.load(
                 name=LIBRARY,
-                sources=[str(SOURCE)],
+                sources=[str(f) for f in SOURCES],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from libs.kernels import flashinfer_available
+from libs.kernels import cpu_ext, flashinfer_available
 from libs.kernels.attention import causal_attention
 
 
@@ -183,7 +183,13 @@ def make_attention_backend(
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Store the step's new k/v ([num_tokens, num_kv_heads, head_dim]) at their flat cache slots."""
+    """Store the step's new k/v ([num_tokens, num_kv_heads, head_dim]) at their flat cache slots.
+    On the CPU one extension op does both (two index_copy_ on views cost ~25 us a layer)."""
+    if k_cache.is_cpu and k.dtype == k_cache.dtype:
+        ops = cpu_ext.ops()
+        if ops is not None:
+            ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+            return
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)

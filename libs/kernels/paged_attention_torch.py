@@ -249,12 +249,15 @@ class TorchAttentionBackend:
         )
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        k_vectors, v_vectors = start_forward(self._meta, self.dtype, q, k, v, k_cache, v_cache)
+        begin_forward(self._meta, self.dtype, k, v, q, k_cache, v_cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
-        for row in self._prefills:
-            out[row.start : row.end] = self._prefill_row(row, q, k, v, k_vectors, v_vectors)
         if self._kernel is not None:
             self._kernel.run(out, q, k_cache, v_cache, self.scale)
+        if not self._prefills and not self._batches:
+            return out  # a step of decodes on the kernel: nothing read through SDPA
+        k_vectors, v_vectors = cache_vectors(k_cache, v_cache)
+        for row in self._prefills:
+            out[row.start : row.end] = self._prefill_row(row, q, k, v, k_vectors, v_vectors)
         for batch in self._batches:
             queries = q[batch.start :] if batch.query_index is None else q.index_select(0, batch.query_index)
             attended = self._batch_rows(batch, queries, k_vectors, v_vectors)
@@ -314,11 +317,30 @@ def start_forward(
 ) -> tuple[Tensor, Tensor]:
     """What a plain-torch backend's forward starts with: its plan and dtype checked, the step's
     k/v written; returns the caches as [num_slots * num_kv_heads, head_dim] vectors."""
+    begin_forward(meta, dtype, k, v, q, k_cache, v_cache)
+    return cache_vectors(k_cache, v_cache)
+
+
+def begin_forward(
+    meta: PagedAttentionMetadata | None,
+    dtype: torch.dtype,
+    k: Tensor,
+    v: Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> None:
+    """start_forward without the vectors: the plan and dtype checked, the step's k/v written."""
     if meta is None:
         raise RuntimeError("forward() before plan()")
     if q.dtype != dtype:
         raise ValueError(f"backend planned for {dtype}, got q in {q.dtype}")
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+
+def cache_vectors(k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """The caches [num_blocks, block_size, num_kv_heads, head_dim] as [num_slots * num_kv_heads,
+    head_dim] vectors (views)."""
     head_dim = k_cache.shape[-1]
     return k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
 

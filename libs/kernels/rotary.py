@@ -5,21 +5,24 @@ pairs (x[2i], x[2i+1]) by angle pos * base^(-2i/head_dim), gives the same result
 rotate_half layout. Weights used as stored in the GGUF therefore need this interleaved rotation.
 
 `apply_rotary_qk` (q and k together, what llama.py calls) and `apply_rotary_interleaved` (one
-tensor) run flashinfer's kernel for half-precision CUDA tensors and otherwise the complex-multiply
-fast path: each pair viewed as one complex number, one multiply by e^(i * angle) instead of the
-reference's six elementwise ops and a stack (same fp32 arithmetic, same result to the bit in our
-tests; bench/kernels.py has the speed-up). The complex rotation depends on positions only: built
-once per step (`prepare_rotation`), it serves q and k of every layer.
+tensor) run flashinfer's kernel for half-precision CUDA tensors; `apply_rotary_qk` runs the CPU
+extension's (csrc/cpu_pointwise.cpp: one op over q and k, reading the cache by position) for fp32
+CPU tensors; otherwise the complex-multiply fast path runs: each pair viewed as one complex
+number, one multiply by e^(i * angle) instead of the reference's six elementwise ops and a stack
+(same fp32 arithmetic, same result to the bit in our tests; bench/kernels.py has the speed-up).
+The complex rotation depends on positions only: built once per step (`prepare_rotation`), it
+serves q and k of every layer.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from libs.kernels import flashinfer_available
+from libs.kernels import cpu_ext, flashinfer_available
 
 
 def rope_cos_sin_cache(head_dim: int, max_positions: int, base: float, dtype: torch.dtype) -> Tensor:
@@ -120,6 +123,10 @@ def apply_rotary_qk(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     if _flashinfer_eligible(q.dtype, q.device, cos_sin_cache):
         return _rotary_flashinfer(q, k, positions, cos_sin_cache)
+    ops = _cpu_ops(q.dtype, positions, cos_sin_cache) if q.is_cpu and q.dim() == k.dim() == 3 else None
+    if ops is not None:
+        q_out, k_out = ops.rotary_qk(q, k, positions, cos_sin_cache)
+        return q_out, k_out
     if rotation is None:
         rotation = rotary_rotation(positions, cos_sin_cache)
     return _rotate(q, rotation), _rotate(k, rotation)
@@ -138,10 +145,21 @@ def rotary_rotation(positions: Tensor, cos_sin_cache: Tensor) -> Tensor:
 
 def prepare_rotation(positions: Tensor, cos_sin_cache: Tensor, dtype: torch.dtype) -> Tensor | None:
     """The rotation apply_rotary_qk will want for q/k in `dtype` on positions' device this step:
-    rotary_rotation's on the torch route, None where flashinfer runs (it needs none)."""
+    rotary_rotation's on the torch route, None where flashinfer or the CPU kernel runs (they need
+    none)."""
     if _flashinfer_eligible(dtype, positions.device, cos_sin_cache):
         return None
+    if _cpu_ops(dtype, positions, cos_sin_cache) is not None:
+        return None  # the CPU kernel reads the cache itself
     return rotary_rotation(positions, cos_sin_cache)
+
+
+def _cpu_ops(dtype: torch.dtype, positions: Tensor, cos_sin_cache: Tensor) -> Any | None:
+    """The CPU extension where its kernel rotates: fp32 q/k and cache, int64 positions, all on the
+    CPU (else None)."""
+    if dtype != torch.float32 or positions.dtype != torch.int64 or not positions.is_cpu:
+        return None
+    return cpu_ext.fp32_ops(cos_sin_cache)
 
 
 def _flashinfer_eligible(dtype: torch.dtype, device: torch.device, cos_sin_cache: Tensor) -> bool:

@@ -3,8 +3,6 @@ row counts and shapes its tiles and vector loops split on, and the fallback with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -58,15 +56,6 @@ def test_the_extension_refuses_wrong_inputs() -> None:
         ops.int8_linear(torch.randn(2, 32).bfloat16(), weight, scales)
     with pytest.raises(RuntimeError, match="int8"):
         ops.int8_linear(torch.randn(2, 32), weight.float(), scales)
-
-
-@pytest.fixture
-def extension_off() -> Iterator[None]:
-    cpu_ext.configure(enabled=False)
-    try:
-        yield
-    finally:
-        cpu_ext.configure(enabled=True)
 
 
 def test_without_the_extension_the_reference_runs(extension_off: None) -> None:

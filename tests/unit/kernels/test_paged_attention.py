@@ -366,3 +366,24 @@ def test_flashinfer_backend_matches_reference(case: str, block_size: int) -> Non
     assert torch.equal(k_cache.view(-1, 3, 64)[meta.slot_mapping], k)
     expected = paged_attention_reference(q, k_cache, v_cache, meta)
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_extensions_kv_write_is_index_copy(dtype: torch.dtype) -> None:
+    """write_kv on the CPU is one extension op: the same pages as two index_copy_ (the torch path),
+    from k/v that are strided views into a fused qkv output."""
+    ops = cpu_ext.ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 9 * 8 + 2 * 3 * 8, generator=g).to(dtype)
+    k, v = qkv[:, 72:96].view(5, 3, 8), qkv[:, 96:].view(5, 3, 8)
+    slots = torch.tensor([0, 7, 8, 30, 31])
+    caches = [torch.zeros(4, 8, 3, 8, dtype=dtype) for _ in range(4)]
+    ops.write_kv(k, v, caches[0], caches[1], slots)
+    caches[2].view(-1, 3, 8).index_copy_(0, slots, k)
+    caches[3].view(-1, 3, 8).index_copy_(0, slots, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_kv(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 32]))
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.write_kv(k, v, caches[0], caches[1], slots.int())

@@ -133,7 +133,10 @@ def fused_qkv_views(num_tokens: int, dtype: torch.dtype, seed: int) -> tuple[tor
 
 @pytest.mark.parametrize("num_tokens", [1, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qk_is_bitwise_the_single_tensor_path(num_tokens: int, dtype: torch.dtype) -> None:
+def test_qk_is_bitwise_the_single_tensor_path(
+    num_tokens: int, dtype: torch.dtype, extension_off: None
+) -> None:
+    # the torch route (the CPU extension's fp32 kernel: tests/unit/kernels/test_cpu_pointwise.py)
     q, k = fused_qkv_views(num_tokens, dtype, seed=num_tokens)
     positions = torch.randint(0, 8192, (num_tokens,), generator=torch.Generator().manual_seed(1))
     cache = rope_cos_sin_cache(64, 8192, 100000.0, torch.float32)

@@ -1,0 +1,106 @@
+// Vector helpers shared by the CPU kernels (cpu_ops.cpp, cpu_pointwise.cpp): loads that widen to
+// fp32, a horizontal sum, a vector exp, dot and axpy. AVX2 + FMA where the compiler targets it (the
+// extension is built with -march=native on the machine that runs it), a plain loop beside each.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DEEPINFER_AVX2 1
+#endif
+
+namespace deepinfer {
+
+
+#ifdef DEEPINFER_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  // bf16 is the high half of an fp32: widen to 32 bits and shift into place.
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// exp(x) for 8 floats, x <= 0 (softmax after subtracting the max): Cody-Waite range reduction
+// x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for exp(r), then 2^n through the exponent
+// bits. Relative error ~2e-7; inputs below -87 give exp(-87) ~ 1.6e-38 (nothing next to the max's 1).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);  // (max_ps returns its second operand for a NaN: kept)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+#endif
+
+// s[0:n] = exp(s[0:n] - max); returns their sum.
+inline float exp_shifted(float* s, int64_t n, float max) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef DEEPINFER_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 m = _mm256_set1_ps(max);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef DEEPINFER_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(load8(a + i + 8), load8(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), acc0);
+  sum = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) sum += static_cast<float>(a[i]) * static_cast<float>(b[i]);
+  return sum;
+}
+
+// acc[0:n] += w * x[0:n]
+template <typename T>
+inline void axpy(float* acc, float w, const T* x, int64_t n) {
+  int64_t i = 0;
+#ifdef DEEPINFER_AVX2
+  __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, load8(x + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += w * static_cast<float>(x[i]);
+}
+
+}  // namespace deepinfer
