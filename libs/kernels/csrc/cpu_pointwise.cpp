@@ -58,19 +58,21 @@ inline void norm_row(const float* x, const float* weight, float eps, float* out,
   for (; i < n; ++i) out[i] = x[i] * inv * weight[i];
 }
 
-void check_weight(const at::Tensor& weight, int64_t len, const char* name) {
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == len && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              name, ": weight is float32 [H]");
+// weight as a float32 [H] vector, contiguous (a copy only where it is not).
+at::Tensor weight_of(const at::Tensor& weight, int64_t len, const char* name) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == len && weight.scalar_type() == at::kFloat, name,
+              ": weight is float32 [H]");
+  return weight.contiguous();
 }
 
 // x [..., H], weight [H] -> x's shape: each row divided by its root mean square, times weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const Rows in = rows_of(x, "rms_norm");
-  check_weight(weight, in.len, "rms_norm");
+  const at::Tensor w = weight_of(weight, in.len, "rms_norm");
   const int64_t H = in.len;
   at::Tensor out = at::empty(x.sizes(), x.options());
   const float* xp = in.t.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, in.num_rows, row_grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row(xp + t * in.stride, wp, static_cast<float>(eps), op + t * H, H);
@@ -83,13 +85,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& weight, double eps) {
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: x and residual differ in shape");
   const Rows a = rows_of(x, "add_rms_norm"), b = rows_of(residual, "add_rms_norm");
-  check_weight(weight, a.len, "add_rms_norm");
+  const at::Tensor w = weight_of(weight, a.len, "add_rms_norm");
   const int64_t H = a.len;
   at::Tensor out = at::empty(x.sizes(), x.options());
   at::Tensor sum = at::empty(x.sizes(), x.options());
   const float* xp = a.t.data_ptr<float>();
   const float* rp = b.t.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* sp = sum.data_ptr<float>();
   at::parallel_for(0, a.num_rows, row_grain(H), [&](int64_t begin, int64_t end) {

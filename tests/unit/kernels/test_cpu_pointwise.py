@@ -56,6 +56,11 @@ def test_any_rank_strided_rows_and_zeros() -> None:
         normed, new_residual = kernels().add_rms_norm(x, x, weight, 1e-6)
         torch.testing.assert_close(normed, rms_norm_reference(2 * x, weight, 1e-6))
         assert torch.equal(new_residual, 2 * x)
+    strided_weight = randn(2 * 576, seed=7)[::2]
+    torch.testing.assert_close(
+        kernels().rms_norm(base[:, 576:], strided_weight, 1e-6),
+        rms_norm_reference(base[:, 576:], strided_weight, 1e-6),
+    )
     gate_up = randn(2, 3, 2 * 13, seed=6)[:, 1:]
     torch.testing.assert_close(
         kernels().silu_mul(gate_up), silu_and_mul_reference(gate_up), rtol=1e-6, atol=1e-6
