@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
@@ -233,16 +233,9 @@ def bench_linear(g: torch.Generator) -> None:
     has weights of its own, so they stream from memory as in a step; one small weight timed over
     and over would stay in cache."""
     layers, head = dense_weights(g)
-    for n in LINEAR_ROWS:
-        inputs = [torch.randn(n, shape[1], generator=g) for shape in LINEAR_SHAPES]
-        hidden = torch.randn(n, HIDDEN, generator=g)
-        report(
-            "linear (a forward's)",
-            f"{n} rows, {NUM_LAYERS} layers + head",
-            torch.float32,
-            partial(forward_projections, linear_reference, layers, head, inputs, hidden),
-            partial(forward_projections, linear, layers, head, inputs, hidden),
-        )
+    compare_projections(
+        "linear (a forward's)", LINEAR_ROWS, (linear_reference, layers, head), (linear, layers, head), g
+    )
 
 
 def bench_int8_linear(g: torch.Generator) -> None:
@@ -255,15 +248,31 @@ def bench_int8_linear(g: torch.Generator) -> None:
     dense_layers, dense_head = dense_weights(g)
     layers = [[quantized_weight(shape, g) for shape in LINEAR_SHAPES] for _ in range(NUM_LAYERS)]
     head = quantized_weight((VOCAB, HIDDEN), g)
-    for n in (1, 4, 8, 16, 32):
+    compare_projections(
+        "int8 vs fp32 linear",
+        (1, 4, 8, 16, 32),
+        (linear, dense_layers, dense_head),
+        (int8_linear, layers, head),
+        g,
+    )
+
+
+Projections = tuple[Callable[..., Tensor], list[list[Weights]], Weights]  # (op, each layer's weights, head's)
+
+
+def compare_projections(
+    op: str, row_counts: Iterable[int], reference: Projections, fast: Projections, g: torch.Generator
+) -> None:
+    """One report row per row count: a forward's projections through ``reference`` against ``fast``."""
+    for n in row_counts:
         inputs = [torch.randn(n, shape[1], generator=g) for shape in LINEAR_SHAPES]
         hidden = torch.randn(n, HIDDEN, generator=g)
         report(
-            "int8 vs fp32 linear",
+            op,
             f"{n} rows, {NUM_LAYERS} layers + head",
             torch.float32,
-            partial(forward_projections, linear, dense_layers, dense_head, inputs, hidden),
-            partial(forward_projections, int8_linear, layers, head, inputs, hidden),
+            partial(forward_projections, *reference, inputs, hidden),
+            partial(forward_projections, *fast, inputs, hidden),
         )
 
 

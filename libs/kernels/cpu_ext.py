@@ -58,10 +58,6 @@ def ops() -> Any | None:
     return _state["ops"]
 
 
-def available() -> bool:
-    return ops() is not None
-
-
 def fp32_ops(*tensors: torch.Tensor) -> Any | None:
     """``ops()`` when every tensor is a float32 CPU tensor (the kernels' one dtype), else None."""
     for t in tensors:  # a loop, not all(...): called ~200 times a step, each microsecond shows

@@ -9,7 +9,6 @@ with fp32 ones it is over 10x slower, and a CPU without native bf16 math pays fo
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -24,8 +23,8 @@ def int8_linear_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """int8_linear_reference's result (to fp32 rounding: the sums run in another order), by the
     extension on CPU tensors when it is built, else the reference."""
-    ops = cpu_ext.ops() if x.device.type == "cpu" else None
-    if ops is None or x.dtype != torch.float32 or scales.dtype != torch.float32:
+    ops = cpu_ext.fp32_ops(x, scales)
+    if ops is None:
         return int8_linear_reference(x.float(), weight, scales.float()).to(x.dtype)
     out: Tensor = ops.int8_linear(x if x.is_contiguous() else x.contiguous(), weight, scales)
     return out

@@ -249,7 +249,7 @@ class TorchAttentionBackend:
         )
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        begin_forward(self._meta, self.dtype, k, v, q, k_cache, v_cache)
+        begin_forward(self._meta, self.dtype, q, k, v, k_cache, v_cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
         if self._kernel is not None:
             self._kernel.run(out, q, k_cache, v_cache, self.scale)
@@ -317,16 +317,16 @@ def start_forward(
 ) -> tuple[Tensor, Tensor]:
     """What a plain-torch backend's forward starts with: its plan and dtype checked, the step's
     k/v written; returns the caches as [num_slots * num_kv_heads, head_dim] vectors."""
-    begin_forward(meta, dtype, k, v, q, k_cache, v_cache)
+    begin_forward(meta, dtype, q, k, v, k_cache, v_cache)
     return cache_vectors(k_cache, v_cache)
 
 
 def begin_forward(
     meta: PagedAttentionMetadata | None,
     dtype: torch.dtype,
+    q: Tensor,
     k: Tensor,
     v: Tensor,
-    q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
 ) -> None:

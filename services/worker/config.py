@@ -60,8 +60,8 @@ class Config:
     cpu_kernels: bool = field(
         default=True,
         metadata={
-            "help": "on the CPU, build (once, cached) and use the C++ kernels for int8 matmuls and decode"
-            " attention; false: the plain torch paths"
+            "help": "on the CPU, build (once, cached) and use the C++ kernels (int8 matmuls, decode attention"
+            " and KV writes, fp32 norms, rotary and silu*mul); false: the plain torch paths"
         },
     )
     max_model_len: int = field(default=0, metadata={"help": "context window (0: the model's)"})

@@ -4,11 +4,10 @@ prints each ratio with a measured value. No figure is asserted: this machine is 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_smoke import run_quick
+
 MEASURED = r"(\d+\.\d+x|infx)"
 RATIO_LINES = (
     rf"^ratio kv/round_robin G1\+G2 hit rate: {MEASURED} \(target >= 3\.0x\)$",
@@ -20,13 +19,7 @@ RATIO_LINES = (
 
 
 def test_quick_fleet_bench_exits_0_and_prints_its_ratios(model_cache_dir: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "bench/fleet.py", "--quick", "--cache-dir", str(model_cache_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_quick("fleet.py", "--cache-dir", str(model_cache_dir), timeout_s=900, inherit_env=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for pattern in RATIO_LINES:
         assert re.search(pattern, proc.stdout, re.MULTILINE), (pattern, proc.stdout[-4000:])

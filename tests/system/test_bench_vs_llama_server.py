@@ -5,20 +5,14 @@ No figure is asserted: this machine is shared."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_smoke import run_quick
 
 
 def test_quick_bench_exits_0_and_prints_its_rows(model_cache_dir: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "bench/vs_llama_server.py", "--quick", "--cache-dir", str(model_cache_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_quick(
+        "vs_llama_server.py", "--cache-dir", str(model_cache_dir), timeout_s=600, inherit_env=True
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert re.search(r"^deepinfer\s+2\s+\d+\.\d( +\d+){4}$", proc.stdout, re.MULTILINE), proc.stdout
