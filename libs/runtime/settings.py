@@ -51,7 +51,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: frozenset[
     for f in dataclasses.fields(cls):
         if f.name in skip or f.name in existing:
             continue
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         parser.add_argument(
             flag_name(f.name),
             dest=f.name,

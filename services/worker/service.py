@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from libs.bus.base import Bus, Message
 from libs.bus.membership import MEMBER_TTL_S, REFRESH_S, announce, live_members
@@ -87,6 +88,11 @@ class WorkerService:
         self._last_step_id = 0  # of the owner's last plan, in arrival order
         self._owner_absent_since: float | None = None  # the silent owner first missed from membership
         self.draining = False  # told to stop: taking no new sequences, leaving once it holds none
+        # Every forward on one thread. The OpenMP runtime keeps a team of threads per calling
+        # thread, and a team spins for a while after each parallel region: forwards spread over
+        # the default executor's threads left several teams spinning at once, each stealing the
+        # cores the running one needed (measured: 4 threads busy for a 2-thread forward).
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
 
     async def run(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)]
@@ -115,6 +121,7 @@ class WorkerService:
             for sub in subs:
                 await sub.unsubscribe()
             await asyncio.gather(*self._steps)  # accepted steps still run and reply
+        self._step_thread.shutdown(wait=False)
 
     async def drain(self, stop: asyncio.Event) -> None:
         """Serve the owner's plans until nothing is held here and no step is running or queued,
@@ -195,7 +202,8 @@ class WorkerService:
             try:
                 # The forward runs off the event loop so load reports and other messages keep flowing.
                 with busy():  # the watchdog ends the process if a step outlives max_step_s
-                    result = await asyncio.to_thread(self.runner.execute, plan)
+                    loop = asyncio.get_running_loop()
+                    result = await loop.run_in_executor(self._step_thread, self.runner.execute, plan)
             except Exception as exc:
                 # Only a PlanError or a model that fails every row gets here: one bad sequence
                 # fails alone inside execute (the result's failed_seq_ids).

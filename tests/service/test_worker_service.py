@@ -110,6 +110,34 @@ async def test_owner_steps_others_are_refused_and_a_silent_owner_is_released() -
     await bus.close()
 
 
+async def test_every_forward_runs_on_one_thread() -> None:
+    """The OpenMP runtime keeps a team of threads per calling thread: forwards must not wander
+    over the default executor's threads (here one is kept busy between two steps, which sent the
+    second step to another thread before the worker had a step thread of its own)."""
+    bus = InMemoryBus()
+    service = make_service(bus, orphan_timeout_s=60)
+    threads: list[int] = []
+    execute = service.runner.execute
+
+    def recording(plan: SchedulerOutput) -> ModelRunnerOutput:
+        threads.append(threading.get_ident())
+        return execute(plan)
+
+    service.runner.execute = recording  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    await asyncio.sleep(0.01)
+    assert not (await step(bus, plan(1, "s1", "a", block=0))).error
+    busy = asyncio.create_task(asyncio.to_thread(time.sleep, 0.3))  # the default executor's idle thread
+    await asyncio.sleep(0.05)
+    assert not (await step(bus, plan(2, "s1", "b", block=1))).error
+    await busy
+    assert len(threads) == 2 and threads[0] == threads[1] != threading.get_ident()
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    await bus.close()
+
+
 FP = "tiny-0123456789abcdef"
 PROMPT = [3, 4, 5, 6, 7, 8, 9, 10, 11]  # 2 full blocks of 4, then 1 token
 HASHES = hash_blocks(PROMPT, 4, FP)

@@ -38,3 +38,20 @@ def test_cache_dir() -> None:
     assert resolve_cache_dir("/x", {}) == "/x"
     assert resolve_cache_dir("", {"XDG_CACHE_HOME": "/c"}) == "/c/deepinfer"
     assert resolve_cache_dir("", {"HOME": "/h"}) == "/h/.cache/deepinfer"
+
+
+def test_every_services_help_formats() -> None:
+    """argparse formats help text with %: a literal % in a field's help (the scheduler's overlap
+    flag says "~10% slower") must not break --help."""
+    from services.gateway.config import Config as GatewayConfig
+    from services.kvcache.config import Config as KVCacheConfig
+    from services.scheduler.config import Config as SchedulerConfig
+
+    for cls in (Config, SchedulerConfig, GatewayConfig, KVCacheConfig):
+        parser = argparse.ArgumentParser()
+        add_config_args(parser, cls)
+        text = parser.format_help()
+        assert "option_strings" not in text and "%(" not in text, cls
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, SchedulerConfig)
+    assert "~10% slower" in " ".join(parser.format_help().split())
