@@ -28,7 +28,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_ops.cpp", CSRC / "cpu_pointwise.cpp")  # vec.h beside them
+# vec.h and ops.h beside them
+SOURCES = tuple(CSRC / f for f in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_block.cpp"))
 LIBRARY = "deepinfer_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from libs.kernels import cpu_ext
+from libs.kernels.decoder_blocks import PagedKernelStep
 from libs.kernels.paged_attention import PagedAttentionMetadata, write_kv
 
 # Rows of similar length share one padded SDPA: a row joins the group of the shortest rows while
@@ -215,6 +216,15 @@ class TorchAttentionBackend:
         indices = [r.kv_index for r in self._prefills if r.kv_index is not None]
         self._gather.reserve([*indices, *(batch.kv_index for batch in self._batches)], device)
         self._meta = meta
+
+    def kernel_step(self) -> PagedKernelStep | None:
+        """The planned step as the paged kernel's arguments, when the kernel attends every one of
+        its tokens (no row needs SDPA); else None."""
+        if self._kernel is None or self._meta is None or self._prefills or self._batches:
+            return None
+        k = self._kernel
+        slots = self._meta.slot_mapping
+        return PagedKernelStep(slots, k.block_tables, k.token_index, k.token_row, k.token_num_keys)
 
     def _short_batch(self, meta: PagedAttentionMetadata, rows: list[int], tables: Tensor) -> _RowBatch:
         """Short rows with context as one batch: row r's query t is its token min(t, len_r - 1),

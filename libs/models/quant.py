@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from libs.kernels.decoder_blocks import BlockWeights
 from libs.kernels.int8_linear import int8_linear
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-__all__ = ["INT4_GROUP_SIZE", "Int4Linear", "Int8Linear", "quantize_model"]
+__all__ = ["INT4_GROUP_SIZE", "Int4Linear", "Int8Linear", "int8_block_weights", "quantize_model"]
 
 # From this many tokens per call a layer dequantizes and runs a dense bf16 matmul instead of the packed
 # kernel: where the two paths cross in a SmolLM2 forward on an AVX-512 BF16 CPU (1 and 2 threads). The
@@ -278,3 +279,34 @@ def quantize_model(model: LlamaForCausalLM, fmt: str, group_size: int = INT4_GRO
         mlp.gate_up_proj, mlp.down_proj = convert(mlp.gate_up_proj), convert(mlp.down_proj)
     head = model.lm_head.weight if isinstance(model.lm_head, nn.Linear) else model.embed_tokens.weight
     model.lm_head = Int8Linear.from_weight(head, dtype)
+
+
+def int8_block_weights(model: LlamaForCausalLM) -> BlockWeights | None:
+    """The model's decoder blocks as libs.kernels.decoder_blocks takes them, when every block
+    projection is int8 with fp32 activations (and so every norm fp32); else None."""
+    if model.dtype != torch.float32:
+        return None
+    layers = [layer for layer in model.layers if isinstance(layer, LlamaDecoderLayer)]
+    projections = [
+        (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj) for b in layers
+    ]
+    if not layers or any(not isinstance(p, Int8Linear) for group in projections for p in group):
+        return None
+    int8 = [[p for p in group if isinstance(p, Int8Linear)] for group in projections]  # typed for mypy
+    cfg = model.config
+    return BlockWeights(
+        input_norm=[b.input_layernorm.weight.detach() for b in layers],
+        qkv_weight=[g[0].weight_int8 for g in int8],
+        qkv_scales=[g[0].scales for g in int8],
+        o_weight=[g[1].weight_int8 for g in int8],
+        o_scales=[g[1].scales for g in int8],
+        post_norm=[b.post_attention_layernorm.weight.detach() for b in layers],
+        gate_up_weight=[g[2].weight_int8 for g in int8],
+        gate_up_scales=[g[2].scales for g in int8],
+        down_weight=[g[3].weight_int8 for g in int8],
+        down_scales=[g[3].scales for g in int8],
+        final_norm=model.norm.weight.detach(),
+        eps=cfg.rms_norm_eps,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+    )

@@ -34,9 +34,10 @@ class Config:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "weights: auto (on a CPU without bf16 math, int8 with float32 activations where the CPU"
-            " kernels build, else float32; bfloat16 on a CPU with bf16 math and on accelerators) | bfloat16"
-            " | float32 | int8 (weight-only, kept quantized; activations as auto's) | int4 (bf16 activations)"
+            "help": "weights: auto (on a CPU, int8 with float32 activations where the CPU kernels build,"
+            " else bfloat16 with bf16 math and float32 without; bfloat16 on accelerators) | bfloat16"
+            " | float32 | int8 (weight-only, kept quantized; float32 activations where the CPU kernels"
+            " build, else bfloat16) | int4 (bf16 activations)"
         },
     )
     max_num_seqs: int = field(default=32, metadata={"help": "sequences decoded together"})

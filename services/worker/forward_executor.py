@@ -14,12 +14,16 @@ from typing import Protocol
 
 import torch
 
+from libs.kernels.decoder_blocks import BlockWeights, decoder_blocks
 from libs.kernels.mla_attention import PagedMLABackend
 from libs.kernels.paged_attention import AttentionBackend, PagedAttentionMetadata, make_attention_backend
+from libs.kernels.paged_attention_torch import TorchAttentionBackend
 from libs.kvstore.kv_spec import MLA, KVSpec
 from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.attention import AttentionFn, MLAAttentionFn
+from libs.models.llama import LlamaForCausalLM
+from libs.models.quant import INT8_FP32_DENSE_MIN_TOKENS, int8_block_weights
 from services.worker.kv_cache import KVCache, StepAttention, StepMLAAttention
 
 
@@ -67,8 +71,11 @@ class ForwardExecutor:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         batch_invariant: bool = False,
+        fuse_blocks: bool = True,
     ) -> None:
-        """``batch_invariant``: attention whose outputs do not depend on the batch (--deterministic)."""
+        """``batch_invariant``: attention whose outputs do not depend on the batch (--deterministic).
+        ``fuse_blocks``: run int8 Llama blocks as one op on steps the paged kernel attends whole
+        (``_forward_blocks``); off, every step runs op by op (the fused op's reference)."""
         self.model = model
         self.shape = shape
         self.device = torch.device(device)
@@ -82,6 +89,11 @@ class ForwardExecutor:
             )
         )
         self.last_hidden: torch.Tensor | None = None
+        self.blocks: BlockWeights | None = None
+        torch_backend = isinstance(self.backend, TorchAttentionBackend)
+        if fuse_blocks and torch_backend and isinstance(model, LlamaForCausalLM):
+            self.blocks = int8_block_weights(model)
+        self.num_fused_steps = 0  # steps that ran as one op (tests assert the fused path ran)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Run the batch, writing its KV: the logits at ``logits_index``, [n, vocab] float32, or
@@ -99,13 +111,37 @@ class ForwardExecutor:
             attention = StepMLAAttention(self.backend, self.kv_cache)
         else:
             attention = StepAttention(self.backend, self.kv_cache)
-        hidden = self.model(
-            torch.tensor(batch.input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(batch.positions, dtype=torch.long, device=self.device),
-            attention,
-        )
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        hidden = self._forward_blocks(input_ids, positions)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, attention)
         self.last_hidden = hidden  # [num_tokens, hidden_size]: what a drafter reads after the step
         if not batch.logits_index:
             return None
         index = torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, index))
+
+    def _forward_blocks(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The final-normed hidden from the fused decoder blocks, where they apply: int8 Llama
+        blocks with fp32 activations, a step the paged kernel attends whole, and fewer tokens
+        than the int8 layers' dense threshold (past it they dequantize, and so would differ)."""
+        if self.blocks is None or input_ids.shape[0] >= INT8_FP32_DENSE_MIN_TOKENS:
+            return None
+        assert isinstance(self.backend, TorchAttentionBackend) and isinstance(self.model, LlamaForCausalLM)
+        step = self.backend.kernel_step()
+        if step is None:
+            return None
+        keys, values = self.kv_cache.planes
+        hidden = decoder_blocks(
+            self.model.embed_tokens(input_ids),
+            positions,
+            self.blocks,
+            self.model.cos_sin_cache,
+            keys,
+            values,
+            step,
+            self.backend.scale,
+        )
+        self.num_fused_steps += hidden is not None
+        return hidden

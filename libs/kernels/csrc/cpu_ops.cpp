@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -38,6 +39,28 @@ template <int RM, int RN>
 inline void int8_tile(const float* x, int64_t K, const int8_t* w, const float* scales, float* out, int64_t N) {
   int64_t k = 0;
   float sums[RM][RN] = {};
+#ifdef DEEPINFER_AVX512
+  {
+    __m512 acc[RM][RN];
+#pragma GCC unroll 4
+    for (int i = 0; i < RM; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < RN; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      __m512 xv[RM];
+#pragma GCC unroll 4
+      for (int i = 0; i < RM; ++i) xv[i] = _mm512_loadu_ps(x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < RN; ++j) {
+        const __m512 wv = load16(w + j * K + k);
+#pragma GCC unroll 4
+        for (int i = 0; i < RM; ++i) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < RM; ++i)
+      for (int j = 0; j < RN; ++j) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+#endif
 #ifdef DEEPINFER_AVX2
   __m256 acc[RM][RN];
 #pragma GCC unroll 4
@@ -56,7 +79,7 @@ inline void int8_tile(const float* x, int64_t K, const int8_t* w, const float* s
     }
   }
   for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < RN; ++j) sums[i][j] = hsum(acc[i][j]);
+    for (int j = 0; j < RN; ++j) sums[i][j] += hsum(acc[i][j]);
 #endif
   for (; k < K; ++k)
     for (int i = 0; i < RM; ++i)
@@ -82,6 +105,18 @@ void int8_features(const float* x, int64_t M, int64_t K, const int8_t* w, const 
   }
 }
 
+// Weight rows per tile from 4 input rows: AVX-512's 32 registers hold a 4 x 4 tile of
+// accumulators beside its inputs; AVX2's 16 hold 4 x 2.
+#ifdef DEEPINFER_AVX512
+constexpr int WIDE_RN = 4;
+#else
+constexpr int WIDE_RN = 2;
+#endif
+
+}  // namespace
+
+namespace deepinfer {
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && scales.dim() == 1, "int8_linear: x [M, K], weight [N, K], scales [N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && scales.scalar_type() == at::kFloat, "int8_linear: x and scales are float32");
@@ -103,11 +138,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     } else if (M < 4) {
       int8_features<2, 4>(xp, M, K, wp, sp, op, N, begin, end);
     } else {
-      int8_features<4, 2>(xp, M, K, wp, sp, op, N, begin, end);
+      int8_features<4, WIDE_RN>(xp, M, K, wp, sp, op, N, begin, end);
     }
   });
   return out;
 }
+
+}  // namespace deepinfer
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Attention of chosen query tokens over their rows' paged KV.
@@ -139,7 +178,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   // Waking the other threads costs tens of microseconds: a step of a few short rows runs on one.
   int64_t total_keys = 0;
   for (int64_t i = 0; i < num_tokens; ++i) total_keys += lens[i];
-  const int64_t grain = total_keys * group * D < (1 << 20) ? num_tokens * KVH : 1;
+  const int64_t grain = total_keys * group * D < (1 << 16) ? num_tokens * KVH : 1;
   at::parallel_for(0, num_tokens * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * D), query(group * D);
     for (int64_t item = begin; item < end; ++item) {
@@ -177,6 +216,10 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     }
   });
 }
+
+}  // namespace
+
+namespace deepinfer {
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& token_index, const at::Tensor& token_row,
@@ -250,7 +293,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   }
 }
 
-}  // namespace
+}  // namespace deepinfer
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
@@ -261,7 +304,7 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
-  m.impl("int8_linear", &int8_linear);
-  m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv", &write_kv);
+  m.impl("int8_linear", &deepinfer::int8_linear);
+  m.impl("paged_attention", &deepinfer::paged_attention);
+  m.impl("write_kv", &deepinfer::write_kv);
 }

@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -65,6 +66,10 @@ at::Tensor weight_of(const at::Tensor& weight, int64_t len, const char* name) {
   return weight.contiguous();
 }
 
+}  // namespace
+
+namespace deepinfer {
+
 // x [..., H], weight [H] -> x's shape: each row divided by its root mean square, times weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const Rows in = rows_of(x, "rms_norm");
@@ -106,6 +111,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out, sum};
 }
 
+}  // namespace deepinfer
+
+namespace {
+
 // Rotates the pairs (x[2i], x[2i+1]) of each head of token t by the angle of positions[t]:
 // cos = cache[p, i], sin = cache[p, D/2 + i]. x [T, heads, D] (any strides, D dense) -> new
 // contiguous [T, heads, D].
@@ -132,6 +141,10 @@ at::Tensor rotate(const at::Tensor& x, const int64_t* positions, const float* ca
   return out;
 }
 
+}  // namespace
+
+namespace deepinfer {
+
 // q [T, Hq, D], k [T, Hk, D] (views into a fused qkv output as they come), positions [T] int64,
 // cos_sin_cache [max_positions, D] -> (rotated q, rotated k), new and contiguous.
 std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -157,6 +170,10 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor& q_in, const at::T
   return {rotate(q, pos, cache), rotate(k, pos, cache)};
 }
 
+}  // namespace deepinfer
+
+namespace {
+
 // silu(x) = x / (1 + exp(-x)) for 8 floats; exp's argument is capped where fp32 still holds it
 // (x < -88 gives x / huge = -0, silu's limit).
 #ifdef DEEPINFER_AVX2
@@ -165,6 +182,10 @@ inline __m256 silu8(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 #endif
+
+}  // namespace
+
+namespace deepinfer {
 
 // x [..., 2F] (gate then up) -> [..., F]: silu(gate) * up.
 at::Tensor silu_mul(const at::Tensor& x) {
@@ -193,7 +214,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace deepinfer
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -203,8 +224,8 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary_qk", &rotary_qk);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &deepinfer::rms_norm);
+  m.impl("add_rms_norm", &deepinfer::add_rms_norm);
+  m.impl("rotary_qk", &deepinfer::rotary_qk);
+  m.impl("silu_mul", &deepinfer::silu_mul);
 }

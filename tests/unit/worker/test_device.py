@@ -35,15 +35,17 @@ def test_dtype_per_device() -> None:
         resolve_dtype("int4", cuda)
 
 
-def test_weight_format_auto_is_int8_only_on_a_cpu_without_bf16_math(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weight_format_auto_is_int8_on_a_cpu_with_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_format("float32", cpu) == "float32" and resolve_format("int4", cpu) == "int4"
     assert resolve_format("auto", cuda) == "bfloat16"
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     assert cpu_ext.ops() is not None  # the extension builds wherever the tests run
-    assert resolve_format("auto", cpu) == "int8" and resolve_dtype("int8", cpu) == torch.float32
-    assert resolve_format("auto", cpu, dense_only=True) == "float32"  # DeepSeek, MTP drafting
+    for bf16_math in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda bf16_math=bf16_math: bf16_math)
+        assert resolve_format("auto", cpu) == "int8" and resolve_dtype("int8", cpu) == torch.float32
+        dense = "bfloat16" if bf16_math else "float32"
+        assert resolve_format("auto", cpu, dense_only=True) == dense  # DeepSeek, MTP drafting
     monkeypatch.setattr(cpu_ext, "ops", lambda: None)
-    assert resolve_format("auto", cpu) == "float32"  # no compiler: the dense weights
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert resolve_format("auto", cpu) == "bfloat16" and resolve_dtype("int8", cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert resolve_format("auto", cpu) == "float32"  # no compiler: the dense weights
