@@ -21,10 +21,11 @@ class Config:
         default=512, metadata={"help": "tokens computed per step; longer prompts are prefilled in chunks"}
     )
     overlap: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "send step N+1 before result N arrives (overlap scheduling); pays off when the worker "
-            "has cores to itself: on a small CPU shared with the scheduler it measured ~10% slower"
+            "help": "send step N+1 before result N arrives (overlap scheduling): the worker's next forward "
+            "starts without waiting for the scheduler's round trip (on a 2-core CPU shared by every "
+            "service: 1.1-1.2x tokens/s at one stream, 1.02x at 8); false: one plan in flight"
         },
     )
     enable_prefix_caching: bool = field(

@@ -69,6 +69,14 @@ class Config:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for KV pages, GiB"})
     num_threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
+    one_thread_max_tokens: int = field(
+        default=4,
+        metadata={
+            "help": "CPU: steps of at most this many tokens run their forward on one thread (on a CPU "
+            "shared with the other services a multi-threaded forward waits for preempted threads); "
+            "0: every step on --num-threads"
+        },
+    )
     load_interval_s: float = field(default=0.5, metadata={"help": "period of load reports while idle"})
     orphan_timeout_s: float = field(
         default=30.0, metadata={"help": "scheduler silence after which its sequences here are dropped"}
@@ -162,8 +170,8 @@ class Config:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if self.max_model_len < 0 or self.num_threads < 0:
-            raise ValueError("max_model_len and num_threads must be >= 0")
+        if self.max_model_len < 0 or self.num_threads < 0 or self.one_thread_max_tokens < 0:
+            raise ValueError("max_model_len, num_threads and one_thread_max_tokens must be >= 0")
         if self.grammar_compile_timeout_s <= 0 or self.grammar_compile_max_mb <= 0:
             raise ValueError("grammar_compile_timeout_s and grammar_compile_max_mb must be > 0")
         if not self.host_cache_gb >= 0:

@@ -72,10 +72,17 @@ class ForwardExecutor:
         device: torch.device | str = "cpu",
         batch_invariant: bool = False,
         fuse_blocks: bool = True,
+        one_thread_max_tokens: int = 0,
     ) -> None:
         """``batch_invariant``: attention whose outputs do not depend on the batch (--deterministic).
         ``fuse_blocks``: run int8 Llama blocks as one op on steps the paged kernel attends whole
-        (``_forward_blocks``); off, every step runs op by op (the fused op's reference)."""
+        (``_forward_blocks``); off, every step runs op by op (the fused op's reference).
+        ``one_thread_max_tokens``: a step of at most this many tokens runs on one thread, larger
+        ones on the threads torch has now (0: every step on those). On a CPU the worker shares with
+        the scheduler, the gateway and NATS, a multi-threaded forward waits at each of its ~150
+        parallel regions for whichever thread was preempted; at one row the weights stream
+        nearly as fast on one core (bench/vs_llama_server.py --threads 1: 121 vs 69 tok/s at one
+        stream through the stack)."""
         self.model = model
         self.shape = shape
         self.device = torch.device(device)
@@ -94,10 +101,15 @@ class ForwardExecutor:
         if fuse_blocks and torch_backend and isinstance(model, LlamaForCausalLM):
             self.blocks = int8_block_weights(model)
         self.num_fused_steps = 0  # steps that ran as one op (tests assert the fused path ran)
+        self.one_thread_max_tokens = one_thread_max_tokens
+        self.num_threads = torch.get_num_threads()  # for larger steps
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Run the batch, writing its KV: the logits at ``logits_index``, [n, vocab] float32, or
         None when it is empty."""
+        if self.one_thread_max_tokens:  # per calling thread: the worker's forwards run on one
+            small = len(batch.input_ids) <= self.one_thread_max_tokens
+            torch.set_num_threads(1 if small else self.num_threads)
         meta = PagedAttentionMetadata.build(
             query_lens=batch.query_lens,
             context_lens=batch.context_lens,

@@ -262,6 +262,7 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
         handoff=handoff,
         drafter=drafter,
         batch_invariant=config.deterministic,
+        one_thread_max_tokens=config.one_thread_max_tokens if device.type == "cpu" else 0,
     )
     # Before the worker announces itself: its owner's speculative policy starts from these
     # times, and the shapes a first request takes are warm.

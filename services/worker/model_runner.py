@@ -73,8 +73,18 @@ class ModelRunner:
         handoff: HandoffArea | None = None,
         drafter: MTPDrafter | None = None,
         batch_invariant: bool = False,
+        one_thread_max_tokens: int = 0,
     ) -> None:
-        self.executor = ForwardExecutor(model, shape, num_blocks, block_size, dtype, device, batch_invariant)
+        self.executor = ForwardExecutor(
+            model,
+            shape,
+            num_blocks,
+            block_size,
+            dtype,
+            device,
+            batch_invariant,
+            one_thread_max_tokens=one_thread_max_tokens,
+        )
         self.drafter = drafter  # None: drafts come only from the scheduler
         self.shape = shape
         self.device = self.executor.device
