@@ -42,6 +42,10 @@ from libs.kernels.rotary import (
     rope_cos_sin_cache,
     rotary_rotation,
 )
+from libs.modelfiles.llama_config import LlamaConfig
+from libs.models.llama import LlamaForCausalLM
+from libs.models.quant import quantize_model
+from services.worker.forward_executor import ForwardBatch, ForwardExecutor, ModelShape
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, FFN = 576, 9, 3, 64, 1536
 DECODE_BATCHES, PREFILL = (1, 8, 32, 64), 512
@@ -444,6 +448,61 @@ def bench_batch_invariant(g: torch.Generator) -> None:
         )
 
 
+def bench_decoder_blocks(g: torch.Generator) -> None:
+    """A decode step of a SmolLM2-shaped int8 model (30 layers, random weights) through the
+    ForwardExecutor: op by op (reference) against the fused decoder_blocks op, rows of 100
+    tokens' context. The LM head is outside both (the executor is asked for no logits)."""
+    if cpu_ext.ops() is None:
+        print(f"{'decoder_blocks':<22} skipped: the CPU extension is not built here")
+        return
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=30,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=g)))
+    model = LlamaForCausalLM(config, torch.float32)
+    quantize_model(model, "int8")
+    block_size, context = 16, 100
+    for num_rows in (1, 8):
+        blocks_per_row = context // block_size + 1
+        executors = {
+            fuse: ForwardExecutor(
+                model,
+                ModelShape.of(config),
+                num_rows * blocks_per_row,
+                block_size,
+                torch.float32,
+                fuse_blocks=fuse,
+            )
+            for fuse in (False, True)
+        }
+        batch = ForwardBatch(
+            input_ids=[7] * num_rows,
+            positions=[context] * num_rows,
+            query_lens=[1] * num_rows,
+            context_lens=[context] * num_rows,
+            block_tables=[list(range(r * blocks_per_row, (r + 1) * blocks_per_row)) for r in range(num_rows)],
+            logits_index=[],
+        )
+        report(
+            "decoder_blocks",
+            f"{num_rows} decode rows x {context} keys",
+            torch.float32,
+            partial(executors[False].forward, batch),
+            partial(executors[True].forward, batch),
+        )
+    assert executors[True].num_fused_steps > 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Reference vs fast path of each kernel op.")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
@@ -460,6 +519,7 @@ def main() -> None:
         bench_int8_linear(g)
         bench_attention(g)
         bench_batch_invariant(g)
+        bench_decoder_blocks(g)
 
 
 if __name__ == "__main__":

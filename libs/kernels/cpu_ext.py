@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # vec.h and ops.h beside them
-SOURCES = tuple(CSRC / f for f in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_block.cpp"))
+SOURCES = tuple(CSRC / f for f in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_block.cpp", "cpu_invariant.cpp"))
 LIBRARY = "deepinfer_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 

@@ -10,16 +10,26 @@ MKL's product there takes the input's rows 8 at a time and a partial last group 
 full one: 12-15 rows cost up to twice what 16 do (59 ms against 82-126 ms for a SmolLM2 forward's
 projections). So above 8 rows the input is padded with zero rows to a multiple of 8, whose
 outputs are dropped.
-bf16 and CUDA keep ``F.linear`` (no gain measured for bf16 on CPU; cuBLAS picks its own kernel).
+bf16 and CUDA keep ``F.linear`` (no gain measured for bf16 on CPU; cuBLAS picks its own kernel),
+except under ``batch_invariant_products`` (``--deterministic``): there a bf16 product on the CPU
+runs the extension's ``bf16_linear`` (csrc/cpu_invariant.cpp), whose every output is summed in
+one order whatever the number of rows. The matmul library's is not on a CPU with native bf16 math
+(one row takes another path than two: about one output in 600 rounds the other way).
 Timed over a whole model's weights, as a step streams them: the same small weight timed again
 and again stays in cache and measures something else.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from libs.kernels import cpu_ext
 
 
 def linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -47,10 +57,43 @@ def linear_weight_major(x: Tensor, weight: Tensor, bias: Tensor | None = None) -
 WEIGHT_MAJOR_MAX_ROWS = 64  # above this (prefill chunks), F.linear is as fast or faster
 
 
+class _Products(threading.local):
+    batch_invariant = False
+
+
+_products = _Products()
+
+
+@contextlib.contextmanager
+def batch_invariant_products(enabled: bool = True) -> Iterator[None]:
+    """Within it, on this thread, ``linear`` computes bf16 CPU products batch-invariantly."""
+    previous = _products.batch_invariant
+    _products.batch_invariant = enabled
+    try:
+        yield
+    finally:
+        _products.batch_invariant = previous
+
+
+def linear_batch_invariant(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """linear_reference's result for bf16 CPU tensors, each output summed in fp32 in an order
+    fixed by K alone (equal to the reference to bf16 rounding); the reference elsewhere."""
+    ops = cpu_ext.ops() if x.dtype == weight.dtype == torch.bfloat16 and x.is_cpu and weight.is_cpu else None
+    if ops is None or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out: Tensor = ops.bf16_linear(rows if rows.is_contiguous() else rows.contiguous(), weight.contiguous())
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """linear_reference's result; the weight-major product for fp32 on CPU up to
     WEIGHT_MAJOR_MAX_ROWS rows. The two sum in a different order, so they agree to fp32 rounding,
-    not to the bit."""
+    not to the bit. Under ``batch_invariant_products``, bf16 goes to ``linear_batch_invariant``."""
+    if _products.batch_invariant and x.dtype == torch.bfloat16:
+        return linear_batch_invariant(x, weight, bias)
     on_cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
     if on_cpu_fp32 and 0 < x.numel() <= WEIGHT_MAJOR_MAX_ROWS * x.shape[-1]:  # (empty: F.linear)
         return linear_weight_major(x, weight, bias)

@@ -55,7 +55,8 @@ class Config:
         default=False,
         metadata={
             "help": "a request's tokens do not depend on its batch mates, chunking or preemption "
-            "(batch-invariant attention; bfloat16 on the CPU only, checked at start: refused otherwise)"
+            "(batch-invariant attention; bfloat16 on the CPU only, which --dtype auto then means; "
+            "checked at start: refused otherwise)"
         },
     )
     cpu_kernels: bool = field(
@@ -74,7 +75,8 @@ class Config:
         metadata={
             "help": "CPU: steps of at most this many tokens run their forward on one thread (on a CPU "
             "shared with the other services a multi-threaded forward waits for preempted threads); "
-            "0: every step on --num-threads"
+            "0: every step on --num-threads. Off with --deterministic (a product's rounding changes "
+            "with its number of threads)"
         },
     )
     load_interval_s: float = field(default=0.5, metadata={"help": "period of load reports while idle"})

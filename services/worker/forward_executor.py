@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from libs.kernels.decoder_blocks import BlockWeights, decoder_blocks
+from libs.kernels.linear import batch_invariant_products
 from libs.kernels.mla_attention import PagedMLABackend
 from libs.kernels.paged_attention import AttentionBackend, PagedAttentionMetadata, make_attention_backend
 from libs.kernels.paged_attention_torch import TorchAttentionBackend
@@ -101,7 +102,10 @@ class ForwardExecutor:
         if fuse_blocks and torch_backend and isinstance(model, LlamaForCausalLM):
             self.blocks = int8_block_weights(model)
         self.num_fused_steps = 0  # steps that ran as one op (tests assert the fused path ran)
-        self.one_thread_max_tokens = one_thread_max_tokens
+        # Not with batch invariance: a product's blocking, and so its rounding, changes with the
+        # number of threads, and a row alone would run on one where its batch ran on several.
+        self.one_thread_max_tokens = 0 if batch_invariant else one_thread_max_tokens
+        self.batch_invariant = batch_invariant  # bf16 products too (libs/kernels/linear.py)
         self.num_threads = torch.get_num_threads()  # for larger steps
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
@@ -125,6 +129,16 @@ class ForwardExecutor:
             attention = StepAttention(self.backend, self.kv_cache)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        with batch_invariant_products(self.batch_invariant):
+            return self._run(batch, input_ids, positions, attention)
+
+    def _run(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn | MLAAttentionFn,
+    ) -> torch.Tensor | None:
         hidden = self._forward_blocks(input_ids, positions)
         if hidden is None:
             hidden = self.model(input_ids, positions, attention)

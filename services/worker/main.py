@@ -206,7 +206,9 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     if device.type == "cpu":  # built (or loaded from the cache) now, before the worker announces itself
         cpu_ext.configure(config.cpu_kernels, Path(cache_dir) / "kernels")
     with_mtp = config.speculative_method == "mtp"
-    fmt = resolve_format(config.dtype, device, path.is_dir() or with_mtp)
+    # Deterministic mode holds in bf16 only (determinism.py): there auto means bf16.
+    requested = "bfloat16" if config.deterministic and config.dtype == "auto" else config.dtype
+    fmt = resolve_format(requested, device, path.is_dir() or with_mtp)
     dtype = resolve_dtype(fmt, device)
     if fmt == "int8" and dtype == torch.float32 and cpu_ext.ops() is None:
         log.warning("--dtype int8 with fp32 activations and no CPU kernels: its matmuls dequantize, slowly")

@@ -31,7 +31,8 @@ QUESTIONS = [
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
 SEEDED: dict[str, Any] = {**GREEDY, "temperature": 1.0, "top_p": 0.9, "seed": 1234}
 # 0.006 GiB of bf16 KV is 17 blocks of 16 SmolLM2 tokens: eight requests of ~75 cannot all stay.
-FLAGS = ("--deterministic", "true", "--dtype", "bfloat16", "--max-num-seqs", "8", "--kv-cache-gb", "0.006")
+# --dtype auto (over serve_proc's float32): with --deterministic, auto is bf16.
+FLAGS = ("--deterministic", "true", "--dtype", "auto", "--max-num-seqs", "8", "--kv-cache-gb", "0.006")
 FLAGS += ("--host-cache-gb", "0", "--kv-store-path", "none", "--max-num-batched-tokens", "24")
 
 

@@ -166,7 +166,8 @@ def test_a_request_in_the_batch_at_two_worker_crashes_fails_alone(fleet: Workers
     asyncio.run(wait_workers(stack.nats.url, set(workers), 180))
     os.kill(fifth.pid, signal.SIGSTOP)  # dropped when its heartbeat lapses
     asyncio.run(wait_workers(stack.nats.url, {first, FOURTH}, 60))
-    long_run = {"max_tokens": 160, "temperature": 0, "ignore_eos": True, "model": MODEL}
+    # Long enough that both still run when the stopped worker is back (a heartbeat or two).
+    long_run = {"max_tokens": 480, "temperature": 0, "ignore_eos": True, "model": MODEL}
     poison_body = {"messages": [{"role": "user", "content": "Count from one."}], **long_run}
     canary_body = {"messages": [{"role": "user", "content": "Name some rivers."}], **long_run}
     poison = InFlight(stack.base_url, "chat", poison_body, STREAM_DEADLINE_S)

@@ -17,6 +17,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);
 
+// cpu_invariant.cpp
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight);
+
 // cpu_pointwise.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

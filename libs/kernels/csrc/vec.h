@@ -20,6 +20,8 @@
 
 namespace deepinfer {
 
+using BF16 = c10::BFloat16;
+
 
 #ifdef DEEPINFER_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -12,6 +12,7 @@ import libs.kernels.linear as linear_module
 from libs.kernels.linear import (
     WEIGHT_MAJOR_MAX_ROWS,
     Linear,
+    batch_invariant_products,
     linear,
     linear_reference,
     linear_weight_major,
@@ -74,3 +75,33 @@ def test_linear_module_is_a_drop_in_nn_linear(paths: list[str]) -> None:
     expected = x @ plain.weight.t() + plain.bias
     torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
     assert paths == ["weight-major"]  # nn.Linear's own forward would call F.linear
+
+
+@pytest.mark.parametrize(("n", "k"), [(576, 1536), (70, 40), (3, 17), (130, 576)])
+def test_batch_invariant_bf16_linear(n: int, k: int) -> None:
+    """Under batch_invariant_products a bf16 row's output has the same bits alone and in batches
+    of any size (tiles of 4 rows x 4 features, partial ones, features past a multiple of 4 or 64,
+    K past a multiple of the vector width), and equals F.linear's to bf16 rounding."""
+    g = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(256, k, generator=g).bfloat16()
+    singles = [(i, i + 1) for i in range(32)]  # a library's flips are rare: many rows alone
+    with batch_invariant_products():
+        whole = linear(x, weight)
+        for start, end in [(0, 2), (1, 4), (3, 8), (5, 10), (0, 37), (36, 37), (100, 256), *singles]:
+            assert torch.equal(linear(x[start:end], weight), whole[start:end]), (start, end)
+        with_bias = linear(x[:5], weight, bias)
+    reference = F.linear(x.float(), weight.float())
+    assert whole.dtype == torch.bfloat16
+    torch.testing.assert_close(whole.float(), reference, atol=2e-2 * k**0.5, rtol=1e-2)
+    torch.testing.assert_close(with_bias, whole[:5] + bias)
+    assert not linear_module._products.batch_invariant  # the context restores the mode
+
+
+def test_batch_invariant_products_leave_other_dtypes_alone(paths: list[str]) -> None:
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(24, 32, generator=g)
+    with batch_invariant_products():
+        linear(torch.randn(3, 32, generator=g), weight)
+    assert paths == ["weight-major"]
