@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import libs.models.quant as quant
 from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -78,8 +79,9 @@ def packed_kernels_only(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("kind", ["int8", "int4-g32", "int4-g64"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_layer_equals_its_dequantized_weight(
-    kind: str, dtype: torch.dtype, num_tokens: int, path: str
+    kind: str, dtype: torch.dtype, num_tokens: int, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(quant, "_bf16_math", lambda: False)  # fp32's dense path in fp32
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(192, 384, generator=gen) * 0.05
     module = layer(kind, weight, dtype)
@@ -92,6 +94,31 @@ def test_layer_equals_its_dequantized_weight(
     else:  # bf16 output: within a couple of bf16 ulps of the fp32-accumulated reference
         atol = 2**-7 * reference.abs().max().item()
         torch.testing.assert_close(out.float(), reference, rtol=2**-7, atol=atol)
+
+
+@pytest.mark.parametrize("bf16_math", [False, True])
+def test_int8_fp32_prefill_runs_in_bf16_where_the_cpu_multiplies_it(
+    bf16_math: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the dense threshold on, an fp32-activation int8 layer multiplies in bf16 on a CPU with
+    bf16 math (inputs and weight rounded to bf16, fp32 out), in fp32 elsewhere."""
+    monkeypatch.setattr(quant, "_bf16_math", lambda: bf16_math)
+    gen = torch.Generator().manual_seed(3)
+    module = layer("int8", torch.randn(192, 384, generator=gen) * 0.05, torch.float32)
+    assert isinstance(module, Int8Linear)
+    x = torch.randn(Int8Linear.fp32_dense_min_tokens, 384, generator=gen)
+    out = module(x)
+    weight = module.dequantize()
+    if bf16_math:
+        expected = (
+            x.bfloat16() @ (module.weight_int8.bfloat16() * module.scales.bfloat16()[:, None]).T
+        ).float()
+        torch.testing.assert_close(out, expected)
+        assert not torch.equal(out, x @ weight.T)  # not the fp32 product
+    else:
+        torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(module(x[:3]), x[:3] @ weight.T, rtol=1e-5, atol=1e-5)  # decode: fp32
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4-g32", "int4-g64"])
