@@ -267,10 +267,8 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
         one_thread_max_tokens=config.one_thread_max_tokens if device.type == "cpu" else 0,
     )
     # Before the worker announces itself: its owner's speculative policy starts from these
-    # times, and the shapes a first request takes are warm.
+    # times. (The warm-up runs later, on the thread that will run the forwards: serve.)
     step_profile = profile_steps(runner, config.max_num_seqs) if profile else ()
-    if profile:
-        warm_up(runner)
     return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint, step_profile)
 
 
@@ -295,6 +293,9 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
             worker.step_profile,
         )
         start_metrics_server(config.metrics_port, metrics.registry(worker.runner))
+        # The shapes a first request takes, warm on the forward thread itself: OpenMP's teams and
+        # the math libraries' per-thread state belong to the thread that calls them.
+        await service.on_step_thread(warm_up, worker.runner)
         await service.run(stop)
     finally:
         await bus.close()

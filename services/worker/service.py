@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from libs.bus.base import Bus, Message
@@ -93,6 +94,10 @@ class WorkerService:
         # the default executor's threads left several teams spinning at once, each stealing the
         # cores the running one needed (measured: 4 threads busy for a 2-thread forward).
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+
+    async def on_step_thread(self, fn: Callable[[ModelRunner], None], runner: ModelRunner) -> None:
+        """``fn(runner)`` on the thread every forward runs on (warm-up, before ``run``)."""
+        await asyncio.get_running_loop().run_in_executor(self._step_thread, fn, runner)
 
     async def run(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)]
