@@ -83,9 +83,9 @@ def linear_batch_invariant(x: Tensor, weight: Tensor, bias: Tensor | None = None
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     out: Tensor = ops.bf16_linear(rows if rows.is_contiguous() else rows.contiguous(), weight.contiguous())
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    if bias is not None:  # in fp32, then one rounding, as F.linear does
+        out += bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

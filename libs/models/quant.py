@@ -112,6 +112,9 @@ class Int8Linear(_PackedLinear):
 
     def __init__(self, weight_int8: Tensor, scales: Tensor) -> None:
         super().__init__()
+        # Prefill-sized products in bf16 on a CPU with bf16 math (``_dense``); quantize_model
+        # turns it off for the LM head, whose logits decide tokens and report logprobs.
+        self.bf16_prefill = True
         self.out_features, self.in_features = map(int, weight_int8.shape)
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
@@ -138,10 +141,11 @@ class Int8Linear(_PackedLinear):
 
     def _dense(self, x2d: Tensor) -> Tensor:
         # fp32 activations on a CPU with native bf16 math: a prefill's product in bf16 takes half
-        # the fp32 one's time (a 512-token SmolLM2 forward 624 -> ~1270 tok/s), at bf16's rounding
-        # of the inputs, as a bf16 model prefills.
-        if self.scales.dtype == torch.float32 and x2d.is_cpu and _bf16_math():
-            weight = self.weight_int8.to(torch.bfloat16) * self.scales.to(torch.bfloat16)[:, None]
+        # the fp32 one's time (a 512-token SmolLM2 forward 624 -> ~1010 tok/s, bf16's speed), at
+        # bf16's rounding of inputs and weights, as a bf16 model prefills. (A decode step of 128
+        # tokens or more, drafts included, takes it too.)
+        if self.bf16_prefill and self.scales.dtype == torch.float32 and x2d.is_cpu and _bf16_math():
+            weight = self.dequantize().to(torch.bfloat16)  # one rounding of the fp32 weight
             return F.linear(x2d.to(torch.bfloat16), weight).float()
         return F.linear(x2d, self.dequantize())
 
@@ -298,6 +302,7 @@ def quantize_model(model: LlamaForCausalLM, fmt: str, group_size: int = INT4_GRO
         mlp.gate_up_proj, mlp.down_proj = convert(mlp.gate_up_proj), convert(mlp.down_proj)
     head = model.lm_head.weight if isinstance(model.lm_head, nn.Linear) else model.embed_tokens.weight
     model.lm_head = Int8Linear.from_weight(head, dtype)
+    model.lm_head.bf16_prefill = False  # logits in the activations' precision at any row count
 
 
 def int8_block_weights(model: LlamaForCausalLM) -> BlockWeights | None:

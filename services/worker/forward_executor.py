@@ -24,7 +24,7 @@ from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.attention import AttentionFn, MLAAttentionFn
 from libs.models.llama import LlamaForCausalLM
-from libs.models.quant import INT8_FP32_DENSE_MIN_TOKENS, int8_block_weights
+from libs.models.quant import Int8Linear, int8_block_weights
 from services.worker.kv_cache import KVCache, StepAttention, StepMLAAttention
 
 
@@ -111,7 +111,9 @@ class ForwardExecutor:
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Run the batch, writing its KV: the logits at ``logits_index``, [n, vocab] float32, or
         None when it is empty."""
-        if self.one_thread_max_tokens:  # per calling thread: the worker's forwards run on one
+        # torch.set_num_threads sets this thread's OpenMP team size (the worker's forwards all run
+        # on one thread) and torch's default for threads that start using it later.
+        if self.one_thread_max_tokens:
             small = len(batch.input_ids) <= self.one_thread_max_tokens
             torch.set_num_threads(1 if small else self.num_threads)
         meta = PagedAttentionMetadata.build(
@@ -152,7 +154,7 @@ class ForwardExecutor:
         """The final-normed hidden from the fused decoder blocks, where they apply: int8 Llama
         blocks with fp32 activations, a step the paged kernel attends whole, and fewer tokens
         than the int8 layers' dense threshold (past it they dequantize, and so would differ)."""
-        if self.blocks is None or input_ids.shape[0] >= INT8_FP32_DENSE_MIN_TOKENS:
+        if self.blocks is None or input_ids.shape[0] >= Int8Linear.fp32_dense_min_tokens:
             return None
         assert isinstance(self.backend, TorchAttentionBackend) and isinstance(self.model, LlamaForCausalLM)
         step = self.backend.kernel_step()

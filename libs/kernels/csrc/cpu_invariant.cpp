@@ -1,5 +1,5 @@
 // A batch-invariant bf16 linear for --deterministic: y = x @ w^T with bf16 x [M, K] and w [N, K],
-// each output summed in fp32 in one fixed order (then rounded to bf16) whatever M is, which tile it
+// each output summed in fp32 in one fixed order (returned in fp32) whatever M is, which tile it
 // falls in and which thread computes it. Built with the other CPU ops by libs/kernels/cpu_ext.py;
 // the torch reference is F.linear (libs/kernels/linear.py), equal to bf16 rounding.
 //
@@ -125,7 +125,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
   at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) bf16_features(xp, M, K, wp, op, N, c * 64, std::min(N, (c + 1) * 64));
   });
-  return out.to(at::kBFloat16);
+  return out;  // fp32: the caller adds a bias, if any, before the one rounding to bf16
 }
 
 }  // namespace deepinfer

@@ -110,15 +110,23 @@ def test_int8_fp32_prefill_runs_in_bf16_where_the_cpu_multiplies_it(
     out = module(x)
     weight = module.dequantize()
     if bf16_math:
-        expected = (
-            x.bfloat16() @ (module.weight_int8.bfloat16() * module.scales.bfloat16()[:, None]).T
-        ).float()
-        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(out, (x.bfloat16() @ weight.bfloat16().T).float())
         assert not torch.equal(out, x @ weight.T)  # not the fp32 product
     else:
         torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
     assert out.dtype == torch.float32
     torch.testing.assert_close(module(x[:3]), x[:3] @ weight.T, rtol=1e-5, atol=1e-5)  # decode: fp32
+    module.bf16_prefill = False  # as quantize_model sets it for the LM head
+    torch.testing.assert_close(module(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_lm_head_never_prefills_in_bf16() -> None:
+    model = LlamaForCausalLM(TINY_LLAMA, torch.float32)
+    quantize_model(model, "int8")
+    assert isinstance(model.lm_head, Int8Linear) and not model.lm_head.bf16_prefill
+    layer0 = model.layers[0]
+    assert isinstance(layer0, LlamaDecoderLayer)
+    assert isinstance(layer0.mlp.down_proj, Int8Linear) and layer0.mlp.down_proj.bf16_prefill
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4-g32", "int4-g64"])
