@@ -80,16 +80,21 @@ def resolve_dtype(name: str, device: torch.device = CPU) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def resolve_format(name: str, device: torch.device = CPU, dense_only: bool = False) -> str:
+def resolve_format(
+    name: str, device: torch.device = CPU, dense_only: bool = False, deterministic: bool = False
+) -> str:
     """The weight format ``--dtype name`` loads: auto is int8 (with fp32 activations) on a CPU
     where the CPU kernels are built. Decode at a few rows reads every weight once a step, and int8
     halves bf16's bytes: at one row it decodes 3.7x as fast as fp32 on an AVX2 CPU and 1.7x as
     fast as bf16 on an AVX-512 BF16 one, and agrees with fp32's top-1 wherever fp32's top-2 margin
     is >= 0.5, as bf16 does (bench/weight_formats.py, bench/vs_llama_server.py). Elsewhere, and for
     models the int8 layers do not cover (``dense_only``: DeepSeek checkpoints, MTP drafting), auto
-    is the activation dtype."""
+    is the activation dtype; with ``deterministic``, bf16 (batch invariance holds there only:
+    determinism.py)."""
     if name != "auto":
         return name
+    if deterministic:
+        return "bfloat16"
     if device.type == "cpu" and not dense_only and cpu_ext.ops() is not None:
         return "int8"
     return dtype_name(resolve_dtype("auto", device))
@@ -206,9 +211,7 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     if device.type == "cpu":  # built (or loaded from the cache) now, before the worker announces itself
         cpu_ext.configure(config.cpu_kernels, Path(cache_dir) / "kernels")
     with_mtp = config.speculative_method == "mtp"
-    # Deterministic mode holds in bf16 only (determinism.py): there auto means bf16.
-    requested = "bfloat16" if config.deterministic and config.dtype == "auto" else config.dtype
-    fmt = resolve_format(requested, device, path.is_dir() or with_mtp)
+    fmt = resolve_format(config.dtype, device, path.is_dir() or with_mtp, config.deterministic)
     dtype = resolve_dtype(fmt, device)
     if fmt == "int8" and dtype == torch.float32 and cpu_ext.ops() is None:
         log.warning("--dtype int8 with fp32 activations and no CPU kernels: its matmuls dequantize, slowly")

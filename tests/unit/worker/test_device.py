@@ -45,6 +45,8 @@ def test_weight_format_auto_is_int8_on_a_cpu_with_the_kernels(monkeypatch: pytes
         assert resolve_format("auto", cpu) == "int8" and resolve_dtype("int8", cpu) == torch.float32
         dense = "bfloat16" if bf16_math else "float32"
         assert resolve_format("auto", cpu, dense_only=True) == dense  # DeepSeek, MTP drafting
+    assert resolve_format("auto", cpu, deterministic=True) == "bfloat16"  # invariance holds in bf16
+    assert resolve_format("float32", cpu, deterministic=True) == "float32"  # refused later, with why
     monkeypatch.setattr(cpu_ext, "ops", lambda: None)
     assert resolve_format("auto", cpu) == "bfloat16" and resolve_dtype("int8", cpu) == torch.bfloat16
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
