@@ -12,8 +12,8 @@ Parts (--parts, comma-separated; default all):
        llama.cpp's best aggregate (target >= 1.5x), and the stack at one stream for every weight
        format the worker accepts vs llama.cpp at one (target >= 1x)
   d    overlap scheduling: the stack with --overlap true vs --overlap false
-  det  the stack with --deterministic true (batch-invariant attention) vs without (target at 8
-       streams: >= 0.7x)
+  det  the stack with --deterministic true (bf16, batch-invariant kernels) vs without it in the
+       worker's default format, --dtype auto (target at 8 streams: >= 0.7x)
   bus  the stack vs the same scheduler core and ModelRunner in this process (LocalEngine, no bus,
        no HTTP), same model, dtype and limits (target: stack >= 0.95x)
 
@@ -122,6 +122,11 @@ class StackSetup:
     def label(self) -> str:
         mode = " deterministic" if self.deterministic else ""
         return f"stack {self.dtype} overlap={'on' if self.overlap else 'off'}{mode}"
+
+
+# Part det: the flag (which runs bf16) against what a user runs without it, the worker's default
+# weight format (--dtype auto), whatever --dtype the other parts use.
+DETERMINISTIC_SETUPS = (StackSetup("bfloat16", True, deterministic=True), StackSetup("auto", True))
 
 
 @dataclass(slots=True)
@@ -459,8 +464,8 @@ def plan_stacks(opts: Options, with_llamacpp: bool) -> dict[StackSetup, list[int
         plan[main] |= set(opts.overlap_concurrency)
         plan[StackSetup(opts.dtype, overlap=False)] = set(opts.overlap_concurrency)
     if "det" in opts.parts:
-        plan[main] |= set(opts.deterministic_concurrency)
-        plan[StackSetup(opts.dtype, overlap=True, deterministic=True)] = set(opts.deterministic_concurrency)
+        for setup in DETERMINISTIC_SETUPS:
+            plan.setdefault(setup, set()).update(opts.deterministic_concurrency)
     return {setup: sorted(levels) for setup, levels in plan.items() if levels}
 
 
@@ -532,7 +537,7 @@ def report_part_b(report: Report, opts: Options, summary: list[list[str]]) -> No
 
 def print_report(report: Report, opts: Options) -> None:
     main, off = StackSetup(opts.dtype, True).label, StackSetup(opts.dtype, False).label
-    deterministic = StackSetup(opts.dtype, True, deterministic=True).label
+    deterministic, default = (setup.label for setup in DETERMINISTIC_SETUPS)
     summary: list[list[str]] = []
     print(
         f"\nmodel {opts.model}, dtype {opts.dtype}, {opts.max_tokens} tokens/stream, {opts.threads} threads, "
@@ -557,10 +562,10 @@ def print_report(report: Report, opts: Options) -> None:
             None,
         ),
         "det": (
-            "(det) --deterministic vs not",
+            "(det) --deterministic (bf16) vs the default weight format without it",
             "deterministic vs not",
             deterministic,
-            main,
+            default,
             opts.deterministic_concurrency,
             TARGET_DETERMINISTIC,
         ),

@@ -171,7 +171,8 @@ def make_attention_backend(
     if batch_invariant:
         from libs.kernels.paged_attention_invariant import BatchInvariantAttentionBackend
 
-        return BatchInvariantAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+        use_kernel = device.type == "cpu"
+        return BatchInvariantAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, use_kernel)
     # Imported here: both modules import this one (and flashinfer itself is CUDA-only).
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashinfer_available():
         from libs.kernels.paged_attention_flashinfer import FlashInferAttentionBackend

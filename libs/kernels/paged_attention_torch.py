@@ -74,8 +74,15 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 KERNEL_MAX_GROUP = 64  # query heads per KV head the kernel takes (MAX_GROUP in cpu_ops.cpp)
 
 
+def kernel_ops(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> Any:
+    """The CPU extension's ops (torch.ops.deepinfer_cpu) when it is built and its paged kernel
+    takes this dtype and query group; else None."""
+    fits = dtype in KERNEL_DTYPES and num_heads // num_kv_heads <= KERNEL_MAX_GROUP
+    return cpu_ext.ops() if fits else None
+
+
 @dataclass(frozen=True)
-class _KernelTokens:
+class KernelTokens:
     """The step's tokens that the extension's ``paged_attention`` computes: every token of a
     decode row or of a short row with context (at most MAX_SHORT_QUERY_LEN new tokens), each
     with its row and the number of the row's first keys it sees (causal)."""
@@ -87,7 +94,8 @@ class _KernelTokens:
     token_num_keys: Tensor  # [n] int32
 
     @classmethod
-    def plan(cls, meta: PagedAttentionMetadata, ops: Any) -> _KernelTokens | None:
+    def plan(cls, meta: PagedAttentionMetadata, ops: Any, every_token: bool = False) -> KernelTokens | None:
+        """``every_token``: prefill rows too, however long (the batch-invariant backend's plan)."""
         if meta.block_tables.device.type != "cpu":
             return None
         starts = meta.query_start_loc.tolist()
@@ -97,7 +105,8 @@ class _KernelTokens:
         num_keys: list[int] = []
         for row, context_len in enumerate(context_lens):
             start, end = starts[row], starts[row + 1]
-            if row < meta.num_prefills and (context_len == 0 or end - start > MAX_SHORT_QUERY_LEN):
+            long_prefill = context_len == 0 or end - start > MAX_SHORT_QUERY_LEN
+            if row < meta.num_prefills and long_prefill and not every_token:
                 continue  # a prefill row: SDPA's
             index.extend(range(start, end))
             rows.extend([row] * (end - start))
@@ -142,7 +151,7 @@ class TorchAttentionBackend:
     Keys and values are gathered head-major (``HeadMajorGather``).
 
     With ``use_kernel`` (the worker's CPU backend, when the extension is built), decodes and short
-    rows with context go to the extension's paged kernel instead (``_KernelTokens``), which reads
+    rows with context go to the extension's paged kernel instead (``KernelTokens``), which reads
     the pages in place; prefill rows keep the paths above.
     """
 
@@ -160,15 +169,14 @@ class TorchAttentionBackend:
         # Decodes and short rows with context go to the CPU extension's paged kernel when it is
         # built (for fp32 / bf16): it reads each row's keys from the pages in place, with none of
         # the gather, mask and SDPA set-up, which cost more than the arithmetic at a few rows.
-        fits = dtype in KERNEL_DTYPES and num_heads // num_kv_heads <= KERNEL_MAX_GROUP
-        self._ops = cpu_ext.ops() if use_kernel and fits else None
+        self._ops = kernel_ops(num_heads, num_kv_heads, dtype) if use_kernel else None
         self.use_kernel = self._ops is not None
-        self._kernel: _KernelTokens | None = None
+        self._kernel: KernelTokens | None = None
 
     def plan(self, meta: PagedAttentionMetadata) -> None:
         device = meta.block_tables.device
         block_size = meta.block_size
-        self._kernel = _KernelTokens.plan(meta, self._ops) if self._ops is not None else None
+        self._kernel = KernelTokens.plan(meta, self._ops) if self._ops is not None else None
         # Row lengths come from the metadata's host arrays: no device read-back.
         starts = meta.query_start_loc.tolist()
         context_lens = meta.context_lens.tolist()

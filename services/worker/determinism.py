@@ -80,7 +80,7 @@ def probe(model: LlamaForCausalLM, dtype: torch.dtype) -> str | None:
 def _attention_probe(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
     """The batch-invariant attention's products on this machine: a 100-token sequence's last
     position as a lone decode, and as the last query of a 4-token row beside a 300-token decode."""
-    backend = BatchInvariantAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+    backend = BatchInvariantAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, use_kernel=True)
     generator = torch.Generator().manual_seed(1)
     cache_shape = (32, 16, num_kv_heads, head_dim)
     k_cache, v_cache = (torch.randn(cache_shape, generator=generator).to(dtype) for _ in range(2))

@@ -19,15 +19,29 @@ from libs.kernels.paged_attention_invariant import KV_CHUNK, BatchInvariantAtten
 from tests.unit.kernels.test_paged_attention import CASES, SMOLLM2, random_step
 
 HEADS = SMOLLM2  # num_heads, num_kv_heads, head_dim
+# The extension's kernel (the worker's path where it builds, as it does wherever the tests run) and
+# the chunked torch products (the fallback).
+KERNEL = pytest.mark.parametrize("use_kernel", [False, True], ids=["chunked", "kernel"])
 
 
+def make_backend(use_kernel: bool, dtype: torch.dtype = torch.bfloat16) -> BatchInvariantAttentionBackend:
+    backend = BatchInvariantAttentionBackend(*HEADS, dtype, use_kernel=use_kernel)
+    assert backend.use_kernel == use_kernel
+    return backend
+
+
+def test_the_cpu_backend_takes_the_kernel() -> None:
+    backend = make_attention_backend(torch.device("cpu"), *HEADS, torch.bfloat16, batch_invariant=True)
+    assert isinstance(backend, BatchInvariantAttentionBackend) and backend.use_kernel
+
+
+@KERNEL
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_matches_reference(case: str, dtype: torch.dtype) -> None:
+def test_matches_reference(case: str, dtype: torch.dtype, use_kernel: bool) -> None:
     meta, tensors = random_step(CASES[case], 16, HEADS, dtype, seed=2)
     q, k, v, k_cache, v_cache = tensors
-    backend = make_attention_backend(torch.device("cpu"), *HEADS, dtype, batch_invariant=True)
-    assert isinstance(backend, BatchInvariantAttentionBackend)
+    backend = make_backend(use_kernel, dtype)
     backend.plan(meta)
     out = backend.forward(q, k, v, k_cache, v_cache)
     expected = paged_attention_reference(q, k_cache, v_cache, meta)
@@ -76,14 +90,15 @@ def _caches() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
 
 
-def test_a_query_is_computed_alike_in_any_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+@KERNEL
+def test_a_query_is_computed_alike_in_any_batch(monkeypatch: pytest.MonkeyPatch, use_kernel: bool) -> None:
     """Sequence A (200 tokens) alone, whole, then decoded; the same with a long sequence B beside it
     (its keys pad A's decode batch to more chunks), with A's prompt in other chunks, and with small
     query blocks: every output of A is bit-identical."""
     g = torch.Generator().manual_seed(0)
     a = _Sequence(200, list(range(0, 13)), g)
     b = _Sequence(700, list(range(13, 57)), g)
-    backend = BatchInvariantAttentionBackend(*HEADS, torch.bfloat16)
+    backend = make_backend(use_kernel)
 
     def alone() -> list[torch.Tensor]:
         caches = _caches()
@@ -122,7 +137,7 @@ def test_a_query_is_computed_alike_in_any_batch(monkeypatch: pytest.MonkeyPatch)
 
 def test_keys_span_whole_chunks_past_a_short_table() -> None:
     # A 3-token row whose table is one block: its chunk of KV_CHUNK keys reads block 0 for the rest.
-    backend = BatchInvariantAttentionBackend(*HEADS, torch.bfloat16)
+    backend = make_backend(use_kernel=False)
     meta, tensors = random_step([(3, 0), (1, 5)], 16, HEADS, torch.bfloat16, seed=4)
     backend.plan(meta)
     assert all(batch.kv_index.numel() % (KV_CHUNK * HEADS[1]) == 0 for batch in backend._batches)
@@ -130,8 +145,9 @@ def test_keys_span_whole_chunks_past_a_short_table() -> None:
     assert torch.isfinite(out.float()).all()
 
 
+@KERNEL
 @pytest.mark.parametrize("seed", range(6))
-def test_every_row_of_a_random_step_is_computed_as_alone(seed: int) -> None:
+def test_every_row_of_a_random_step_is_computed_as_alone(seed: int, use_kernel: bool) -> None:
     """Rows of random lengths around chunk boundaries (decodes, and rows with context of up to 40
     queries): each row's output equals the same row planned alone, bit for bit."""
     g = torch.Generator().manual_seed(seed)
@@ -143,7 +159,7 @@ def test_every_row_of_a_random_step_is_computed_as_alone(seed: int) -> None:
     query_lens = [int(q) for q in torch.randint(2, 41, (num_prefills,), generator=g)] + [1] * num_decodes
     meta, tensors = random_step(list(zip(query_lens, contexts, strict=True)), 16, HEADS, torch.bfloat16, seed)
     q, k, v, k_cache, v_cache = tensors
-    backend = BatchInvariantAttentionBackend(*HEADS, torch.bfloat16)
+    backend = make_backend(use_kernel)
     backend.plan(meta)
     together = backend.forward(q, k, v, k_cache, v_cache)
     starts, tables = meta.query_start_loc.tolist(), meta.block_tables.tolist()
