@@ -40,6 +40,17 @@ def test_rows_are_computed_alone() -> None:
         torch.testing.assert_close(together[i : i + 1], int8_linear(x[i : i + 1], weight, scales))
 
 
+@pytest.mark.parametrize(("n", "k"), [(7, 576), (1030, 520), (5, 37), (9, 8)])
+def test_one_row_features_are_computed_alone(n: int, k: int) -> None:
+    # One row reads two weight rows side by side (two memory streams); each output is still that
+    # feature's own dot product, bit for bit the feature computed alone (where nothing pairs it).
+    weight, scales = quantized(n, k, seed=5)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
+    together = int8_linear(x, weight, scales)
+    alone = torch.cat([int8_linear(x, weight[i : i + 1], scales[i : i + 1]) for i in range(n)], dim=1)
+    assert torch.equal(together, alone)
+
+
 def test_non_contiguous_input_is_taken() -> None:
     weight, scales = quantized(32, 64, seed=3)
     x = torch.randn(64, 5).t()  # [5, 64], strided
