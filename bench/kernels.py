@@ -260,6 +260,15 @@ def bench_int8_linear(g: torch.Generator) -> None:
         (int8_linear, layers, head),
         g,
     )
+    # From 4 rows, x rounded to int16 (AVX-512 VNNI; elsewhere the same fp32 products). The head
+    # takes it here too; the worker's head keeps fp32 activations.
+    compare_projections(
+        "int8 int16 vs fp32 act",
+        (4, 8, 16, 32),
+        (int8_linear, layers, head),
+        (partial(int8_linear, int16_activations=True), layers, head),
+        g,
+    )
 
 
 Projections = tuple[Callable[..., Tensor], list[list[Weights]], Weights]  # (op, each layer's weights, head's)

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # vec.h and ops.h beside them
-SOURCES = tuple(CSRC / f for f in ("cpu_ops.cpp", "cpu_pointwise.cpp", "cpu_block.cpp", "cpu_invariant.cpp"))
+SOURCE_FILES = ("cpu_ops.cpp", "cpu_int8.cpp", "cpu_pointwise.cpp", "cpu_block.cpp", "cpu_invariant.cpp")
+SOURCES = tuple(CSRC / f for f in SOURCE_FILES)
 LIBRARY = "deepinfer_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 

@@ -112,9 +112,10 @@ class Int8Linear(_PackedLinear):
 
     def __init__(self, weight_int8: Tensor, scales: Tensor) -> None:
         super().__init__()
-        # Prefill-sized products in bf16 on a CPU with bf16 math (``_dense``); quantize_model
-        # turns it off for the LM head, whose logits decide tokens and report logprobs.
-        self.bf16_prefill = True
+        # Products that may round the activations: bf16 for prefill-sized ones on a CPU with bf16
+        # math (``_dense``), int16 from 4 rows in the extension's kernel (libs/kernels/int8_linear.py).
+        # quantize_model turns it off for the LM head, whose logits decide tokens and report logprobs.
+        self.round_activations = True
         self.out_features, self.in_features = map(int, weight_int8.shape)
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
@@ -144,14 +145,14 @@ class Int8Linear(_PackedLinear):
         # the fp32 one's time (a 512-token SmolLM2 forward 624 -> ~1010 tok/s, bf16's speed), at
         # bf16's rounding of inputs and weights, as a bf16 model prefills. (A decode step of 128
         # tokens or more, drafts included, takes it too.)
-        if self.bf16_prefill and self.scales.dtype == torch.float32 and x2d.is_cpu and _bf16_math():
+        if self.round_activations and self.scales.dtype == torch.float32 and x2d.is_cpu and _bf16_math():
             weight = self.dequantize().to(torch.bfloat16)  # one rounding of the fp32 weight
             return F.linear(x2d.to(torch.bfloat16), weight).float()
         return F.linear(x2d, self.dequantize())
 
     def _matmul(self, x2d: Tensor) -> Tensor:
         if self.scales.dtype == torch.float32:  # fp32 activations: the CPU extension's kernel
-            return int8_linear(x2d, self.weight_int8, self.scales)
+            return int8_linear(x2d, self.weight_int8, self.scales, self.round_activations)
         out: Tensor = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)
         return out
 
@@ -302,7 +303,7 @@ def quantize_model(model: LlamaForCausalLM, fmt: str, group_size: int = INT4_GRO
         mlp.gate_up_proj, mlp.down_proj = convert(mlp.gate_up_proj), convert(mlp.down_proj)
     head = model.lm_head.weight if isinstance(model.lm_head, nn.Linear) else model.embed_tokens.weight
     model.lm_head = Int8Linear.from_weight(head, dtype)
-    model.lm_head.bf16_prefill = False  # logits in the activations' precision at any row count
+    model.lm_head.round_activations = False  # logits in the activations' precision at any row count
 
 
 def int8_block_weights(model: LlamaForCausalLM) -> BlockWeights | None:

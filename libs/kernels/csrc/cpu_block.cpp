@@ -24,7 +24,8 @@ using deepinfer::int8_linear;
 // hidden: [T, E] fp32, the embeddings of the step's tokens; positions: [T] int64. Per layer l
 // (every list holds one tensor per layer): the input and post-attention norms' weights [E]; the
 // fused [q | k | v] projection's int8 weight [(H + 2 KVH) * D, E] and fp32 scales; o [E, H * D];
-// the fused [gate | up] projection [2 F, E]; down [E, F]; the layer's KV pages
+// the fused [gate | up] projection [2 F, E]; down [E, F] (int16 activations where the product
+// takes them, as Int8Linear's layers do); the layer's KV pages
 // [num_blocks, block_size, KVH, D]. The attention arguments are paged_attention's and write_kv's,
 // and cover every token. Returns norm(last block's output + residual), [T, E].
 at::Tensor decoder_blocks(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList input_norm,
@@ -53,7 +54,7 @@ at::Tensor decoder_blocks(const at::Tensor& hidden, const at::Tensor& positions,
     } else {
       std::tie(normed, residual) = add_rms_norm(x, residual, input_norm[l], eps);
     }
-    const at::Tensor qkv = int8_linear(normed, qkv_weight[l], qkv_scales[l]);  // [T, q_size + 2 kv_size]
+    const at::Tensor qkv = int8_linear(normed, qkv_weight[l], qkv_scales[l], true);  // [T, q_size + 2 kv_size]
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_blocks: qkv width is not (H + 2 KVH) * D");
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
@@ -63,10 +64,10 @@ at::Tensor decoder_blocks(const at::Tensor& hidden, const at::Tensor& positions,
     at::Tensor attended = at::empty({T, num_heads, D}, q.options());
     deepinfer::paged_attention(attended, q, k_caches[l], v_caches[l], block_tables, token_index, token_row,
                                token_num_keys, scale);
-    x = int8_linear(attended.view({T, q_size}), o_weight[l], o_scales[l]);
+    x = int8_linear(attended.view({T, q_size}), o_weight[l], o_scales[l], true);
     std::tie(normed, residual) = add_rms_norm(x, residual, post_norm[l], eps);
-    const at::Tensor gate_up = int8_linear(normed, gate_up_weight[l], gate_up_scales[l]);  // [T, 2 F]
-    x = int8_linear(deepinfer::silu_mul(gate_up), down_weight[l], down_scales[l]);
+    const at::Tensor gate_up = int8_linear(normed, gate_up_weight[l], gate_up_scales[l], true);  // [T, 2 F]
+    x = int8_linear(deepinfer::silu_mul(gate_up), down_weight[l], down_scales[l], true);
   }
   return std::get<0>(add_rms_norm(x, residual, final_norm, eps));
 }

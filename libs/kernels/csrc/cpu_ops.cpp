@@ -1,11 +1,11 @@
-// CPU kernels for small-batch decode, built on first use by libs/kernels/cpu_ext.py.
+// CPU kernels for small-batch decode, built on first use by libs/kernels/cpu_ext.py: paged
+// attention and KV writes (the int8 products are in cpu_int8.cpp).
 //
 // Decode at a few rows is bound by reading the weights (and, per layer, the KV) once per step;
-// the torch ops it used cost either bandwidth (an fp32 GEMV reads 4 bytes a weight, and MKL's
-// reaches about a third of this machine's read bandwidth) or fixed overhead (SDPA's CPU flash
-// kernel spends ~250 us planning one query over a hundred keys). These kernels do the same
-// arithmetic as their torch references (libs/kernels/int8_linear.py, paged_attention.py) in one
-// pass over memory, accumulating in fp32. They know no model: shapes come from the tensors.
+// the torch ops it used cost either bandwidth or fixed overhead (SDPA's CPU flash kernel spends
+// ~250 us planning one query over a hundred keys). These kernels do the same arithmetic as their
+// torch reference (libs/kernels/paged_attention.py) in one pass over memory, accumulating in
+// fp32. They know no model: shapes come from the tensors.
 //
 // Vector code is AVX2 + FMA where the compiler targets it (vec.h), with a plain loop beside it.
 
@@ -27,147 +27,6 @@
 namespace {
 
 using namespace deepinfer;
-
-// ---------------------------------------------------------------------------------------------
-// y[M, N] = x[M, K] @ (w[N, K] * scales[N, None])^T, w int8, x and scales fp32.
-// Each thread takes a range of output features, RN weight rows at a time, and walks the input rows
-// RM at a time over them: an RM x RN tile of accumulators stays in registers (AVX2 has 16), each
-// int8 -> fp32 conversion serves RM rows and each loaded input vector RN weight rows. A block of
-// weight rows is read from memory once; later input tiles find it in L1. Tiles of 4 x 2 measured
-// fastest from 4 rows (1.5x the 8 x 1 tiles they replaced at 8 rows), 2 x 4 at 2-3.
-template <int RM, int RN>
-inline void int8_tile(const float* x, int64_t K, const int8_t* w, const float* scales, float* out, int64_t N) {
-  int64_t k = 0;
-  float sums[RM][RN] = {};
-#ifdef DEEPINFER_AVX512
-  {
-    __m512 acc[RM][RN];
-#pragma GCC unroll 4
-    for (int i = 0; i < RM; ++i)
-#pragma GCC unroll 4
-      for (int j = 0; j < RN; ++j) acc[i][j] = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-      __m512 xv[RM];
-#pragma GCC unroll 4
-      for (int i = 0; i < RM; ++i) xv[i] = _mm512_loadu_ps(x + i * K + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < RN; ++j) {
-        const __m512 wv = load16(w + j * K + k);
-#pragma GCC unroll 4
-        for (int i = 0; i < RM; ++i) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);
-      }
-    }
-    for (int i = 0; i < RM; ++i)
-      for (int j = 0; j < RN; ++j) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
-  }
-#endif
-#ifdef DEEPINFER_AVX2
-  __m256 acc[RM][RN];
-#pragma GCC unroll 4
-  for (int i = 0; i < RM; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
-    __m256 xv[RM];
-#pragma GCC unroll 4
-    for (int i = 0; i < RM; ++i) xv[i] = _mm256_loadu_ps(x + i * K + k);
-#pragma GCC unroll 4
-    for (int j = 0; j < RN; ++j) {
-      const __m256 wv = load8(w + j * K + k);
-#pragma GCC unroll 4
-      for (int i = 0; i < RM; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < RN; ++j) sums[i][j] += hsum(acc[i][j]);
-#endif
-  for (; k < K; ++k)
-    for (int i = 0; i < RM; ++i)
-      for (int j = 0; j < RN; ++j) sums[i][j] += static_cast<float>(w[j * K + k]) * x[i * K + k];
-  for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < RN; ++j) out[i * N + j] = sums[i][j] * scales[j];
-}
-
-// Output features [n0, n1) of all M rows.
-template <int RM, int RN>
-void int8_features(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, float* out, int64_t N,
-                   int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + RN <= n1; n += RN) {
-    int64_t m = 0;
-    for (; m + RM <= M; m += RM) int8_tile<RM, RN>(x + m * K, K, w + n * K, scales + n, out + m * N + n, N);
-    for (; m < M; ++m) int8_tile<1, RN>(x + m * K, K, w + n * K, scales + n, out + m * N + n, N);
-  }
-  for (; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + RM <= M; m += RM) int8_tile<RM, 1>(x + m * K, K, w + n * K, scales + n, out + m * N + n, N);
-    for (; m < M; ++m) int8_tile<1, 1>(x + m * K, K, w + n * K, scales + n, out + m * N + n, N);
-  }
-}
-
-// Weight rows per tile from 4 input rows: AVX-512's 32 registers hold a 4 x 4 tile of
-// accumulators beside its inputs; AVX2's 16 hold 4 x 2.
-#ifdef DEEPINFER_AVX512
-constexpr int WIDE_RN = 4;
-#else
-constexpr int WIDE_RN = 2;
-#endif
-constexpr int64_t INT8_CHUNK = 64;  // output features per chunk from 4 rows (16-256 measured alike)
-
-}  // namespace
-
-namespace deepinfer {
-
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && scales.dim() == 1, "int8_linear: x [M, K], weight [N, K], scales [N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && scales.scalar_type() == at::kFloat, "int8_linear: x and scales are float32");
-  TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: weight is int8");
-  TORCH_CHECK(x.size(1) == weight.size(1) && scales.size(0) == weight.size(0), "int8_linear: shapes disagree");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && scales.is_contiguous(), "int8_linear: contiguous inputs");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = weight.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // Each thread's slice of features stays contiguous; a product too small to pay for waking the
-  // other threads (under ~256K weights) runs on one.
-  const int64_t grain = N * K < (1 << 18) ? N : 16;
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    if (M == 1) {
-      // A matrix-vector product, two FMA chains a weight row: rows from the two halves of this
-      // thread's features side by side (dot2), two memory streams where one row after another is
-      // one. One thread over SmolLM2's projections: 1.2-1.3x (bench/kernels.py, int8_linear).
-      const int64_t half = (end - begin) / 2;
-      for (int64_t n = begin; n < begin + half; ++n) {
-        float a, b;
-        dot2(xp, wp + n * K, wp + (n + half) * K, K, &a, &b);
-        op[n] = a * sp[n];
-        op[n + half] = b * sp[n + half];
-      }
-      for (int64_t n = begin + 2 * half; n < end; ++n) op[n] = dot(xp, wp + n * K, K) * sp[n];
-    } else if (M < 4) {
-      int8_features<2, 4>(xp, M, K, wp, sp, op, N, begin, end);
-    } else {
-      // Features a chunk at a time, every 4-row tile over each chunk: the chunk's weights (64 rows,
-      // 36-98 KB here) are read from memory once and stay in L2 for the later tiles, and a tile's
-      // 4 input rows stay in L1. Every row tile per 4 features (the loop before) measured 1.3-1.6x
-      // slower at 8-32 rows: its 8-32 input rows do not fit in L1.
-      for (int64_t n0 = begin; n0 < end; n0 += INT8_CHUNK) {
-        const int64_t n1 = std::min(end, n0 + INT8_CHUNK);
-        for (int64_t m = 0; m < M; m += 4) {
-          const int64_t rows = std::min<int64_t>(4, M - m);
-          int8_features<4, WIDE_RN>(xp + m * K, rows, K, wp, sp, op + m * N, N, n0, n1);
-        }
-      }
-    }
-  });
-  return out;
-}
-
-}  // namespace deepinfer
-
-namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Attention of chosen query tokens over their rows' paged KV.
@@ -386,7 +245,6 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 }  // namespace deepinfer
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
-  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor token_index, Tensor token_row, Tensor token_num_keys, float scale) -> ()");
@@ -394,7 +252,6 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
-  m.impl("int8_linear", &deepinfer::int8_linear);
   m.impl("paged_attention", &deepinfer::paged_attention);
   m.impl("write_kv", &deepinfer::write_kv);
 }

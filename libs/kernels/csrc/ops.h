@@ -9,8 +9,11 @@
 
 namespace deepinfer {
 
+// cpu_int8.cpp
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       bool int16_activations);
+
 // cpu_ops.cpp
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales);
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& token_index, const at::Tensor& token_row,
                      const at::Tensor& token_num_keys, double scale);

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from libs.kernels import cpu_ext
-from libs.kernels.int8_linear import int8_linear, int8_linear_reference
+from libs.kernels.int8_linear import (
+    INT16_MIN_ROWS,
+    int8_linear,
+    int8_linear_int16_reference,
+    int8_linear_reference,
+    int16_products,
+)
 
 
 def quantized(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +55,39 @@ def test_one_row_features_are_computed_alone(n: int, k: int) -> None:
     together = int8_linear(x, weight, scales)
     alone = torch.cat([int8_linear(x, weight[i : i + 1], scales[i : i + 1]) for i in range(n)], dim=1)
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("num_rows", [4, 5, 8, 23, 64])
+@pytest.mark.parametrize(("n", "k"), [(192, 576), (48, 20), (3, 37), (1030, 520), (16, 8200)])
+def test_int16_activations_match_their_reference(num_rows: int, n: int, k: int) -> None:
+    # 20: no column rounded (fewer than 32); 37: a fp32 tail past 32; 8200: two int32 chunks.
+    weight, scales = quantized(n, k, seed=num_rows + 7)
+    x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(n + 1))
+    x[1, k // 2] = 40.0  # a row whose spread is 40x its typical value
+    out = int8_linear(x, weight, scales, int16_activations=True)
+    exact = int8_linear_reference(x, weight, scales)
+    atol = 2e-5 * float(exact.abs().max())  # fp32 sums: within their rounding of the largest outputs
+    if not int16_products():  # a CPU without AVX-512 VNNI: the fp32 products
+        torch.testing.assert_close(out, exact, rtol=1e-5, atol=atol)
+        return
+    torch.testing.assert_close(out, int8_linear_int16_reference(x, weight, scales), rtol=1e-5, atol=atol)
+    # x rounded at 2^-16 of each row's largest value: far inside bf16's rounding of x.
+    bound = x.abs().amax(dim=1, keepdim=True) / 32767 * (weight.float().abs() @ torch.ones(k))[None, :]
+    assert ((out - exact).abs() <= bound * scales[None, :] + 1e-4).all()
+    if k >= 32:
+        assert not torch.equal(out, int8_linear(x, weight, scales))  # the int16 path ran
+
+
+def test_int16_activations_leave_small_steps_and_bad_rows_alone() -> None:
+    weight, scales = quantized(64, 576, seed=9)
+    x = torch.randn(INT16_MIN_ROWS + 2, 576, generator=torch.Generator().manual_seed(10))
+    few = x[: INT16_MIN_ROWS - 1]
+    assert torch.equal(int8_linear(few, weight, scales, True), int8_linear(few, weight, scales))
+    x[1, 7], x[3, 9] = float("nan"), float("inf")
+    out = int8_linear(x, weight, scales, int16_activations=True)
+    assert torch.isfinite(out).all(dim=1).tolist() == [True, False, True, False, True, True]
+    clean = torch.cat([x[:1], x[2:3], x[4:]])
+    torch.testing.assert_close(out[[0, 2, 4, 5]], int8_linear(clean, weight, scales, True), rtol=0, atol=0)
 
 
 def test_non_contiguous_input_is_taken() -> None:

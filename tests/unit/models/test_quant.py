@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 import libs.models.quant as quant
+from libs.kernels.int8_linear import int8_linear_int16_reference, int8_linear_reference, int16_products
 from libs.models.attention import SingleSequenceCausalAttention
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -89,7 +90,13 @@ def test_layer_equals_its_dequantized_weight(
     out = module(x)
     reference = x.float() @ module.dequantize().float().T
     assert out.shape == (num_tokens, 192) and out.dtype == dtype
-    if dtype == torch.float32:
+    int16_path = path == "packed" and isinstance(module, Int8Linear) and dtype == torch.float32
+    if int16_path and num_tokens >= 4 and int16_products():
+        # From 4 rows the kernel rounds x to int16 (libs/kernels/int8_linear.py).
+        int16 = int8_linear_int16_reference(x, module.weight_int8, module.scales)
+        torch.testing.assert_close(out, int16, rtol=1e-5, atol=3e-5)
+        torch.testing.assert_close(out, reference, rtol=1e-3, atol=1e-3)
+    elif dtype == torch.float32:
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     else:  # bf16 output: within a couple of bf16 ulps of the fp32-accumulated reference
         atol = 2**-7 * reference.abs().max().item()
@@ -116,17 +123,29 @@ def test_int8_fp32_prefill_runs_in_bf16_where_the_cpu_multiplies_it(
         torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-5)
     assert out.dtype == torch.float32
     torch.testing.assert_close(module(x[:3]), x[:3] @ weight.T, rtol=1e-5, atol=1e-5)  # decode: fp32
-    module.bf16_prefill = False  # as quantize_model sets it for the LM head
+    module.round_activations = False  # as quantize_model sets it for the LM head
     torch.testing.assert_close(module(x), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
-def test_the_lm_head_never_prefills_in_bf16() -> None:
+def test_int8_fp32_decode_rows_round_activations_to_int16_but_the_head() -> None:
+    gen = torch.Generator().manual_seed(4)
+    module = layer("int8", torch.randn(192, 384, generator=gen) * 0.05, torch.float32)
+    assert isinstance(module, Int8Linear)
+    x = torch.randn(8, 384, generator=gen)
+    expected = int8_linear_int16_reference if int16_products() else int8_linear_reference
+    reference = expected(x, module.weight_int8, module.scales)
+    torch.testing.assert_close(module(x), reference, rtol=1e-5, atol=1e-5)
+    module.round_activations = False  # as quantize_model sets it for the LM head
+    torch.testing.assert_close(module(x), x @ module.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_lm_head_never_rounds_its_activations() -> None:
     model = LlamaForCausalLM(TINY_LLAMA, torch.float32)
     quantize_model(model, "int8")
-    assert isinstance(model.lm_head, Int8Linear) and not model.lm_head.bf16_prefill
+    assert isinstance(model.lm_head, Int8Linear) and not model.lm_head.round_activations
     layer0 = model.layers[0]
     assert isinstance(layer0, LlamaDecoderLayer)
-    assert isinstance(layer0.mlp.down_proj, Int8Linear) and layer0.mlp.down_proj.bf16_prefill
+    assert isinstance(layer0.mlp.down_proj, Int8Linear) and layer0.mlp.down_proj.round_activations
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4-g32", "int4-g64"])
