@@ -9,8 +9,9 @@ for bf16 everywhere.
 
 From 4 rows a product is bound by arithmetic, not bytes. With ``int16_activations`` on a CPU with
 AVX-512 VNNI the extension rounds each row of x to int16 (its own scale, max |x| / 32767) and
-multiplies int16 pairs into exact int32 sums: 1.2-1.3x the fp32 products, at a rounding of x
-finer than bf16's (``int8_linear_int16_reference`` is that arithmetic in torch).
+multiplies int16 pairs into int32 sums, exact per lane, that meet in fp32: 1.2-1.3x the fp32
+products, at a rounding of x finer than bf16's (``int8_linear_int16_reference`` is that
+arithmetic in torch).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from libs.kernels import cpu_ext
 INT16_MAX = 32767
 INT16_MIN_ROWS = 4  # the extension's INT16_MIN_ROWS: fewer rows keep fp32 products
 INT16_BLOCK = 32  # the extension rounds x's first K // 32 * 32 columns; the rest stay fp32
+INT16_MIN_TOP = 1e-30  # the extension's I16_MIN_TOP: rows this small keep the fp32 product
 
 
 def int8_linear_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
@@ -34,14 +36,16 @@ def int8_linear_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 def int8_linear_int16_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """The int16-activation product, its sums in float64: each row of x's first K // 32 * 32
     columns rounded (half to even) to int16 as the kernel rounds it, x * (32767 / max |row|) in
-    fp32, then scaled back by max |row| / 32767; the other columns as they are."""
+    fp32, then scaled back by max |row| / 32767; the other columns as they are. A row whose
+    largest value is under INT16_MIN_TOP, or that is not finite, keeps the plain product."""
     k_int = x.shape[1] // INT16_BLOCK * INT16_BLOCK
     top = x.float().abs().amax(dim=1, keepdim=True)
-    inverse = torch.where(top > 0, INT16_MAX / top, torch.zeros_like(top))
-    q = torch.round(x[:, :k_int].float() * inverse).clamp(-INT16_MAX, INT16_MAX).double()
-    row_scale = torch.where(top > 0, top / INT16_MAX, torch.ones_like(top)).double()
+    plain = ~torch.isfinite(x.float()).all(dim=1, keepdim=True) | (top < INT16_MIN_TOP)
+    top = torch.where(plain, torch.ones_like(top), top)
+    q = torch.round(x[:, :k_int].float() * (INT16_MAX / top)).clamp(-INT16_MAX, INT16_MAX).double()
     w64 = weight.double()
-    out = (q @ w64[:, :k_int].T) * row_scale + x[:, k_int:].double() @ w64[:, k_int:].T
+    out = (q @ w64[:, :k_int].T) * (top / INT16_MAX).double() + x[:, k_int:].double() @ w64[:, k_int:].T
+    out = torch.where(plain, x.double() @ w64.T, out)
     return (out * scales.double()).float()
 
 

@@ -119,24 +119,30 @@ constexpr int64_t INT16_MIN_ROWS = 4;  // below, rounding x to int16 gained noth
 // int16 activations (AVX-512 VNNI): each row of x rounded to int16 with its own scale
 // (max |x| / 32767), each weight widened to int16 (vpmovsxbw: one instruction for 32, where fp32
 // takes two for 16), and 32 products a lane pair summed into int32 per instruction (vpdpwssd).
-// Exact integer sums; the one rounding is x's, 2^-16 of the row's largest value, finer than
-// bf16's 2^-9 of each value unless the row's spread passes 128x. Over SmolLM2's projections at
-// 2 threads: 1.16x the fp32 tiles at 4 and 8 rows, 1.3x at 16-32 (bench/kernels.py, "int8 linear").
+// Each int32 lane's sum is exact; lanes meet in fp32. The rounding that counts is x's, 2^-16 of
+// the row's largest value, finer than bf16's 2^-9 of each value unless the row's spread passes
+// 128x. Over SmolLM2's projections at 2 threads: 1.18-1.33x the fp32 tiles at 4-32 rows
+// (bench/kernels.py, "int8 int16 vs fp32 act").
 
-// An int32 lane sums K / 16 products of |q| <= 32767 and |w| <= 128 per chunk: 4096 keeps that
-// under 2^31 (2^27.0); chunks meet in fp32.
+// An int32 lane sums I16_CHUNK_K / 16 products of |q| <= 32768 and |w| <= 128 per chunk: 256 of
+// them, at most 2^30, under 2^31; chunks meet in fp32.
 constexpr int64_t I16_CHUNK_K = 4096;
+// A row whose largest |x| is below this (or that holds a NaN or an infinity) keeps the fp32
+// product: 32767 / max would overflow fp32 near 1e-34, and fp32 gives such rows its own answer.
+constexpr float I16_MIN_TOP = 1e-30f;
 
-// x's rows as int16: q [M, Kp] (Kp: K rounded down to 32; the rest stays fp32) and each row's
-// scale. A row with a NaN or an infinity gets a NaN scale, so its outputs are NaN as fp32's are.
+// x's rows as int16: q [M, Kp] (Kp: K rounded down to 32; the rest stays fp32), each row's scale,
+// and which rows keep the fp32 product instead (their q is 0).
 struct Int16Rows {
   std::vector<int16_t> q;
   std::vector<float> scale;
+  std::vector<uint8_t> fp32_row;
   int64_t Kp;
 };
 
 Int16Rows quantize_rows(const float* x, int64_t M, int64_t K) {
-  Int16Rows rows{std::vector<int16_t>(M * (K / 32 * 32)), std::vector<float>(M), K / 32 * 32};
+  const int64_t Kp = K / 32 * 32;
+  Int16Rows rows{std::vector<int16_t>(M * Kp), std::vector<float>(M, 1.f), std::vector<uint8_t>(M, 0), Kp};
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
@@ -153,14 +159,14 @@ Int16Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       top = std::max(top, std::fabs(row[k]));
       unordered |= std::isnan(row[k]) ? 1 : 0;
     }
-    if (unordered || !std::isfinite(top)) {
-      rows.scale[m] = std::numeric_limits<float>::quiet_NaN();
-      continue;  // q stays 0: the NaN scale decides the row
+    if (unordered || !std::isfinite(top) || top < I16_MIN_TOP) {
+      rows.fp32_row[m] = 1;
+      continue;
     }
-    rows.scale[m] = top > 0.f ? top / 32767.f : 1.f;
-    const __m512 inv = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
-    int16_t* q = rows.q.data() + m * rows.Kp;
-    for (int64_t j = 0; j < rows.Kp; j += 16) {  // round to nearest even, saturate to int16
+    rows.scale[m] = top / 32767.f;
+    const __m512 inv = _mm512_set1_ps(32767.f / top);
+    int16_t* q = rows.q.data() + m * Kp;
+    for (int64_t j = 0; j < Kp; j += 16) {  // round to nearest even, saturate to int16
       const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), inv));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j), _mm512_cvtsepi32_epi16(r));
     }
@@ -169,7 +175,7 @@ Int16Rows quantize_rows(const float* x, int64_t M, int64_t K) {
 }
 
 // sums[i * RN + j] = q_i . w_j over [0, Kp), for RM rows of q ([RM, Kp]) and RN weight rows
-// ([RN, K], int8), exactly up to the fp32 meeting of chunks.
+// ([RN, K], int8): exact in each int32 lane within a chunk; lanes and chunks meet in fp32.
 template <int RM, int RN>
 inline void int16_tile(const int16_t* q, int64_t Kp, const int8_t* w, int64_t K, float* sums) {
   __m512 total[RM][RN];
@@ -200,6 +206,8 @@ inline void int16_tile(const int16_t* q, int64_t Kp, const int8_t* w, int64_t K,
 #pragma GCC unroll 4
       for (int j = 0; j < RN; ++j) total[i][j] = _mm512_add_ps(total[i][j], _mm512_cvtepi32_ps(acc[i][j]));
   }
+  // A lane's integer sum converts to fp32 with one rounding (2^-24 of it, past 2^24); an exact
+  // int64 meeting of the lanes measured 1.08-1.15x the fp32 tiles against 1.18-1.33x for this.
 #pragma GCC unroll 4
   for (int i = 0; i < RM; ++i)
 #pragma GCC unroll 4
@@ -226,9 +234,16 @@ void int16_features(const Int16Rows& xq, const float* x, int64_t M, int64_t K, c
   float sums[4 * RN];
   auto finish = [&](int64_t m, int64_t rows, int64_t n, int64_t cols) {
     for (int64_t i = 0; i < rows; ++i) {
+      const float* xr = x + (m + i) * K;
       for (int64_t j = 0; j < cols; ++j) {
-        float v = sums[i * cols + j] * xq.scale[m + i];
-        for (int64_t k = Kp; k < K; ++k) v = std::fma(static_cast<float>(w[(n + j) * K + k]), x[(m + i) * K + k], v);
+        const int8_t* wr = w + (n + j) * K;
+        float v;
+        if (xq.fp32_row[m + i]) {
+          v = dot(xr, wr, K);  // the one-row product's own arithmetic
+        } else {
+          v = sums[i * cols + j] * xq.scale[m + i];
+          for (int64_t k = Kp; k < K; ++k) v = fmadd(static_cast<float>(wr[k]), xr[k], v);
+        }
         out[(m + i) * N + n + j] = v * scales[n + j];
       }
     }

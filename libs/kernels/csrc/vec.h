@@ -113,6 +113,17 @@ inline float exp_shifted(float* s, int64_t n, float max) {
   return sum;
 }
 
+// a * b + c, as one fused multiply-add where the CPU has one: what the compiler contracts a * b + c
+// to may differ between loops, so the tails below say it (dot2 gives dot's bits). Without FMA
+// (no AVX2 build) std::fma would be a slow library call, and nothing is contracted anyway.
+inline float fmadd(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 template <typename A, typename B>
 inline float dot(const A* a, const B* b, int64_t n) {
   int64_t i = 0;
@@ -137,9 +148,7 @@ inline float dot(const A* a, const B* b, int64_t n) {
     sum += hsum(_mm256_add_ps(acc0, acc1));
   }
 #endif
-  // An explicit fma: what the compiler contracts a * b + sum to may differ between loops, and
-  // dot2 gives dot's bits.
-  for (; i < n; ++i) sum = std::fma(static_cast<float>(a[i]), static_cast<float>(b[i]), sum);
+  for (; i < n; ++i) sum = fmadd(static_cast<float>(a[i]), static_cast<float>(b[i]), sum);
   return sum;
 }
 
@@ -187,8 +196,8 @@ inline void dot2(const A* a, const B* b0, const B* b1, int64_t n, float* out0, f
   }
 #endif
   for (; i < n; ++i) {
-    sum0 = std::fma(static_cast<float>(a[i]), static_cast<float>(b0[i]), sum0);
-    sum1 = std::fma(static_cast<float>(a[i]), static_cast<float>(b1[i]), sum1);
+    sum0 = fmadd(static_cast<float>(a[i]), static_cast<float>(b0[i]), sum0);
+    sum1 = fmadd(static_cast<float>(a[i]), static_cast<float>(b1[i]), sum1);
   }
   *out0 = sum0;
   *out1 = sum1;

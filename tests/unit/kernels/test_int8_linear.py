@@ -46,7 +46,7 @@ def test_rows_are_computed_alone() -> None:
         torch.testing.assert_close(together[i : i + 1], int8_linear(x[i : i + 1], weight, scales))
 
 
-@pytest.mark.parametrize(("n", "k"), [(7, 576), (1030, 520), (5, 37), (9, 8)])
+@pytest.mark.parametrize(("n", "k"), [(7, 576), (1030, 520), (5, 37), (9, 8), (6, 53), (4, 25)])
 def test_one_row_features_are_computed_alone(n: int, k: int) -> None:
     # One row reads two weight rows side by side (two memory streams); each output is still that
     # feature's own dot product, bit for bit the feature computed alone (where nothing pairs it).
@@ -78,16 +78,26 @@ def test_int16_activations_match_their_reference(num_rows: int, n: int, k: int) 
         assert not torch.equal(out, int8_linear(x, weight, scales))  # the int16 path ran
 
 
-def test_int16_activations_leave_small_steps_and_bad_rows_alone() -> None:
+def test_int16_activations_leave_small_steps_and_odd_rows_alone() -> None:
     weight, scales = quantized(64, 576, seed=9)
-    x = torch.randn(INT16_MIN_ROWS + 2, 576, generator=torch.Generator().manual_seed(10))
+    x = torch.randn(INT16_MIN_ROWS + 4, 576, generator=torch.Generator().manual_seed(10))
     few = x[: INT16_MIN_ROWS - 1]
     assert torch.equal(int8_linear(few, weight, scales, True), int8_linear(few, weight, scales))
+    # A NaN, an infinity, a row of 1e-36 (32767 / max would overflow) and of denormals: each
+    # such row gets the one-row fp32 product's own answer, the others theirs.
     x[1, 7], x[3, 9] = float("nan"), float("inf")
+    x[4] *= 1e-36
+    x[5] = torch.full((576,), 1e-40) * torch.sign(x[5])
     out = int8_linear(x, weight, scales, int16_activations=True)
-    assert torch.isfinite(out).all(dim=1).tolist() == [True, False, True, False, True, True]
-    clean = torch.cat([x[:1], x[2:3], x[4:]])
-    torch.testing.assert_close(out[[0, 2, 4, 5]], int8_linear(clean, weight, scales, True), rtol=0, atol=0)
+    if not int16_products():  # the flag changes nothing there
+        torch.testing.assert_close(out, int8_linear(x, weight, scales), rtol=0, atol=0, equal_nan=True)
+    for row in (1, 3, 4, 5) if int16_products() else ():
+        alone = int8_linear(x[row : row + 1], weight, scales)[0]
+        torch.testing.assert_close(out[row], alone, rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(out).all(dim=1).tolist() == [True, False, True, False, True, True, True, True]
+    assert (out[4].abs() > 0).all() and (out[4].abs() < 1e-32).all()
+    clean = x[[0, 2, 6, 7]]
+    torch.testing.assert_close(out[[0, 2, 6, 7]], int8_linear(clean, weight, scales, True), rtol=0, atol=0)
 
 
 def test_non_contiguous_input_is_taken() -> None:

@@ -133,10 +133,13 @@ def test_int8_fp32_decode_rows_round_activations_to_int16_but_the_head() -> None
     assert isinstance(module, Int8Linear)
     x = torch.randn(8, 384, generator=gen)
     expected = int8_linear_int16_reference if int16_products() else int8_linear_reference
+    rounded = module(x)
     reference = expected(x, module.weight_int8, module.scales)
-    torch.testing.assert_close(module(x), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rounded, reference, rtol=1e-5, atol=1e-5)
     module.round_activations = False  # as quantize_model sets it for the LM head
-    torch.testing.assert_close(module(x), x @ module.dequantize().T, rtol=1e-5, atol=1e-5)
+    exact = module(x)
+    torch.testing.assert_close(exact, x @ module.dequantize().T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rounded, exact) != int16_products()  # the setting decides the path
 
 
 def test_the_lm_head_never_rounds_its_activations() -> None:
