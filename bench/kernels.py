@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from random_model import model_config, random_model
 from torch import Tensor
 
 from libs.kernels import cpu_ext, paged_attention_torch
@@ -43,8 +44,6 @@ from libs.kernels.rotary import (
     rope_cos_sin_cache,
     rotary_rotation,
 )
-from libs.modelfiles.llama_config import LlamaConfig
-from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
 from services.worker.forward_executor import ForwardBatch, ForwardExecutor, ModelShape
 
@@ -469,21 +468,8 @@ def bench_decoder_blocks(g: torch.Generator) -> None:
     if cpu_ext.ops() is None:
         print(f"{'decoder_blocks':<22} skipped: the CPU extension is not built here")
         return
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=30,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=g)))
-    model = LlamaForCausalLM(config, torch.float32)
+    config = model_config("smollm2")
+    model = random_model(config, torch.float32, "cpu")
     quantize_model(model, "int8")
     block_size, context = 16, 100
     for num_rows in (1, 8):

@@ -298,7 +298,7 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         start_metrics_server(config.metrics_port, metrics.registry(worker.runner))
         # The shapes a first request takes, warm on the forward thread itself: OpenMP's teams and
         # the math libraries' per-thread state belong to the thread that calls them.
-        await service.on_step_thread(warm_up, worker.runner)
+        await service.on_step_thread(warm_up)
         await service.run(stop)
     finally:
         await bus.close()

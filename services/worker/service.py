@@ -95,9 +95,9 @@ class WorkerService:
         # cores the running one needed (measured: 4 threads busy for a 2-thread forward).
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
 
-    async def on_step_thread(self, fn: Callable[[ModelRunner], None], runner: ModelRunner) -> None:
+    async def on_step_thread(self, fn: Callable[[ModelRunner], None]) -> None:
         """``fn(runner)`` on the thread every forward runs on (warm-up, before ``run``)."""
-        await asyncio.get_running_loop().run_in_executor(self._step_thread, fn, runner)
+        await asyncio.get_running_loop().run_in_executor(self._step_thread, fn, self.runner)
 
     async def run(self, stop: asyncio.Event) -> None:
         subs = [await self.bus.subscribe(self.subjects.worker_step(self.config.worker_id), self.on_step)]
