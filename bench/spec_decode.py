@@ -25,8 +25,11 @@ where a client would have one: for code-edit, the snippet with the edit done, as
 it; ``oracle``, a prediction that is the text this model writes (sent as text, re-tokenized):
 what the source gives when the prediction is right; and ``wrong``, another request's prediction
 (a client that sends the wrong file): what a prediction costs when nothing in it holds.
-Workloads: bench/spec_workloads.py. Every run's tokens are checked against the baseline's
-(speculation must change none).
+Workloads: bench/spec_workloads.py. Every run's tokens are checked against the baseline's: in
+fp32 (the default) speculation must change none; in another format (``--dtype auto`` is what a
+worker serves: int8 on a CPU with the kernels) a verification's rows go through the matmuls
+batched, whose rounding differs from one row's (a 4-row int8 product rounds its activations to
+int16), so the report gives the share of requests whose tokens match instead.
 
     python bench/spec_decode.py                     # every workload, concurrency 1, 4, 16, 32
     python bench/spec_decode.py --quick             # smoke run (tests/unit/worker/test_bench_spec_decode.py)
@@ -47,13 +50,13 @@ from spec_workloads import WORKLOADS
 
 from deepinfer.local_engine import LocalEngine
 from libs.modelfiles.registry import resolve_model_path
-from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.member_messages import StepSample
 from libs.protocol.messages import SamplingParams
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.worker_scheduler import Limits
+from services.worker.main import load_llama_model, resolve_dtype, resolve_format
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.step_profile import profile_steps
 
@@ -80,6 +83,11 @@ class Result:
     num_accepted: int
     num_verified: int
 
+    @property
+    def speed(self) -> float:
+        """Output tokens/s (its own tokens: outside fp32 a run may end a request elsewhere)."""
+        return sum(len(tokens) for tokens in self.outputs.values()) / self.seconds
+
 
 @dataclass(frozen=True, slots=True)
 class Row:
@@ -104,7 +112,8 @@ def requests(tokenizer: Tokenizer, workload: str, num_requests: int, num_tasks: 
 
 
 def new_runner(model: LlamaForCausalLM) -> ModelRunner:
-    return ModelRunner(model, ModelShape.of(model.config), NUM_BLOCKS, BLOCK_SIZE, torch.float32)
+    dtype = model.norm.weight.dtype  # the activations' (int8 / int4 layers keep their own)
+    return ModelRunner(model, ModelShape.of(model.config), NUM_BLOCKS, BLOCK_SIZE, dtype)
 
 
 def run(
@@ -137,8 +146,9 @@ def run(
 def bench_group(
     model: LlamaForCausalLM, tokenizer: Tokenizer, workload: str, concurrency: int, ks: list[int],
     max_tokens: int, repeat: int, num_tasks: int, num_requests: int,
-) -> tuple[list[Row], int]:  # fmt: skip
-    """Print one workload and concurrency's rows; returns them and how many runs changed a token."""
+) -> tuple[list[Row], int, int]:  # fmt: skip
+    """Print one workload and concurrency's rows; returns them, how many requests' tokens differed
+    from the baseline's and how many requests ran."""
     batch = requests(tokenizer, workload, num_requests, num_tasks)
     # Warm-up at this batch's shapes, drafted rows included (a forward's first run of a shape is slow).
     run(model, [(p, p[-32:]) for p, _ in batch], concurrency, Config("prediction", max(ks), "fixed"), 8)
@@ -163,18 +173,17 @@ def bench_group(
         for k, policy in [(k, "fixed") for k in ks] + [(max(ks), "adaptive")]
     ]
     best: dict[Config, Result] = {}
-    mismatches = 0
+    mismatches = num_runs = 0
     for round_index in range(repeat):
         for config in configs if round_index % 2 == 0 else configs[::-1]:
             result = run(model, batches.get(config.source, batch), concurrency, config, max_tokens, profile)
-            mismatches += result.outputs != base.outputs
+            mismatches += sum(result.outputs[r] != tokens for r, tokens in base.outputs.items())
+            num_runs += len(base.outputs)
             if config not in best or result.seconds < best[config].seconds:
                 best[config] = result
     num_tokens = sum(len(tokens) for tokens in base.outputs.values())
-    base_s = best[configs[0]].seconds
-    rows = [
-        Row(workload, concurrency, c, num_tokens / best[c].seconds, base_s / best[c].seconds) for c in configs
-    ]
+    base_speed = best[configs[0]].speed
+    rows = [Row(workload, concurrency, c, best[c].speed, best[c].speed / base_speed) for c in configs]
     for row in rows:
         config, result = row.config, best[row.config]
         line = f"{'':<14} {'':>4} {config.source:>10} {config.label:>8} {row.speed:>8.1f} {row.vs_none:>7.2f}"
@@ -193,7 +202,7 @@ def bench_group(
             line = f"{workload:<14} {concurrency:>4} {'none':>10} {'-':>8} {row.speed:>8.1f} {1.0:>7.2f}"
             line += f"  ({num_tokens} tokens)"
         print(line, flush=True)
-    return rows, mismatches
+    return rows, mismatches, num_runs
 
 
 def report_targets(rows: list[Row]) -> None:
@@ -244,6 +253,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="weight format, as the worker's --dtype (auto: what a worker serves here); float32 "
+        "checks that speculation changes no token",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=3, help="rounds over every run; the best of each counts"
     )
     parser.add_argument("--tasks", type=int, default=8, help="each workload's first N messages")
@@ -267,30 +282,35 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cache = Path(tempfile.mkdtemp(prefix="spec-bench-"))
     path = resolve_model_path("smollm2")
-    model = load_llama(path, cache, dtype=torch.float32)
+    fmt = resolve_format(args.dtype)
+    model = load_llama_model(path, cache, fmt)
     tokenizer = Tokenizer.from_gguf(path, cache)
+    exact = fmt == "float32"
     print(
-        f"SmolLM2 fp32, {args.threads} threads, load {os.getloadavg()[0]:.1f}; max_tokens {args.max_tokens}"
+        f"SmolLM2 {fmt} ({resolve_dtype(fmt)} activations), {args.threads} threads, "
+        f"load {os.getloadavg()[0]:.1f}; max_tokens {args.max_tokens}"
     )
     print(
         f"{'workload':<14} {'conc':>4} {'source':>10} {'k':>8} {'tok/s':>8} {'x none':>7} {'accept':>7} "
         f"{'mean acc':>8} {'x best k':>8} {'x k=5':>6}"
     )
-    mismatches = 0
+    mismatches = num_runs = 0
     rows: list[Row] = []
     ks = [int(k) for k in args.k.split(",")]
     for workload in args.workloads.split(","):
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            group, num_changed = bench_group(
+            group, num_changed, num_ran = bench_group(
                 model, tokenizer, workload, concurrency, ks, args.max_tokens, args.repeat, args.tasks,
                 max(args.queue * concurrency, args.min_requests),
             )  # fmt: skip
             rows += group
             mismatches += num_changed
+            num_runs += num_ran
     report_targets(rows)
-    if mismatches:
-        print(f"ERROR: {mismatches} runs' tokens differ from the baseline's")
+    if mismatches and exact:
+        print(f"ERROR: {mismatches} of {num_runs} requests' tokens differ from the baseline's")
         sys.exit(1)
+    print(f"requests whose tokens match the baseline's: {num_runs - mismatches} of {num_runs}")
 
 
 if __name__ == "__main__":

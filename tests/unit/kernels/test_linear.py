@@ -19,7 +19,7 @@ from libs.kernels.linear import (
 )
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8, 9, 13, 16, 17, 64])  # padded above 8
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8, 9, 13, 16, 17, 64])  # padded: 1, and above 8
 @pytest.mark.parametrize("bias", [False, True])
 def test_weight_major_matches_fp64_product(num_rows: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(num_rows)
