@@ -13,9 +13,14 @@ wave: it lasts as long as its slowest request, so drafts that speed up some rows
 (the policy maximizes tokens per second of step time, which is what steady traffic turns into
 throughput); ``--queue 3`` keeps the engine full as requests finish. A run has at least
 ``--min-requests`` requests, so that a workload of few short replies still lasts long enough to
-time. Each run is a fresh engine (the adaptive policy starts cold: its step-time model from the
-start-up profile, its acceptance from nothing); the profile is taken once per workload and
-concurrency, as a worker takes it once at start. Every run goes once per round, the order
+time. Each run is a fresh engine; the start-up profile is taken once per workload and
+concurrency, as a worker takes it once at start. The adaptive policy's first run starts from that
+profile and no acceptance record; each later round's starts where the round before left it (its
+acceptance counts by source, match length and position, and its fitted step times), as a
+scheduler that has served such traffic for a while has them: a run of a few hundred tokens is
+short beside the counts' learning, and a server spends most of its life warm. Requests' own
+records start anew (every request is). ``--cold`` starts every run from nothing instead. Every
+run goes once per round, the order
 reversed every other round, and its best of ``--repeat`` rounds counts: the machine's speed
 drifts over minutes (identical runs here differ by up to 20%), and interleaving spreads that over
 every run alike, while the fastest of several runs is the one least slowed by the machine.
@@ -55,6 +60,7 @@ from libs.protocol.member_messages import StepSample
 from libs.protocol.messages import SamplingParams
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
+from services.scheduler.spec_policy import VerifyPolicy
 from services.scheduler.worker_scheduler import Limits
 from services.worker.main import load_llama_model, resolve_dtype, resolve_format
 from services.worker.model_runner import ModelRunner, ModelShape
@@ -118,10 +124,12 @@ def new_runner(model: LlamaForCausalLM) -> ModelRunner:
 
 def run(
     model: LlamaForCausalLM, batch: list[Request], concurrency: int, config: Config, max_tokens: int,
-    profile: tuple[StepSample, ...] = (),
-) -> Result:  # fmt: skip
-    """One fresh engine over the whole batch, timed from the first submit to the last token;
-    ``profile``: the step times measured at start (services/worker/step_profile.py)."""
+    profile: tuple[StepSample, ...] = (), warm: VerifyPolicy | None = None,
+) -> tuple[Result, VerifyPolicy]:  # fmt: skip
+    """One fresh engine over the whole batch, timed from the first submit to the last token, and
+    its speculative policy as the run left it; ``profile``: the step times measured at start
+    (services/worker/step_profile.py); ``warm``: a policy whose acceptance counts and step-time
+    fit the run starts from (an earlier run's)."""
     cfg = model.config
     limits = Limits(
         NUM_BLOCKS, BLOCK_SIZE, concurrency, cfg.max_position_embeddings, 2048, len(batch), 0.0,
@@ -131,6 +139,8 @@ def run(
     runner = new_runner(model)
     assert cfg.eos_token_id is not None
     engine = LocalEngine(runner, limits, cfg.eos_token_id, step_profile=profile if config.k else ())
+    if warm is not None:
+        engine.core.speculator.policy = VerifyPolicy(config.policy, warm.predictor, warm.step_time)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
     for i, (prompt, prediction) in enumerate(batch):
@@ -139,13 +149,15 @@ def run(
         )
     outputs = engine.run()
     seconds = time.perf_counter() - start
-    stats = engine.core.speculator.stats["ngram" if config.source == "ngram" else "prediction"]
-    return Result(seconds, outputs, stats.num_drafted, stats.num_accepted, stats.num_verified)
+    speculator = engine.core.speculator
+    stats = speculator.stats["ngram" if config.source == "ngram" else "prediction"]
+    result = Result(seconds, outputs, stats.num_drafted, stats.num_accepted, stats.num_verified)
+    return result, speculator.policy
 
 
 def bench_group(
     model: LlamaForCausalLM, tokenizer: Tokenizer, workload: str, concurrency: int, ks: list[int],
-    max_tokens: int, repeat: int, num_tasks: int, num_requests: int,
+    max_tokens: int, repeat: int, num_tasks: int, num_requests: int, cold: bool,
 ) -> tuple[list[Row], int, int]:  # fmt: skip
     """Print one workload and concurrency's rows; returns them, how many requests' tokens differed
     from the baseline's and how many requests ran."""
@@ -153,7 +165,7 @@ def bench_group(
     # Warm-up at this batch's shapes, drafted rows included (a forward's first run of a shape is slow).
     run(model, [(p, p[-32:]) for p, _ in batch], concurrency, Config("prediction", max(ks), "fixed"), 8)
     profile = profile_steps(new_runner(model), concurrency)
-    base = run(model, batch, concurrency, Config("none", 0, "fixed"), max_tokens)
+    base, _ = run(model, batch, concurrency, Config("none", 0, "fixed"), max_tokens)
     sources = ["ngram"]
     batches = {"ngram": batch, "prediction": batch}
     if any(prediction for _, prediction in batch):
@@ -173,10 +185,15 @@ def bench_group(
         for k, policy in [(k, "fixed") for k in ks] + [(max(ks), "adaptive")]
     ]
     best: dict[Config, Result] = {}
+    policies: dict[Config, VerifyPolicy] = {}  # each adaptive run's policy as its last round left it
     mismatches = num_runs = 0
     for round_index in range(repeat):
         for config in configs if round_index % 2 == 0 else configs[::-1]:
-            result = run(model, batches.get(config.source, batch), concurrency, config, max_tokens, profile)
+            source_batch = batches.get(config.source, batch)
+            warm = None if cold else policies.get(config)
+            result, policy = run(model, source_batch, concurrency, config, max_tokens, profile, warm)
+            if config.policy == "adaptive":
+                policies[config] = policy
             mismatches += sum(result.outputs[r] != tokens for r, tokens in base.outputs.items())
             num_runs += len(base.outputs)
             if config not in best or result.seconds < best[config].seconds:
@@ -271,6 +288,12 @@ def main() -> None:
     )
     parser.add_argument("--min-requests", type=int, default=4, help="requests per run at least")
     parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="every adaptive run starts from no acceptance record (by default, rounds after the "
+        "first start from the record the one before left)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="code-edit's first 2 messages, concurrency 1, 12 tokens, k=3, every source",
@@ -301,7 +324,7 @@ def main() -> None:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             group, num_changed, num_ran = bench_group(
                 model, tokenizer, workload, concurrency, ks, args.max_tokens, args.repeat, args.tasks,
-                max(args.queue * concurrency, args.min_requests),
+                max(args.queue * concurrency, args.min_requests), args.cold,
             )  # fmt: skip
             rows += group
             mismatches += num_changed

@@ -155,3 +155,20 @@ def test_the_times_of_every_count_of_drafts_are_the_models(num_tokens: int) -> N
     assert len(times) == 601
     for m, seconds in enumerate(times):
         assert seconds == pytest.approx(model.seconds(num_tokens + m, 2 + m), rel=1e-9, abs=1e-12), m
+
+
+def test_a_fit_from_the_last_ones_free_variables_is_the_fit_from_none() -> None:
+    """Each fit starts from the variables the fit before left off their bounds (one solve where
+    the step moved none, a pass per variable from none): the answer is the same, step after step,
+    through noisy steps that move slopes onto their bound and off it."""
+    rng = random.Random(7)
+    warm, cold = StepTimeModel(), StepTimeModel()
+    for i in range(120):
+        num_tokens = rng.choice(SIZES)
+        drafted = rng.choice([0, num_tokens // 2])
+        bend = 0.004 if i < 60 else 0.0  # a stretch whose slope goes to its bound halfway
+        seconds = 0.01 + 0.0005 * num_tokens + bend * max(0, 8 - num_tokens) + rng.uniform(0, 0.004)
+        for model in (warm, cold):
+            model.observe(num_tokens, drafted, seconds)
+        cold._free = None  # the fit from none, to compare with
+        assert warm.coef == pytest.approx(cold.coef, rel=1e-7, abs=1e-10), i
