@@ -194,6 +194,11 @@ class SandboxedBackend:
         with self._lock:
             return [child.pid for child in self._children]
 
+    def num_ready(self) -> int:
+        """Children started and ready to compile."""
+        with self._lock:
+            return sum(child.ready for child in self._children)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -32,6 +32,7 @@ tokens ahead as its longest call takes: a call the model opens must fit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -92,6 +93,7 @@ class Grammars:
         self.alphabet = Alphabet.of(vocab) if vocab is not None else None  # for ways out
         self._caches: dict[str, GrammarCache] = {}
         self._lock = threading.Lock()  # backends are built on first use, maybe from two threads
+        self._warming: tuple[SandboxedBackend, Future[CompiledGrammar]] | None = None  # warm()'s
 
     def _cache(self, backend_name: str) -> GrammarCache:
         with self._lock:
@@ -111,7 +113,7 @@ class Grammars:
     def warm(self, backend_name: str) -> None:
         """Start a backend's compiler processes now (importing xgrammar and indexing the
         vocabulary take seconds) and compile one grammar on them in the background, so the first
-        request that needs it does not stall a step. Never raises."""
+        request that needs it does not stall a step (``wait_warm`` waits for both). Never raises."""
         try:
             cache = self._cache(backend_name)
             assert isinstance(cache.backend, SandboxedBackend)
@@ -120,12 +122,39 @@ class Grammars:
             log.warning("grammar backend %s unavailable: %s", backend_name, exc)
             return
         warm = cache.submit(StructuredOutput(StructuredOutputKind.JSON, backend=backend_name))
+        self._warming = (cache.backend, warm)
 
         def report(done: Future[CompiledGrammar]) -> None:
             if done.exception() is not None:
                 log.warning("grammar backend %s unavailable: %s", backend_name, done.exception())
 
         warm.add_done_callback(report)
+
+    def wait_warm(self) -> None:
+        """Until ``warm``'s processes are all ready and its compile is done (at most their start
+        and compile bounds). Their start-up takes seconds of both cores: a worker that announced
+        itself before it ends serves its first requests at a fraction of its speed (one stream
+        116-141 tok/s against 163 once they were ready, on 2 cores). Never raises: a backend that
+        failed to start is each constrained request's error, as before."""
+        if self._warming is None:
+            return
+        backend, warm = self._warming
+        with contextlib.suppress(Exception):  # warm's callback logged it
+            warm.result(self.limits.start_timeout_s + self.limits.timeout_s)
+        try:
+            backend.start(wait=True)  # every process, not only the one that compiled
+        except Exception as exc:
+            log.warning("grammar backend %s unavailable: %s", backend.name, exc)
+
+    def num_ready(self, backend_name: str) -> int:
+        """``backend_name``'s compiler processes ready to compile (0: none started)."""
+        with self._lock:
+            cache = self._caches.get(backend_name)
+        return (
+            cache.backend.num_ready()
+            if cache is not None and isinstance(cache.backend, SandboxedBackend)
+            else 0
+        )
 
     def close(self) -> None:
         """Stop every compiler process."""

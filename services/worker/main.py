@@ -299,6 +299,9 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         # The shapes a first request takes, warm on the forward thread itself: OpenMP's teams and
         # the math libraries' per-thread state belong to the thread that calls them.
         await service.on_step_thread(warm_up)
+        # ... and the grammar compiler processes ready (started in build_worker, they warmed
+        # meanwhile): still starting, they would take the cores from the first requests.
+        await asyncio.to_thread(worker.runner.grammars.wait_warm)
         await service.run(stop)
     finally:
         await bus.close()

@@ -53,3 +53,19 @@ def test_a_compile_past_its_bound_fails_only_its_sequence(
     engine.run()
     assert engine.finish_reasons["again"] is FinishReason.ERROR
     assert metrics.GRAMMAR_COMPILE_TIMEOUTS._value.get() == timeouts_before + 1  # one compile burned
+
+
+def test_wait_warm_returns_once_every_compiler_process_is_ready() -> None:
+    # A worker waits for this before it announces itself: processes still importing their backend
+    # would take the cores from its first requests.
+    grammars = Grammars(VOCAB, limits=CompileLimits(num_procs=2))
+    try:
+        grammars.wait_warm()  # nothing warming: at once
+        assert grammars.num_ready("xgrammar") == 0
+        grammars.warm("xgrammar")
+        grammars.wait_warm()
+        assert grammars.num_ready("xgrammar") == 2
+        json_any = StructuredOutput(StructuredOutputKind.JSON, backend="xgrammar")
+        assert grammars.submit(json_any).done()  # warm's compile, cached
+    finally:
+        grammars.close()
