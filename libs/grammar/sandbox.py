@@ -175,8 +175,10 @@ class SandboxedBackend:
 
     def start(self, wait: bool = True) -> None:
         """Start every child; with ``wait``, until they are ready (raises BackendUnavailable)."""
-        taken = [self._take() for _ in range(self.limits.num_procs)]
-        try:
+        taken: list[_Child] = []
+        try:  # a child that fails to start gives back the ones taken before it
+            for _ in range(self.limits.num_procs):
+                taken.append(self._take())
             for child in taken if wait else ():
                 child.wait_ready(self.name, self.limits.start_timeout_s)
         finally:

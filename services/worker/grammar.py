@@ -32,7 +32,6 @@ tokens ahead as its longest call takes: a call the model opens must fit.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -139,22 +138,24 @@ class Grammars:
         if self._warming is None:
             return
         backend, warm = self._warming
-        with contextlib.suppress(Exception):  # warm's callback logged it
+        try:
             warm.result(self.limits.start_timeout_s + self.limits.timeout_s)
+        except Exception:  # warm's callback logged it; the backend's requests will say so
+            return
         try:
             backend.start(wait=True)  # every process, not only the one that compiled
         except Exception as exc:
             log.warning("grammar backend %s unavailable: %s", backend.name, exc)
 
-    def num_ready(self, backend_name: str) -> int:
-        """``backend_name``'s compiler processes ready to compile (0: none started)."""
+    def compilers_ready(self) -> dict[str, int]:
+        """Per backend started here, its compiler processes ready to compile (for /metrics)."""
         with self._lock:
-            cache = self._caches.get(backend_name)
-        return (
-            cache.backend.num_ready()
-            if cache is not None and isinstance(cache.backend, SandboxedBackend)
-            else 0
-        )
+            caches = dict(self._caches)
+        return {
+            name: cache.backend.num_ready()
+            for name, cache in caches.items()
+            if isinstance(cache.backend, SandboxedBackend)
+        }
 
     def close(self) -> None:
         """Stop every compiler process."""

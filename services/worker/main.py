@@ -300,9 +300,14 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         # the math libraries' per-thread state belong to the thread that calls them.
         await service.on_step_thread(warm_up)
         # ... and the grammar compiler processes ready (started in build_worker, they warmed
-        # meanwhile): still starting, they would take the cores from the first requests.
-        await asyncio.to_thread(worker.runner.grammars.wait_warm)
-        await service.run(stop)
+        # meanwhile): still starting, they would take the cores from the first requests. A stop
+        # is not held up by them (closing the grammars below ends the wait's thread).
+        warming = asyncio.ensure_future(asyncio.to_thread(worker.runner.grammars.wait_warm))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({warming, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not stop.is_set():
+            await service.run(stop)
     finally:
         await bus.close()
         if worker.runner.kv_tiers is not None:

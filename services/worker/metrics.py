@@ -10,6 +10,8 @@ sequences are read from the runner at scrape time by ``RunnerCollector``:
   ``ModelRunnerOutput.failed_seq_ids`` entry); reason from its error (``failure_reason``)
 - ``deepinfer_grammar_compile_timeouts_total``: structured-output grammars whose compile ran past
   its time or memory bound (counted once per compile by ``services.worker.grammar.Grammars``)
+- ``deepinfer_grammar_compilers_ready{backend}``: grammar compiler processes ready to compile, per
+  backend started (two each by default; fewer while they start or after one was lost)
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class RunnerCollector(Collector):
         yield GaugeMetricFamily(
             "deepinfer_worker_kv_bytes_per_token", doc, value=self.runner.kv_cache.bytes_per_token
         )
+        doc = "grammar compiler processes ready to compile, by backend"
+        ready = GaugeMetricFamily("deepinfer_grammar_compilers_ready", doc, labels=["backend"])
+        for backend, num_ready in self.runner.grammars.compilers_ready().items():
+            ready.add_metric([backend], num_ready)
+        yield ready
 
 
 def registry(runner: ModelRunner) -> CollectorRegistry:

@@ -11,12 +11,14 @@ from collections.abc import Iterator
 import jsonschema
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from libs.grammar.sandbox import CompileLimits
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.messages import FinishReason, SamplingParams, StructuredOutput, StructuredOutputKind
 from services.worker import metrics
 from services.worker.grammar import Grammars
+from services.worker.model_runner import ModelRunner, ModelShape
 from tests.unit.worker.test_grammar import CONFIG, PROMPTS, SCHEMA, VOCAB, constrained, make_engine, text
 
 HOSTILE = StructuredOutput(StructuredOutputKind.REGEX, "[ab]*a[ab]{22}", "outlines")  # 2**22 DFA states
@@ -55,16 +57,19 @@ def test_a_compile_past_its_bound_fails_only_its_sequence(
     assert metrics.GRAMMAR_COMPILE_TIMEOUTS._value.get() == timeouts_before + 1  # one compile burned
 
 
-def test_wait_warm_returns_once_every_compiler_process_is_ready() -> None:
+def test_wait_warm_returns_once_every_compiler_process_is_ready(model: LlamaForCausalLM) -> None:
     # A worker waits for this before it announces itself: processes still importing their backend
     # would take the cores from its first requests.
     grammars = Grammars(VOCAB, limits=CompileLimits(num_procs=2))
     try:
         grammars.wait_warm()  # nothing warming: at once
-        assert grammars.num_ready("xgrammar") == 0
+        assert grammars.compilers_ready() == {}
         grammars.warm("xgrammar")
         grammars.wait_warm()
-        assert grammars.num_ready("xgrammar") == 2
+        assert grammars.compilers_ready() == {"xgrammar": 2}
+        runner = ModelRunner(model, ModelShape.of(CONFIG), 16, 4, torch.float32, grammars=grammars)
+        scraped = generate_latest(metrics.registry(runner)).decode()
+        assert 'deepinfer_grammar_compilers_ready{backend="xgrammar"} 2.0' in scraped
         json_any = StructuredOutput(StructuredOutputKind.JSON, backend="xgrammar")
         assert grammars.submit(json_any).done()  # warm's compile, cached
     finally:
