@@ -197,9 +197,10 @@ class SandboxedBackend:
             return [child.pid for child in self._children]
 
     def num_ready(self) -> int:
-        """Children started and ready to compile."""
+        """Children started, ready to compile and alive (one killed while idle is replaced when
+        next taken)."""
         with self._lock:
-            return sum(child.ready for child in self._children)
+            return sum(child.ready and child.proc.poll() is None for child in self._children)
 
     def close(self) -> None:
         with self._lock:
@@ -210,6 +211,14 @@ class SandboxedBackend:
 
     def _run(self, constraint: StructuredOutput, export: bool) -> Any:
         child = self._take()  # waits while every child compiles
+        # A child that died while idle (killed from outside: kill -9, the OOM killer) says
+        # nothing of this constraint: sent to it, the compile would be taken for one that killed
+        # it (and cached as over its bound). A fresh child in its place compiles it instead.
+        for _ in range(self.limits.num_procs):
+            if child.proc.poll() is None:
+                break
+            self._give_back(child)
+            child = self._take()
         try:
             child.wait_ready(self.name, self.limits.start_timeout_s)
             return child.run(constraint, export, self.limits)

@@ -6,6 +6,8 @@ like the one compiled in this process. Every child here is a real process."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -42,6 +44,15 @@ def gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
+def exited(pid: int) -> bool:
+    """Process ``pid`` ended (a zombie until its parent reaps it, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @pytest.mark.parametrize("spec", ["spin", "sleep"])
 def test_a_compile_past_the_time_bound_is_killed_and_replaced(sandbox: SandboxedBackend, spec: str) -> None:
     assert sandbox.compile(fake("ok")) == FakeCompiled("ok", 7)
@@ -52,6 +63,19 @@ def test_a_compile_past_the_time_bound_is_killed_and_replaced(sandbox: Sandboxed
     [fresh] = sandbox.pids()
     assert fresh != pid
     assert sandbox.compile(fake("again")) == FakeCompiled("again", 7)
+
+
+def test_a_child_killed_while_idle_is_replaced_not_blamed_on_the_next_compile(
+    sandbox: SandboxedBackend,
+) -> None:
+    assert sandbox.compile(fake("ok")) == FakeCompiled("ok", 7)
+    [pid] = sandbox.pids()
+    os.kill(pid, signal.SIGKILL)  # an operator's kill -9, the OOM killer
+    while not exited(pid):
+        time.sleep(0.01)
+    assert sandbox.compile(fake("again")) == FakeCompiled("again", 7)
+    [fresh] = sandbox.pids()
+    assert fresh != pid
 
 
 def test_a_compile_past_the_memory_bound_fails_naming_it() -> None:
