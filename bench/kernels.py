@@ -2,6 +2,7 @@
 takes on CPU, at SmolLM2-135M shapes (hidden 576, 9 query / 3 KV heads of 64, ffn 1536), 2 threads.
 
     python bench/kernels.py [--threads 2]
+    python bench/kernels.py --quick     # smoke run: every op once, 2 layers (a CI test runs it)
 
 One line per op and shape: time per call of the reference and of the fast path, and their ratio
 (fast / reference; below 1 is faster). The two are timed in alternation and each keeps its best
@@ -54,9 +55,12 @@ ROUND_SECONDS, ROUNDS = 0.02, 5
 
 
 def best_per_call(
-    fns: dict[str, Callable[[], object]], rounds: int = ROUNDS, round_seconds: float = ROUND_SECONDS
+    fns: dict[str, Callable[[], object]], rounds: int | None = None, round_seconds: float | None = None
 ) -> dict[str, float]:
-    """Seconds per call of each fn: rounds of ~round_seconds alternate between fns; best round wins."""
+    """Seconds per call of each fn: rounds of ~round_seconds alternate between fns; best round wins
+    (by default ROUNDS of ROUND_SECONDS, as this run set them)."""
+    rounds = ROUNDS if rounds is None else rounds
+    round_seconds = ROUND_SECONDS if round_seconds is None else round_seconds
     calls: dict[str, int] = {}
     for name, fn in fns.items():
         fn()  # warm-up (allocator, lazy init)
@@ -506,7 +510,12 @@ def bench_decoder_blocks(g: torch.Generator) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Reference vs fast path of each kernel op.")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    torch.set_num_threads(parser.parse_args().threads)
+    parser.add_argument("--quick", action="store_true", help="every op once, projections over 2 layers")
+    args = parser.parse_args()
+    if args.quick:
+        global ROUNDS, ROUND_SECONDS, NUM_LAYERS
+        ROUNDS, ROUND_SECONDS, NUM_LAYERS = 1, 0.0, 2
+    torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; times in microseconds per call")
     print(f"{'op':<22} {'shape':<28} {'dtype':<9} {'reference':>10} {'fast':>10} {'ratio':>6}")
