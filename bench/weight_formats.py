@@ -1,6 +1,7 @@
 """Weight formats on SmolLM2: batch-1 decode speed, prefill speed and logit error, against the roofline.
 
     python bench/weight_formats.py [--threads 2] [--decode-tokens 24] [--rounds 5]
+    python bench/weight_formats.py --quick     # smoke run (tests/unit/models/test_bench_weight_formats.py)
 
 For fp32, bf16, int8 and int4 (libs.models.quant) in one run:
 - decode tokens/s at batch 1 (a plain loop over the model forward with a contiguous KV cache), with
@@ -248,7 +249,12 @@ def main() -> None:
         default=16,
         help="chat prompts in the quality corpus (0: no quality check)",
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 4 tokens, one round, one quality prompt"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.decode_tokens, args.rounds, args.quality_prompts = 4, 1, 1
     torch.set_num_threads(args.threads)
 
     path, cache_dir = resolve_model_path("smollm2"), Path(resolve_cache_dir("", os.environ))
