@@ -91,6 +91,9 @@ class _Child:
             )
         self.conn = Connection(parent_end.detach())
         self.ready = False
+        # A stop closes the pool while a start-up wait may be killing the same child: the socket
+        # is closed once (a second close could hit a descriptor reused meanwhile).
+        self._close_lock = threading.Lock()
         with contextlib.suppress(OSError):  # it died already: wait_ready reports how
             self.conn.send((factory, args, limits.max_mb, limits.timeout_s))
 
@@ -132,7 +135,7 @@ class _Child:
 
     def _died(self, limits: CompileLimits) -> GrammarError:
         code = self.proc.wait()
-        self.conn.close()
+        self._close_conn()
         if code == -signal.SIGXCPU:
             return time_limit_error(limits)
         if -code in _MEMORY_SIGNALS:
@@ -142,7 +145,12 @@ class _Child:
     def kill(self) -> None:
         self.proc.kill()  # SIGKILL: native code holding the CPU cannot ignore it
         self.proc.wait()
-        self.conn.close()
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        with self._close_lock:
+            if not self.conn.closed:
+                self.conn.close()
 
 
 class SandboxedBackend:
