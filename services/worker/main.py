@@ -31,7 +31,7 @@ from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
 from services.worker import determinism, metrics
 from services.worker.config import Config
 from services.worker.forward_executor import ModelShape
-from services.worker.grammar import DEFAULT_BACKEND, Grammars
+from services.worker.grammar_compilers import DEFAULT_BACKEND, Grammars
 from services.worker.handoff_area import HANDOFF_DIR_NAME, HandoffArea
 from services.worker.host_cache import HostCache
 from services.worker.kv_cache import element_size

@@ -9,7 +9,7 @@ sequences are read from the runner at scrape time by ``RunnerCollector``:
 - ``deepinfer_worker_sequences_failed_total{reason}``: sequences this worker failed alone (each a
   ``ModelRunnerOutput.failed_seq_ids`` entry); reason from its error (``failure_reason``)
 - ``deepinfer_grammar_compile_timeouts_total``: structured-output grammars whose compile ran past
-  its time or memory bound (counted once per compile by ``services.worker.grammar.Grammars``)
+  its time or memory bound (counted once per compile by ``services.worker.grammar_compilers.Grammars``)
 - ``deepinfer_grammar_compilers_ready{backend}``: grammar compiler processes ready to compile, per
   backend started (two each by default; fewer while they start or after one was lost)
 """

@@ -38,7 +38,8 @@ from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, Sch
 from services.worker.forward_executor import CausalLM as CausalLM  # re-exported: callers import it here
 from services.worker.forward_executor import ForwardBatch, ForwardExecutor
 from services.worker.forward_executor import ModelShape as ModelShape  # re-exported
-from services.worker.grammar import Grammars, SequenceGrammar
+from services.worker.grammar import SequenceGrammar
+from services.worker.grammar_compilers import Grammars
 from services.worker.handoff_area import HandoffArea
 from services.worker.kv_cache import KVCache
 from services.worker.kv_tiers import KVTiers, LoadResult

@@ -20,7 +20,7 @@ from libs.models.llama import LlamaForCausalLM
 from libs.protocol.messages import SamplingParams, StructuredOutput, StructuredOutputKind
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.worker_scheduler import Limits
-from services.worker.grammar import Grammars
+from services.worker.grammar_compilers import Grammars
 from services.worker.main import grammar_vocab
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.step_profile import profile_steps

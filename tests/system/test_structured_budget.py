@@ -30,7 +30,7 @@ from libs.recipe.segments import Content, ToolCallArgs, ToolCallStart
 from libs.recipe.template_format import Prompt
 from services.gateway.served_model import ServedModel
 from services.scheduler.worker_scheduler import Limits
-from services.worker.grammar import Grammars
+from services.worker.grammar_compilers import Grammars
 from services.worker.main import grammar_vocab
 from services.worker.model_runner import ModelRunner, ModelShape
 

@@ -52,7 +52,7 @@ def test_a_constraint_for_the_missing_backend_is_a_503_and_fails_its_sequence_al
     from libs.protocol.messages import StructuredOutput, StructuredOutputKind
     from libs.recipe.fields import ApiError
     from services.gateway.grammar_check import GrammarCheck
-    from services.worker.grammar import Grammars
+    from services.worker.grammar_compilers import Grammars
 
     constraint = StructuredOutput(StructuredOutputKind.JSON, backend="xgrammar")
     try:

@@ -21,7 +21,8 @@ from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import FinishReason, SamplingParams, StructuredOutput, StructuredOutputKind
 from services.scheduler.worker_scheduler import Limits
-from services.worker.grammar import OPEN_SLACK, STEER_SLACK, Grammars, SequenceGrammar
+from services.worker.grammar import OPEN_SLACK, STEER_SLACK, SequenceGrammar
+from services.worker.grammar_compilers import Grammars
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.tiny_models import TINY_LLAMA
 

@@ -17,7 +17,7 @@ from libs.grammar.sandbox import CompileLimits
 from libs.models.llama import LlamaForCausalLM
 from libs.protocol.messages import FinishReason, SamplingParams, StructuredOutput, StructuredOutputKind
 from services.worker import metrics
-from services.worker.grammar import Grammars
+from services.worker.grammar_compilers import Grammars
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.unit.worker.test_grammar import CONFIG, PROMPTS, SCHEMA, VOCAB, constrained, make_engine, text
 

@@ -21,7 +21,8 @@ from libs.models.llama import LlamaForCausalLM
 from libs.protocol.codec import pack_tokens
 from libs.protocol.messages import FinishReason, SamplingParams, StructuredOutput, StructuredOutputKind
 from services.scheduler.worker_scheduler import Limits
-from services.worker.grammar import HORIZON, Grammars, SequenceGrammar
+from services.worker.grammar import HORIZON, SequenceGrammar
+from services.worker.grammar_compilers import Grammars
 from services.worker.model_runner import ModelRunner, ModelShape
 from tests.unit.worker.test_grammar import CONFIG, EOS, PROMPTS, SCHEMA, VOCAB, text
 
