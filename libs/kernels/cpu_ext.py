@@ -28,8 +28,15 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-# vec.h and ops.h beside them
-SOURCE_FILES = ("cpu_ops.cpp", "cpu_int8.cpp", "cpu_pointwise.cpp", "cpu_block.cpp", "cpu_invariant.cpp")
+# vec.h, ops.h and pool.h beside them
+SOURCE_FILES = (
+    "cpu_ops.cpp",
+    "cpu_int8.cpp",
+    "cpu_pointwise.cpp",
+    "cpu_block.cpp",
+    "cpu_invariant.cpp",
+    "cpu_pool.cpp",
+)
 SOURCES = tuple(CSRC / f for f in SOURCE_FILES)
 LIBRARY = "deepinfer_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -58,6 +65,14 @@ def ops() -> Any | None:
             _state["ops"] = _build_and_load()
             _state["tried"] = True
     return _state["ops"]
+
+
+def set_num_threads(num_threads: int) -> None:
+    """The kernels' threads (csrc/pool.h), apart from torch's; 0: as many as torch has on the
+    calling thread (the default). No-op without the extension."""
+    extension = ops()
+    if extension is not None:
+        extension.set_num_threads(num_threads)
 
 
 def fp32_ops(*tensors: torch.Tensor) -> Any | None:

@@ -71,12 +71,12 @@ class Config:
     kv_cache_gb: float = field(default=2.0, metadata={"help": "memory for KV pages, GiB"})
     num_threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
     one_thread_max_tokens: int = field(
-        default=4,
+        default=0,
         metadata={
-            "help": "CPU: steps of at most this many tokens run their forward on one thread (on a CPU "
-            "shared with the other services a multi-threaded forward waits for preempted threads); "
-            "0: every step on --num-threads. Off with --deterministic (a product's rounding changes "
-            "with its number of threads)"
+            "help": "CPU: steps of at most this many tokens run their forward on one thread; 0: every "
+            "step on --num-threads (the CPU kernels' threads claim small chunks of work, so one that "
+            "another service preempts no longer holds the step). Off with --deterministic (a "
+            "product's rounding changes with its number of threads)"
         },
     )
     load_interval_s: float = field(default=0.5, metadata={"help": "period of load reports while idle"})

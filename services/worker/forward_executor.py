@@ -14,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-from libs.kernels.decoder_blocks import BlockWeights, decoder_blocks
+from libs.kernels import cpu_ext
+from libs.kernels.decoder_blocks import BlockWeights, PagedKernelStep, decoder_blocks
 from libs.kernels.linear import batch_invariant_products
 from libs.kernels.mla_attention import PagedMLABackend
 from libs.kernels.paged_attention import AttentionBackend, PagedAttentionMetadata, make_attention_backend
@@ -79,11 +80,10 @@ class ForwardExecutor:
         ``fuse_blocks``: run int8 Llama blocks as one op on steps the paged kernel attends whole
         (``_forward_blocks``); off, every step runs op by op (the fused op's reference).
         ``one_thread_max_tokens``: a step of at most this many tokens runs on one thread, larger
-        ones on the threads torch has now (0: every step on those). On a CPU the worker shares with
-        the scheduler, the gateway and NATS, a multi-threaded forward waits at each of its ~150
-        parallel regions for whichever thread was preempted; at one row the weights stream
-        nearly as fast on one core (bench/vs_llama_server.py --threads 1: 121 vs 69 tok/s at one
-        stream through the stack)."""
+        ones on the threads torch has now (0: every step on those). The CPU kernels' threads claim
+        small chunks of work (libs/kernels/csrc/pool.h), so on a CPU shared with the scheduler,
+        the gateway and NATS a preempted thread no longer holds a step; before, when a forward
+        waited at each of its parallel regions for such a thread, one thread paid at small steps."""
         self.model = model
         self.shape = shape
         self.device = torch.device(device)
@@ -111,11 +111,6 @@ class ForwardExecutor:
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Run the batch, writing its KV: the logits at ``logits_index``, [n, vocab] float32, or
         None when it is empty."""
-        # torch.set_num_threads sets this thread's OpenMP team size (the worker's forwards all run
-        # on one thread) and torch's default for threads that start using it later.
-        if self.one_thread_max_tokens:
-            small = len(batch.input_ids) <= self.one_thread_max_tokens
-            torch.set_num_threads(1 if small else self.num_threads)
         meta = PagedAttentionMetadata.build(
             query_lens=batch.query_lens,
             context_lens=batch.context_lens,
@@ -129,37 +124,46 @@ class ForwardExecutor:
             attention = StepMLAAttention(self.backend, self.kv_cache)
         else:
             attention = StepAttention(self.backend, self.kv_cache)
+        fused_step = self._fused_step(len(batch.input_ids))
+        self._set_threads(len(batch.input_ids), fused=fused_step is not None)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         with batch_invariant_products(self.batch_invariant):
-            return self._run(batch, input_ids, positions, attention)
+            hidden = None if fused_step is None else self._forward_blocks(input_ids, positions, fused_step)
+            if hidden is None:
+                hidden = self.model(input_ids, positions, attention)
+            self.last_hidden = hidden  # [num_tokens, hidden_size]: what a drafter reads after the step
+            if not batch.logits_index:
+                return None
+            index = torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden.index_select(0, index))
 
-    def _run(
-        self,
-        batch: ForwardBatch,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attention: AttentionFn | MLAAttentionFn,
-    ) -> torch.Tensor | None:
-        hidden = self._forward_blocks(input_ids, positions)
-        if hidden is None:
-            hidden = self.model(input_ids, positions, attention)
-        self.last_hidden = hidden  # [num_tokens, hidden_size]: what a drafter reads after the step
-        if not batch.logits_index:
-            return None
-        index = torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, index))
+    def _set_threads(self, num_tokens: int, fused: bool) -> None:
+        """torch's threads and the CPU kernels' (libs/kernels/csrc/pool.h) for a step.
+        torch.set_num_threads sets this thread's OpenMP team size (the worker's forwards all run on
+        one thread). A fused step (and the sampling after it) runs its torch ops on one thread, so
+        no OpenMP team spins beside the kernels' threads waiting for work that will not come."""
+        if self.device.type != "cpu":
+            return
+        small = 0 < num_tokens <= self.one_thread_max_tokens
+        torch.set_num_threads(1 if small or fused else self.num_threads)
+        cpu_ext.set_num_threads(1 if small else self.num_threads)
 
-    def _forward_blocks(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The final-normed hidden from the fused decoder blocks, where they apply: int8 Llama
+    def _fused_step(self, num_tokens: int) -> PagedKernelStep | None:
+        """The paged kernel's view of this step, where the fused decoder blocks apply: int8 Llama
         blocks with fp32 activations, a step the paged kernel attends whole, and fewer tokens
         than the int8 layers' dense threshold (past it they dequantize, and so would differ)."""
-        if self.blocks is None or input_ids.shape[0] >= Int8Linear.fp32_dense_min_tokens:
+        if self.blocks is None or num_tokens >= Int8Linear.fp32_dense_min_tokens or cpu_ext.ops() is None:
             return None
-        assert isinstance(self.backend, TorchAttentionBackend) and isinstance(self.model, LlamaForCausalLM)
-        step = self.backend.kernel_step()
-        if step is None:
-            return None
+        assert isinstance(self.backend, TorchAttentionBackend)
+        return self.backend.kernel_step()
+
+    def _forward_blocks(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedKernelStep
+    ) -> torch.Tensor | None:
+        """The final-normed hidden from the fused decoder blocks (None where they decline)."""
+        assert self.blocks is not None and isinstance(self.model, LlamaForCausalLM)
+        assert isinstance(self.backend, TorchAttentionBackend)
         keys, values = self.kv_cache.planes
         hidden = decoder_blocks(
             self.model.embed_tokens(input_ids),

@@ -10,7 +10,6 @@
 //   A caller that needs x unrounded (the LM head: logits and logprobs) passes false.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "pool.h"
 #include "vec.h"
 
 namespace {
@@ -290,7 +290,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const bool int16 = int16_activations && M >= INT16_MIN_ROWS;
   const Int16Rows xq = int16 ? quantize_rows(xp, M, K) : Int16Rows{};
 #endif
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  deepinfer::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     if (M == 1) {
       // A matrix-vector product, two FMA chains a weight row: rows from the two halves of this
       // thread's features side by side (dot2), two memory streams where one row after another is

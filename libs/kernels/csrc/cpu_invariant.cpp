@@ -11,7 +11,6 @@
 // accumulators share a load.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -20,6 +19,7 @@
 #include <cstdint>
 
 #include "ops.h"
+#include "pool.h"
 #include "vec.h"
 
 namespace {
@@ -122,7 +122,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight) {
   const BF16* wp = weight.data_ptr<BF16>();
   float* op = out.data_ptr<float>();
   // 64 features a chunk: the chunk's weights stay in L2 while every row tile passes over them.
-  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
+  deepinfer::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) bf16_features(xp, M, K, wp, op, N, c * 64, std::min(N, (c + 1) * 64));
   });
   return out;  // fp32: the caller adds a bias, if any, before the one rounding to bf16

@@ -10,7 +10,6 @@
 // Vector code is AVX2 + FMA where the compiler targets it (vec.h), with a plain loop beside it.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -22,6 +21,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "pool.h"
 #include "vec.h"
 
 namespace {
@@ -196,7 +196,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   int64_t total_keys = 0;
   for (int64_t i = 0; i < num_tokens; ++i) total_keys += lens[i];
   const int64_t grain = total_keys * group * D < (1 << 16) ? num_tokens * KVH : 1;
-  at::parallel_for(0, num_tokens * KVH, grain, [&](int64_t begin, int64_t end) {
+  deepinfer::parallel_for(0, num_tokens * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * D), query(group * D);
     float maxes[MAX_GROUP], sums[MAX_GROUP];
     for (int64_t item = begin; item < end; ++item) {

@@ -9,7 +9,6 @@
 // result does not depend on the rows beside it (batch-invariant).
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -19,6 +18,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "pool.h"
 #include "vec.h"
 
 namespace {
@@ -79,7 +79,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* xp = in.t.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, in.num_rows, row_grain(H), [&](int64_t begin, int64_t end) {
+  deepinfer::parallel_for(0, in.num_rows, row_grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row(xp + t * in.stride, wp, static_cast<float>(eps), op + t * H, H);
   });
   return out;
@@ -99,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* sp = sum.data_ptr<float>();
-  at::parallel_for(0, a.num_rows, row_grain(H), [&](int64_t begin, int64_t end) {
+  deepinfer::parallel_for(0, a.num_rows, row_grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* xr = xp + t * a.stride;
       const float* rr = rp + t * b.stride;
@@ -123,7 +123,7 @@ at::Tensor rotate(const at::Tensor& x, const int64_t* positions, const float* ca
   at::Tensor out = at::empty({T, heads, D}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, row_grain(heads * D), [&](int64_t begin, int64_t end) {
+  deepinfer::parallel_for(0, T, row_grain(heads * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cache + positions[t] * D;
       const float* sin = cos + half;
@@ -197,7 +197,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   at::Tensor out = at::empty(shape, x.options());
   const float* xp = in.t.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, in.num_rows, row_grain(F), [&](int64_t begin, int64_t end) {
+  deepinfer::parallel_for(0, in.num_rows, row_grain(F), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* gate = xp + t * in.stride;
       const float* up = gate + F;
