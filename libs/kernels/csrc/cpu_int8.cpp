@@ -28,7 +28,7 @@ using namespace deepinfer;
 
 // ---------------------------------------------------------------------------------------------
 // fp32 activations.
-// Each thread takes a range of output features, RN weight rows at a time, and walks the input rows
+// Each chunk of work is a range of output features, RN weight rows at a time, walking the input rows
 // RM at a time over them: an RM x RN tile of accumulators stays in registers (AVX2 has 16), each
 // int8 -> fp32 conversion serves RM rows and each loaded input vector RN weight rows. A block of
 // weight rows is read from memory once; later input tiles find it in L1. Tiles of 4 x 2 measured
@@ -283,8 +283,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Each thread's slice of features stays contiguous; a product too small to pay for waking the
-  // other threads (under ~256K weights) runs on one.
+  // Each chunk's features are contiguous (pool.h cuts a few chunks per thread); a product too
+  // small to pay for waking the other threads (under ~256K weights) runs on one.
   const int64_t grain = N * K < (1 << 18) ? N : 16;
 #ifdef DEEPINFER_VNNI
   const bool int16 = int16_activations && M >= INT16_MIN_ROWS;
@@ -293,7 +293,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   deepinfer::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     if (M == 1) {
       // A matrix-vector product, two FMA chains a weight row: rows from the two halves of this
-      // thread's features side by side (dot2), two memory streams where one row after another is
+      // chunk's features side by side (dot2), two memory streams where one row after another is
       // one. One thread over SmolLM2's projections: 1.2-1.3x (bench/kernels.py, int8_linear).
       const int64_t half = (end - begin) / 2;
       for (int64_t n = begin; n < begin + half; ++n) {
