@@ -19,6 +19,7 @@ from libs.kernels.decoder_blocks import BlockWeights, PagedKernelStep, decoder_b
 from libs.kernels.linear import batch_invariant_products
 from libs.kernels.mla_attention import PagedMLABackend
 from libs.kernels.paged_attention import AttentionBackend, PagedAttentionMetadata, make_attention_backend
+from libs.kernels.paged_attention_invariant import BatchInvariantAttentionBackend
 from libs.kernels.paged_attention_torch import TorchAttentionBackend
 from libs.kvstore.kv_spec import MLA, KVSpec
 from libs.modelfiles.deepseek_config import DeepseekV3Config
@@ -125,7 +126,8 @@ class ForwardExecutor:
         else:
             attention = StepAttention(self.backend, self.kv_cache)
         fused_step = self._fused_step(len(batch.input_ids))
-        self._set_threads(len(batch.input_ids), fused=fused_step is not None)
+        in_kernels = fused_step is not None or self._invariant_kernels(batch)
+        self._set_threads(len(batch.input_ids), kernels=in_kernels)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         with batch_invariant_products(self.batch_invariant):
@@ -138,16 +140,28 @@ class ForwardExecutor:
             index = torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)
             return self.model.compute_logits(hidden.index_select(0, index))
 
-    def _set_threads(self, num_tokens: int, fused: bool) -> None:
+    def _set_threads(self, num_tokens: int, kernels: bool) -> None:
         """torch's threads and the CPU kernels' (libs/kernels/csrc/pool.h) for a step.
         torch.set_num_threads sets this thread's OpenMP team size (the worker's forwards all run on
-        one thread). A fused step (and the sampling after it) runs its torch ops on one thread, so
-        no OpenMP team spins beside the kernels' threads waiting for work that will not come."""
+        one thread). A step whose products and attention all run in the extension (``kernels``)
+        runs its torch ops (and the sampling after it) on one thread, so no OpenMP team spins
+        beside the kernels' threads waiting for work that will not come."""
         if self.device.type != "cpu":
             return
         small = 0 < num_tokens <= self.one_thread_max_tokens
-        torch.set_num_threads(1 if small or fused else self.num_threads)
+        torch.set_num_threads(1 if small or kernels else self.num_threads)
         cpu_ext.set_num_threads(1 if small else self.num_threads)
+
+    def _invariant_kernels(self, batch: ForwardBatch) -> bool:
+        """Whether a --deterministic step of decode size runs its products (bf16_linear) and its
+        attention (every token to the paged kernel) in the extension."""
+        backend = self.backend
+        return (
+            self.batch_invariant
+            and isinstance(backend, BatchInvariantAttentionBackend)
+            and backend.use_kernel
+            and len(batch.input_ids) < Int8Linear.fp32_dense_min_tokens  # prefills keep torch's threads
+        )
 
     def _fused_step(self, num_tokens: int) -> PagedKernelStep | None:
         """The paged kernel's view of this step, where the fused decoder blocks apply: int8 Llama

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from libs.kernels import cpu_ext
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
 from services.worker.forward_executor import ForwardBatch, ForwardExecutor, ModelShape
@@ -53,16 +54,20 @@ STEPS: list[tuple[list[tuple[str, int, int]], bool]] = [  # (rows, whether the f
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_fused_blocks_equal_the_op_by_op_forward(num_threads: int) -> None:
     model = int8_model()
-    fused, plain = executor(model, True), executor(model, False)
-    assert fused.blocks is not None and plain.blocks is None
     g = torch.Generator().manual_seed(1)
     before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
+    torch.set_num_threads(num_threads)  # an executor keeps the count it was made with
     try:
+        fused, plain = executor(model, True), executor(model, False)
+        assert fused.blocks is not None and plain.blocks is None
         with torch.inference_mode():
             for num_fused, (rows, takes) in enumerate(STEPS):
                 batch = step(rows, g)
-                expected, got = plain.forward(batch), fused.forward(batch)
+                expected = plain.forward(batch)
+                assert torch.get_num_threads() == num_threads
+                got = fused.forward(batch)
+                # A fused step runs its torch ops on one thread (the kernels on num_threads).
+                assert torch.get_num_threads() == (1 if takes else num_threads)
                 assert expected is not None and got is not None
                 assert torch.equal(got, expected), f"step {num_fused}: logits differ"
                 for plane, other in zip(fused.kv_cache.planes, plain.kv_cache.planes, strict=True):
@@ -70,6 +75,7 @@ def test_fused_blocks_equal_the_op_by_op_forward(num_threads: int) -> None:
                 assert fused.num_fused_steps - (num_fused and sum(t for _, t in STEPS[:num_fused])) == takes
     finally:
         torch.set_num_threads(before)
+        cpu_ext.set_num_threads(0)
     assert fused.num_fused_steps == sum(t for _, t in STEPS) and plain.num_fused_steps == 0
 
 
