@@ -12,7 +12,7 @@
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <unistd.h>
+#include <pthread.h>
 
 
 #include <algorithm>
@@ -61,6 +61,7 @@ struct Ticket {
 
 thread_local bool in_chunk = false;  // a kernel inside a chunk runs its own loops on its thread
 std::atomic<int64_t> pool_threads{0};  // set_num_threads; 0: at::get_num_threads()
+std::atomic<bool> forked_child{false};  // set in a child forked after the pool existed
 
 class Pool {
  public:
@@ -77,11 +78,11 @@ class Pool {
     start_helpers(helpers);
     const int64_t threads = helpers + 1;
     const int64_t chunk = std::max<int64_t>(grain, (n + threads * CHUNKS_PER_THREAD - 1) / (threads * CHUNKS_PER_THREAD));
-    const int64_t num_chunks = std::min<int64_t>((n + chunk - 1) / chunk, MAX_CHUNKS);
+    const int64_t num_chunks = std::min<int64_t>(n / chunk + (n % chunk != 0), MAX_CHUNKS);
     fn_ = fn;
     context_ = context;
     n_ = n;
-    chunk_ = (n + num_chunks - 1) / num_chunks;
+    chunk_ = std::max(chunk, n / num_chunks + (n % num_chunks != 0));  // every chunk >= grain but the last
     error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
     const Ticket last = Ticket::of(ticket_.load(std::memory_order_relaxed));
@@ -103,10 +104,11 @@ class Pool {
     return true;
   }
 
-  bool forked() const { return getpid() != pid_; }
+  bool forked() const { return forked_child.load(std::memory_order_relaxed); }
 
  private:
-  Pool() : pid_(getpid()) {}
+  // A forked child's copy of the pool has no helpers, and its locks may have been held by one.
+  Pool() { pthread_atfork(nullptr, nullptr, [] { forked_child.store(true); }); }
 
   void start_helpers(int count) {
     while (static_cast<int>(helpers_.size()) < count) {
@@ -157,7 +159,6 @@ class Pool {
     }
   }
 
-  const pid_t pid_;
   std::mutex run_mu_;  // one job at a time
   std::vector<std::thread> helpers_;
   // The ticket and the done count each on a cache line of their own: every claim writes the one
@@ -186,7 +187,7 @@ void run_chunks(int64_t n, int64_t grain, ChunkFn fn, void* context) {
   const int helpers = static_cast<int>(std::min<int64_t>(MAX_HELPERS, (threads > 0 ? threads : at::get_num_threads()) - 1));
   Pool& pool = Pool::get();
   // After a fork the helpers are gone (and a lock may be held by one): the child runs alone.
-  if (helpers < 1 || n < 2 * grain || in_chunk || pool.forked() || !pool.run(n, grain, helpers, fn, context)) {
+  if (helpers < 1 || grain > n / 2 || in_chunk || pool.forked() || !pool.run(n, grain, helpers, fn, context)) {
     fn(context, 0, n);
   }
 }

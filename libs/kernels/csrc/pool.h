@@ -19,10 +19,12 @@ namespace deepinfer {
 
 using ChunkFn = void (*)(void* context, int64_t begin, int64_t end);
 
-// fn(context, b, e) over [0, n) in chunks of at least `grain` items, on the calling thread and
-// up to at::get_num_threads() - 1 helpers. n < 2 * grain, one thread, a call from inside a chunk
-// or from another thread while a job runs: all of [0, n) on the calling thread. An exception
-// from a chunk is rethrown here, after every claimed chunk has ended.
+// fn(context, b, e) over [0, n) in chunks of at least `grain` items (the last may be shorter), on
+// the calling thread and up to N - 1 helpers, N set by the op set_num_threads (0, the default:
+// at::get_num_threads() on the calling thread). n < 2 * grain, N = 1, a call from inside a chunk,
+// from another thread while a job runs, or in a child forked after the pool started: all of
+// [0, n) on the calling thread. An exception from a chunk is rethrown here, after every claimed
+// chunk has ended.
 void run_chunks(int64_t n, int64_t grain, ChunkFn fn, void* context);
 
 // f(begin, end) over [begin, end) as run_chunks splits it: at::parallel_for's contract (f sees
