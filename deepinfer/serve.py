@@ -50,6 +50,7 @@ from libs.bus.nats_server import EmbeddedNatsServer
 from libs.runtime.metrics_server import start_metrics_server
 from libs.runtime.process import setup_logging
 from libs.runtime.settings import add_config_args, build_config
+from services.gateway.api_keys import read_keys_file
 from services.gateway.config import Config as GatewayConfig
 from services.kvcache.config import Config as KVCacheConfig
 from services.scheduler.config import Config as SchedulerConfig
@@ -245,6 +246,12 @@ def _supervise(
     return 0
 
 
+def _send(services: list[ServiceChild], command: str, sig: int) -> None:
+    for child in services:
+        if child.command == command:
+            child.send(sig)
+
+
 def _stop_services(config: Config, services: list[ServiceChild], signals: _Signals) -> None:
     """Services only (nats-server is stopped after them). SIGTERM: the gateway drains first."""
     if signals.received and not signals.hurried():
@@ -311,6 +318,8 @@ def main(args: argparse.Namespace) -> None:
     configs: dict[str, Any] = {
         name: build_config(cls, args, os.environ) for name, cls in SERVICE_CONFIGS.items()
     }
+    if configs["gateway"].api_keys_file:
+        read_keys_file(configs["gateway"].api_keys_file)  # a bad file: exit 2 now, not a restart loop
     nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
     setup_logging(config.log_level, "serve")
     roles = config.worker_roles(configs["worker"].role)
@@ -333,10 +342,12 @@ def main(args: argparse.Namespace) -> None:
     signals = _Signals()
     signal.signal(signal.SIGINT, signals)
     signal.signal(signal.SIGTERM, signals)
+    services: list[ServiceChild] = []
+    # SIGHUP: the gateways reload their API keys (serve itself has nothing to reload).
+    signal.signal(signal.SIGHUP, lambda signum, frame: _send(services, "gateway", signal.SIGHUP))
     # serve owns the JetStream store, so that a restarted nats-server finds its streams again.
     store = None if nats_url else tempfile.TemporaryDirectory(prefix="deepinfer-nats-")
     nats = None if store is None else EmbeddedNatsServer(store.name)
-    services: list[ServiceChild] = []
     exit_code = 1
     try:
         if nats is not None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
+from starlette.requests import Request
+
 from libs.protocol.messages import SubmitStatus
 from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.conversation import Conversation
 from libs.recipe.fields import ApiError
 from libs.recipe.sampling import Sampling
 from libs.recipe.template_format import Prompt
-from services.gateway.cache_scope import UNSCOPED, CacheScope, CacheScoping
+from services.gateway.cache_scope import UNSCOPED, CacheScope, CacheScoping, KeyStyle
+from services.gateway.caller import ANONYMOUS, Caller, caller_of
 from services.gateway.request_stream import RequestStream
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService, SubmitRejected
@@ -38,6 +41,13 @@ class Admission:
         self.served = served
         self.scoping = scoping or CacheScoping()
 
+    def scope(self, request: Request, style: KeyStyle, requested: str | None = None) -> CacheScope:
+        """The request's tenant and retention class (``requested``: the body's retention, if any)."""
+        return self.scoping.scope(request.headers, style, requested, caller_of(request).tenant)
+
+    def tenant(self, request: Request, style: KeyStyle) -> str:
+        return self.scoping.tenant(request.headers, style, caller_of(request).tenant)
+
     async def prompt(self, conversation: Conversation, format_param: str = "response_format") -> Prompt:
         # Rendering and tokenizing a long prompt, and checking its output constraint, are CPU
         # work: keep them off the event loop.
@@ -57,8 +67,10 @@ class Admission:
         background: bool = False,
         scope: CacheScope = UNSCOPED,
         prediction: str = "",
+        caller: Caller = ANONYMOUS,
     ) -> Admitted:
-        """Submit the request; ``prediction``: the output the client expects (Predicted Outputs)."""
+        """Submit the request; ``prediction``: the output the client expects (Predicted Outputs);
+        ``caller``: who sent it (its key's priority orders it in the scheduler's queue)."""
         served = self.served
         # Every API's raw token ids meet the vocabulary here (rendered prompts pass trivially).
         served.check_token_ids(prompt.token_ids, sampling.base)
@@ -102,6 +114,7 @@ class Admission:
                 tenant=scope.tenant,
                 retention_class=scope.retention_class,
                 prediction_token_ids=prediction_token_ids,
+                priority=caller.priority,
             )
         except SubmitRejected as exc:
             status, type_, code = _REJECTED[exc.status]

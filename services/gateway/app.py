@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.gateway.admission import Admission
+from services.gateway.auth import KeyCheck, KeyFile
 from services.gateway.cache_scope import CacheScoping
 from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.response_store import ResponseStore
@@ -30,10 +31,12 @@ def build_app(
     retry_after_s: int = 1,
     keepalive_s: float = 15.0,
     scoping: CacheScoping | None = None,
+    keys: KeyFile | None = None,
 ) -> Starlette:
     """``retry_after_s``: the Retry-After of a 429 (the scheduler's queue is full);
     ``keepalive_s``: the longest silence on an SSE stream before a keep-alive comment;
-    ``scoping``: how a request's tenant and retention class are read (default classes, no tenant header)."""
+    ``scoping``: how a request's tenant and retention class are read (default classes, no tenant header);
+    ``keys``: the API keys every /v1 route checks (None: no check)."""
     server = Server(service, served, retry_after_s, keepalive_s)
     admission = Admission(service, served, scoping)
     openai = OpenAIRoutes(server, admission)
@@ -76,6 +79,11 @@ def build_app(
             Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/v1/messages/{request_id}", messages.resume, methods=["GET"]),
         ],
-        middleware=[Middleware(LastResort), Middleware(RequestMetrics, metrics=gateway_metrics)],
+        # Outermost first: the key check runs inside the metrics, so refusals are counted too.
+        middleware=[
+            Middleware(LastResort),
+            Middleware(RequestMetrics, metrics=gateway_metrics),
+            Middleware(KeyCheck, keys=keys),
+        ],
         exception_handlers={HTTPException: http_error},
     )

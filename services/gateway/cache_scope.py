@@ -3,7 +3,8 @@
 Tenant: the KV block hashes are salted with it, so two tenants never share, or probe, each other's
 cached prefixes. It is a hash of the client's API key (``Authorization: Bearer <key>``, OpenAI's
 spelling, or ``x-api-key: <key>``, Anthropic's; each API prefers its own), the same at every
-gateway and across restarts, since cached KV outlives both. No key: "", the shared tenant. Behind
+gateway and across restarts, since cached KV outlives both. No key: "", the shared tenant. With
+``--api-keys-file`` the tenant is the one the key's entry names (services/gateway/auth.py). Behind
 an authenticating proxy an operator names a trusted header (``tenant_header``) whose value is the
 tenant instead; a request without it falls back to its key.
 
@@ -75,11 +76,21 @@ class CacheScoping:
         # The class evicted first: the first configured of the lowest priority.
         self._lowest = min(self.policy.classes.values(), key=lambda c: c.priority).name
 
-    def scope(self, headers: Mapping[str, str], style: KeyStyle, requested: str | None = None) -> CacheScope:
-        """``requested``: the body's prompt_cache_retention (None: absent, or an API without it)."""
-        return CacheScope(self.tenant(headers, style), self.retention_class(headers, requested))
+    def scope(
+        self,
+        headers: Mapping[str, str],
+        style: KeyStyle,
+        requested: str | None = None,
+        authenticated: str = "",
+    ) -> CacheScope:
+        """``requested``: the body's prompt_cache_retention (None: absent, or an API without it);
+        ``authenticated``: the tenant of the API key the gateway checked ("": keys are off)."""
+        tenant = self.tenant(headers, style, authenticated)
+        return CacheScope(tenant, self.retention_class(headers, requested))
 
-    def tenant(self, headers: Mapping[str, str], style: KeyStyle) -> str:
+    def tenant(self, headers: Mapping[str, str], style: KeyStyle, authenticated: str = "") -> str:
+        if authenticated:  # the gateway's own key check named it: nothing a client sends overrides it
+            return authenticated
         trusted = headers.get(self.tenant_header, "").strip() if self.tenant_header else ""
         if not trusted:
             return tenant_of_key(api_key(headers, style))

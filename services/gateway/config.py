@@ -107,6 +107,14 @@ class Config:
     default_retention_class: str = field(
         default="agent", metadata={"help": "retention class of a request that names none"}
     )
+    api_keys_file: str = field(
+        default="",
+        metadata={
+            "help": "JSON file of API keys (SHA-256 each, with its tenant, rate limit and priority; "
+            "`deepinfer api-key` adds one): every /v1 route then needs a key; reloaded on SIGHUP. "
+            "'' = no keys (anyone who reaches the port may call it)"
+        },
+    )
     tenant_header: str = field(
         default="",
         metadata={

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -22,6 +24,7 @@ from libs.protocol.subjects import Subjects
 from libs.runtime.process import StopEvent, run_service, setup_logging
 from libs.runtime.settings import build_config, resolve_cache_dir
 from services.gateway.app import build_app
+from services.gateway.auth import KeyFile
 from services.gateway.cache_scope import CacheScoping
 from services.gateway.config import Config
 from services.gateway.kv_router import KVRouter
@@ -57,7 +60,41 @@ def router_of(config: Config) -> KVRouter | None:
     return KVRouter(config.router_cache_weight, config.router_load_weight, config.router_temperature)
 
 
-async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach ``host`` (a name other than localhost counts as public)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(config: Config) -> None:
+    """Loudly, when anyone who reaches the port may use it."""
+    if not config.api_keys_file and not is_loopback(config.host):
+        log.warning(
+            "!!! listening on %s without API keys: anyone who can reach port %d can use this "
+            "server. Pass --api-keys-file (see `deepinfer api-key`), or bind 127.0.0.1 behind a "
+            "proxy that checks keys.",
+            config.host,
+            config.port,
+        )
+
+
+def reload_on_sighup(keys: KeyFile | None) -> None:
+    """SIGHUP reloads the keys file (and never stops the gateway, keys or not)."""
+
+    def reload() -> None:
+        if keys is None:
+            log.info("SIGHUP: no --api-keys-file, nothing to reload")
+        else:
+            keys.reload()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
+async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile | None = None) -> None:
     # A configured backend that does not import here is replaced by the other one, with a warning.
     grammar_backend = await asyncio.to_thread(resolve_backend, config.grammar_backend)
     served = await asyncio.to_thread(
@@ -71,6 +108,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
         config.grammar_limits,
     )
     subjects = Subjects(config.subject_prefix)
+    reload_on_sighup(keys)
     bus = await NatsBus.connect(config.nats_url, name=config.gateway_id)
     service = GatewayService(
         bus,
@@ -96,6 +134,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent) -> None:
                     config.retry_after_s,
                     config.keepalive_s,
                     CacheScoping(config.retention_policy, config.tenant_header),
+                    keys,
                 ),
                 host=config.host,
                 port=config.port,
@@ -138,4 +177,6 @@ def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
     setup_logging(config.log_level, "gateway")
-    run_service(lambda stop: serve(config, cache_dir, stop), config.watchdog_s)
+    keys = KeyFile(config.api_keys_file) if config.api_keys_file else None  # a bad file: exit 2
+    warn_if_open(config)
+    run_service(lambda stop: serve(config, cache_dir, stop, keys), config.watchdog_s)

@@ -209,7 +209,8 @@ class GatewayMetrics:
         self.requests = Counter(
             "deepinfer_requests",
             "generation requests by api and outcome: ok, client_error (4xx), queue_full (429), "
-            "unavailable (503), server_error, cancelled (the client left first)",
+            "rate_limited (429: the API key's limit), unavailable (503), server_error, cancelled "
+            "(the client left first)",
             ["api", "outcome"],
             registry=registry,
         )
@@ -255,6 +256,19 @@ class GatewayMetrics:
             api,
             registry=registry,
         )
+        self.tenant_tokens = Counter(
+            "deepinfer_tenant_tokens",
+            "tokens of the generations that ended, by API-key tenant (with --api-keys-file) and kind: "
+            "input_uncached, input_cached (served from a KV cache), output",
+            ["tenant", "kind"],
+            registry=registry,
+        )
+        self.tenant_rate_limited = Counter(
+            "deepinfer_tenant_rate_limited",
+            "requests refused (429) because their API key was past its rate limit, by tenant",
+            ["tenant"],
+            registry=registry,
+        )
         registry.register(GatewayCollector(service))
         ProcessCollector(registry=registry)
 
@@ -262,9 +276,12 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
-def outcome(status: int, raised: BaseException | None, error: bool, abandoned: bool) -> str:
+def outcome(
+    status: int, raised: BaseException | None, error: bool, abandoned: bool, rate_limited: bool = False
+) -> str:
     """A request's outcome: ``status`` the HTTP status sent (0: none), ``raised`` what the app
-    raised, ``error`` its generation ended in error, ``abandoned`` its generation never ended."""
+    raised, ``error`` its generation ended in error, ``abandoned`` its generation never ended,
+    ``rate_limited`` its API key was past its limit (a 429 of its own, not the queue's)."""
     if isinstance(raised, asyncio.CancelledError | ClientDisconnect | OSError):
         return "cancelled"
     if raised is not None or (status >= 500 and status != 503):
@@ -272,7 +289,7 @@ def outcome(status: int, raised: BaseException | None, error: bool, abandoned: b
     if status in (0, 499):  # nothing sent, or the non-streaming client left first
         return "cancelled"
     if status == 429:
-        return "queue_full"
+        return "rate_limited" if rate_limited else "queue_full"
     if status == 503:
         return "unavailable"
     if status >= 400:
@@ -295,6 +312,8 @@ class RequestObserver:
         self.generating = False  # a generation answers it: it is over when that has ended
         self.ended = False
         self.error = False
+        self.tenant = ""  # the API key's tenant (services/gateway/auth.py); "": keys are off
+        self._rate_limited = False
         self._last_tokens: dict[int, float] = {}  # choice -> when its last delta with tokens came
 
     def tokens(self, index: int) -> None:
@@ -312,23 +331,38 @@ class RequestObserver:
         self.metrics.prompt_tokens.labels(self.api).inc(usage.prompt_tokens)
         self.metrics.cached_prompt_tokens.labels(self.api).inc(usage.cached_tokens)
         self.metrics.generation_tokens.labels(self.api).inc(usage.completion_tokens)
+        if self.tenant:
+            by_kind = self.metrics.tenant_tokens
+            by_kind.labels(self.tenant, "input_uncached").inc(usage.prompt_tokens - usage.cached_tokens)
+            by_kind.labels(self.tenant, "input_cached").inc(usage.cached_tokens)
+            by_kind.labels(self.tenant, "output").inc(usage.completion_tokens)
+
+    def rate_limited(self, tenant: str) -> None:
+        """The request's key was past its rate limit: it is refused with a 429."""
+        self._rate_limited = True
+        self.metrics.tenant_rate_limited.labels(tenant).inc()
 
     def finish(self, status: int, raised: BaseException | None) -> None:
         """The response is over."""
-        result = outcome(status, raised, self.error, self.generating and not self.ended)
+        result = outcome(status, raised, self.error, self.generating and not self.ended, self._rate_limited)
         self.metrics.requests.labels(self.api, result).inc()
         if result == "ok":
             self.metrics.e2e_request_latency.labels(self.api).observe(self.clock() - self.arrival)
 
 
+def observer_of(scope: Scope) -> RequestObserver | None:
+    """The request's observer (None when the route is not measured)."""
+    observer = scope.get("state", {}).get(_OBSERVER_KEY)
+    return observer if isinstance(observer, RequestObserver) else None
+
+
 def watch_generation(request: Request) -> RequestObserver | None:
     """The request's observer (None when the route is not measured), now waiting for the end of
     the generation that answers it."""
-    observer = request.scope.get("state", {}).get(_OBSERVER_KEY)
-    if isinstance(observer, RequestObserver):
+    observer = observer_of(request.scope)
+    if observer is not None:
         observer.generating = True
-        return observer
-    return None
+    return observer
 
 
 class RequestMetrics:

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from libs.recipe.api.messages import parse_count_tokens_request, parse_messages_request
 from libs.recipe.fields import ApiError
 from services.gateway.admission import Admission
+from services.gateway.caller import caller_of
 from services.gateway.serving import Server, error_response, json_body, last_event_id
 
 
@@ -23,7 +24,7 @@ class MessagesRoutes:
         try:
             req = parse_messages_request(await json_body(request))
             self.server.served.check_model(req.model)
-            scope = self.admission.scoping.scope(request.headers, "anthropic")  # the header only
+            scope = self.admission.scope(request, "anthropic")  # the header only
             prompt = await self.admission.prompt(req.conversation, "output_config.format")
             admitted = await self.admission.admit(
                 "messages",
@@ -33,6 +34,7 @@ class MessagesRoutes:
                 created=int(time.time()),
                 resumable=req.stream,
                 scope=scope,
+                caller=caller_of(request),
             )
         except ApiError as err:
             return error_response(err, "anthropic", self.server.retry_after_s)
@@ -51,7 +53,7 @@ class MessagesRoutes:
         """``GET /v1/messages/{id}?stream=true`` with ``Last-Event-ID``: the events after it, then live."""
         try:
             after = last_event_id(request, "last_event_id")
-            tenant = self.admission.scoping.tenant(request.headers, "anthropic")
+            tenant = self.admission.tenant(request, "anthropic")
             return await self.server.resume(request.path_params["request_id"], "messages", after, tenant)
         except ApiError as err:
             return error_response(err, "anthropic")

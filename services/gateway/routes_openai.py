@@ -15,6 +15,7 @@ from libs.recipe.api.completions import parse_completion_request
 from libs.recipe.fields import ApiError
 from libs.recipe.template_format import Prompt
 from services.gateway.admission import Admission
+from services.gateway.caller import caller_of
 from services.gateway.serving import Server, error_response, json_body, last_event_id
 
 
@@ -27,7 +28,7 @@ class OpenAIRoutes:
         try:
             chat = parse_chat_request(await json_body(request))
             self.server.served.check_model(chat.model)
-            scope = self.admission.scoping.scope(request.headers, "openai", chat.cache_retention)
+            scope = self.admission.scope(request, "openai", chat.cache_retention)
             prompt = await self.admission.prompt(chat.conversation)
             admitted = await self.admission.admit(
                 "chat",
@@ -38,6 +39,7 @@ class OpenAIRoutes:
                 resumable=chat.stream,
                 include_usage=chat.include_usage,
                 scope=scope,
+                caller=caller_of(request),
                 prediction=chat.prediction,
             )
         except ApiError as err:
@@ -49,7 +51,7 @@ class OpenAIRoutes:
             served = self.server.served
             req = parse_completion_request(await json_body(request), served.num_token_ids)
             served.check_model(req.model)
-            scope = self.admission.scoping.scope(request.headers, "openai", req.cache_retention)
+            scope = self.admission.scope(request, "openai", req.cache_retention)
             if isinstance(req.prompt, str):
                 token_ids = await asyncio.to_thread(served.encode_text, req.prompt)  # CPU work
                 echo = req.prompt if req.echo else ""
@@ -71,6 +73,7 @@ class OpenAIRoutes:
                 include_usage=req.include_usage,
                 context=json.dumps({"echo": echo}).encode(),
                 scope=scope,
+                caller=caller_of(request),
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)
@@ -88,7 +91,7 @@ class OpenAIRoutes:
             if request.query_params.get("stream", "true").lower() != "true":
                 raise ApiError(400, "only a stream can be resumed: pass stream=true", param="stream")
             after = last_event_id(request, "last_event_id")
-            tenant = self.admission.scoping.tenant(request.headers, "openai")
+            tenant = self.admission.tenant(request, "openai")
             return await self.server.resume(request.path_params["request_id"], api, after, tenant)
         except ApiError as err:
             return error_response(err)

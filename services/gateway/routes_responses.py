@@ -24,6 +24,7 @@ from libs.recipe.api.responses_input import parse_input
 from libs.recipe.fields import ApiError, shown
 from libs.recipe.segments import Usage
 from services.gateway.admission import Admission, Admitted
+from services.gateway.caller import caller_of
 from services.gateway.generation import Generation
 from services.gateway.renderers import ResponsesRenderer, renderer_for
 from services.gateway.request_stream import RequestStream
@@ -56,7 +57,7 @@ class ResponsesRoutes:
             body = await json_body(request)
             req = parse_responses_request(body)
             self.server.served.check_model(req.model)
-            scope = self.admission.scoping.scope(request.headers, "openai", req.cache_retention)
+            scope = self.admission.scope(request, "openai", req.cache_retention)
             history = await self._history(req, scope.tenant)
             input_json = encode_items([*history, *_input_items(body)])
             history_messages = parse_input(history)[0] if history else ()
@@ -80,6 +81,7 @@ class ResponsesRoutes:
                 context=context,
                 background=req.background,
                 scope=scope,
+                caller=caller_of(request),
             )
         except ApiError as err:
             return error_response(err, retry_after_s=self.server.retry_after_s)
@@ -173,7 +175,7 @@ class ResponsesRoutes:
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
         try:
-            tenant = self.admission.scoping.tenant(request.headers, "openai")
+            tenant = self.admission.tenant(request, "openai")
             if request.query_params.get("stream", "false").lower() == "true":
                 after = last_event_id(request, "starting_after")
                 return await self.server.resume(response_id, "responses", after, tenant)
@@ -188,7 +190,7 @@ class ResponsesRoutes:
     async def cancel(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
         try:
-            tenant = self.admission.scoping.tenant(request.headers, "openai")
+            tenant = self.admission.tenant(request, "openai")
             found = await self._get(response_id, tenant)
             if found is None:
                 raise _not_found(response_id)

@@ -170,6 +170,7 @@ class GatewayService:
         tenant: str = "",
         retention_class: str = "",
         prediction_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Admit the request (raises SubmitRejected) and return the stream of its deltas.
 
@@ -177,6 +178,7 @@ class GatewayService:
         stored while the submit is under way, long before a client could ask to resume.
         ``tenant`` and ``retention_class``: whose cached KV it may use, and how long its own is kept.
         ``prediction_token_ids``: the output the client predicts (drafted from; Predicted Outputs).
+        ``priority``: its place among waiting requests (lower runs first; the API key's).
         """
         req = SubmitRequest(
             request_id,
@@ -184,6 +186,7 @@ class GatewayService:
             pack_tokens(prompt_token_ids),
             params,
             eos_token_id,
+            priority=priority,
             tenant=tenant,
             retention_class=retention_class,
             prediction_token_ids=pack_tokens(prediction_token_ids or []),

@@ -173,12 +173,14 @@ class Stack:
         time.sleep(down_s)
         self.nats.start()
 
-    def spawn_gateway(self, port: int) -> subprocess.Popen[bytes]:
-        """A gateway process on this stack's NATS (the stack's own, or another for restart tests)."""
+    def spawn_gateway(self, port: int, *args: str) -> subprocess.Popen[bytes]:
+        """A gateway process on this stack's NATS (the stack's own, or another for restart tests),
+        with more flags ``args``."""
         return spawn(
             "gateway",
             *("--nats-url", self.nats.url, "--log-level", "info", "--port", str(port)),
             *("--cache-dir", str(self.cache_dir), "--resume-grace-s", str(RESUME_GRACE_S)),
+            *args,
             log=self.log,
         )
 

@@ -142,6 +142,16 @@ def test_kill_9_nats_server_is_restarted_on_its_port(running: Serve) -> None:
     running.wait_until("an answer after the nats restart", running.answers, HEAL_S)
 
 
+def test_sighup_goes_to_the_gateway_and_stops_nothing(running: Serve) -> None:
+    """SIGHUP to serve: the gateway reloads its keys (none here, it says so); nothing stops."""
+    children = {p.pid for p in psutil.Process(running.proc.pid).children()}
+    running.proc.send_signal(signal.SIGHUP)
+    said = "SIGHUP: no --api-keys-file"
+    running.wait_until("the gateway's SIGHUP line", lambda: said in running.text(), 10)
+    assert running.proc.poll() is None and running.answers()
+    assert {p.pid for p in psutil.Process(running.proc.pid).children()} == children
+
+
 def test_ctrl_c_stops_quietly_within_5_s(running: Serve) -> None:
     children = psutil.Process(running.proc.pid).children()  # the services and nats-server
     descendants = psutil.Process(running.proc.pid).children(recursive=True)

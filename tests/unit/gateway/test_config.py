@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
 from libs.kvstore.retention import DEFAULT_RETENTION_CLASS, DEFAULT_RETENTION_CLASSES
 from libs.runtime.settings import build_config
 from services.gateway.config import Config
+from services.gateway.main import warn_if_open
 
 
 def test_retry_after_from_env_and_validated() -> None:
@@ -30,3 +32,24 @@ def test_retention_flags_match_the_shared_defaults_and_bad_ones_name_their_key()
         Config(default_retention_class="gold")
     with pytest.raises(ValueError, match="tenant_header"):
         Config(tenant_header="x tenant")
+
+
+@pytest.mark.parametrize(
+    ("host", "keys", "warned"),
+    [
+        ("127.0.0.1", "", False),
+        ("localhost", "", False),
+        ("::1", "", False),
+        ("0.0.0.0", "", True),
+        ("::", "", True),
+        ("10.1.2.3", "", True),
+        ("gateway.internal", "", True),
+        ("0.0.0.0", "keys.json", False),
+    ],
+)
+def test_a_public_address_without_keys_is_warned_about(
+    host: str, keys: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        warn_if_open(Config(host=host, api_keys_file=keys))
+    assert ("without API keys" in caplog.text) == warned

@@ -1,0 +1,50 @@
+"""``deepinfer api-key``: mint an API key and add its entry (its SHA-256, never the key) to a keys
+file, which the gateway reads with ``--api-keys-file`` and reloads on SIGHUP. The key is printed
+once, on stdout; nothing keeps it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from services.gateway.api_keys import ApiKey, dump_keys, hash_key, new_key, parse_entry, parse_keys
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--file", required=True, help="the keys file (created, mode 0600, if absent)")
+    parser.add_argument("--tenant", required=True, help="whose KV cache and usage the key's requests are")
+    parser.add_argument("--requests-per-minute", type=int, default=0, help="the key's rate limit (0: none)")
+    parser.add_argument("--priority", type=int, default=0, help="lower runs first among waiting requests")
+    parser.add_argument("--name", default="", help="how logs name the key (default: its hash's start)")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` at once (a reload never reads half a file), mode 0600."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main(args: argparse.Namespace) -> None:
+    path = Path(args.file)
+    keys = parse_keys(path.read_text(), str(path)) if path.exists() else ()
+    key = new_key()
+    entry = {"sha256": hash_key(key), "tenant": args.tenant, "requests_per_minute": args.requests_per_minute}
+    entry |= {"priority": args.priority} | ({"name": args.name} if args.name else {})
+    added: ApiKey = parse_entry(entry, "the new key")  # the same checks as the gateway's (ValueError)
+    write_atomically(path, dump_keys([*keys, added]))
+    print(key)
+    print(
+        f"added key {added.label} for tenant {added.tenant!r} to {path}; the gateway reads it on "
+        "start or SIGHUP. The key is shown only now.",
+        file=sys.stderr,
+    )
