@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 
 from libs.bus.membership import live_members
+from libs.bus.nats_auth import NatsConfig
 from libs.bus.nats_bus import NatsBus
 from libs.protocol.member_messages import MemberKind
 from libs.protocol.subjects import Subjects
@@ -21,8 +22,7 @@ KINDS = tuple(kind.name.lower() for kind in MemberKind)
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+class Config(NatsConfig):
     subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
     kind: str = field(
         default="worker", metadata={"help": f"the member kind to look for: {' | '.join(KINDS)}"}
@@ -31,6 +31,7 @@ class Config:
     timeout_s: float = field(default=3.0, metadata={"help": "how long the check may take"})
 
     def __post_init__(self) -> None:
+        NatsConfig.__post_init__(self)  # (slots: no zero-argument super())
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if not self.timeout_s > 0:
@@ -39,7 +40,7 @@ class Config:
 
 async def live_ids(config: Config) -> list[str]:
     """The ids of the live members of ``config.kind``."""
-    bus = await NatsBus.connect(config.nats_url, name="deepinfer-health")
+    bus = await NatsBus.connect(config.nats_url, name="deepinfer-health", auth=config.nats_auth)
     try:
         members = await live_members(
             bus, Subjects(config.subject_prefix).members_bucket, MemberKind[config.kind.upper()]

@@ -318,9 +318,11 @@ def main(args: argparse.Namespace) -> None:
     configs: dict[str, Any] = {
         name: build_config(cls, args, os.environ) for name, cls in SERVICE_CONFIGS.items()
     }
+    nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
+    if not nats_url and configs["gateway"].nats_tls_ca_file:
+        raise ValueError("the embedded nats-server serves no TLS: give --nats-url of a server that does")
     if configs["gateway"].api_keys_file:
         read_keys_file(configs["gateway"].api_keys_file)  # a bad file: exit 2 now, not a restart loop
-    nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
     setup_logging(config.log_level, "serve")
     roles = config.worker_roles(configs["worker"].role)
     handoff = shared_memory_handoff(configs["worker"], roles)
@@ -347,7 +349,9 @@ def main(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGHUP, lambda signum, frame: _send(services, "gateway", signal.SIGHUP))
     # serve owns the JetStream store, so that a restarted nats-server finds its streams again.
     store = None if nats_url else tempfile.TemporaryDirectory(prefix="deepinfer-nats-")
-    nats = None if store is None else EmbeddedNatsServer(store.name)
+    # The embedded nats-server requires the credentials the services are given (every service's
+    # NATS fields are shared flags: the gateway's stand for all).
+    nats = None if store is None else EmbeddedNatsServer(store.name, auth=configs["gateway"].nats_auth)
     exit_code = 1
     try:
         if nats is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from deepinfer.restart_policy import RestartPolicy
 from libs.bus.nats_server import EmbeddedNatsServer
-from libs.runtime.settings import to_argv
+from libs.runtime.settings import secret_env, to_argv
 
 log = logging.getLogger("deepinfer.serve")
 
@@ -87,8 +88,9 @@ class ServiceChild:
     def start(self) -> None:
         argv = to_argv(renamed(self.config, self.incarnation))
         preexec = _child_setup if sys.platform.startswith("linux") else None
+        env = {**os.environ, **secret_env(self.config)}  # secrets stay out of the argv ps shows
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deepinfer", self.command, *argv], preexec_fn=preexec
+            [sys.executable, "-m", "deepinfer", self.command, *argv], preexec_fn=preexec, env=env
         )
         self.incarnation += 1
 

@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from libs.bus.base import ConnectionListener, Message, MessageHandler, NoResponders, RequestTimeout
+from libs.bus.nats_auth import NatsAuth
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ class NatsBus:
         self._closing = False
 
     @classmethod
-    async def connect(cls, url: str, name: str) -> NatsBus:
+    async def connect(cls, url: str, name: str, auth: NatsAuth | None = None) -> NatsBus:
         """Reconnects forever (same URL): subscriptions are re-made by nats-py, ordered consumers
-        resume from their last sequence, and listeners hear of every loss and return."""
+        resume from their last sequence, and listeners hear of every loss and return. ``auth``:
+        the credentials and TLS settings of the connection (libs/bus/nats_auth.py)."""
         errors = _RateLimitedLog(ERROR_LOG_PERIOD_S)
         bus: NatsBus | None = None
 
@@ -96,6 +98,7 @@ class NatsBus:
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            **(auth.connect_options() if auth is not None else {}),
         )
         bus = cls(nc)
         return bus

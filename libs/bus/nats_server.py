@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import socket
@@ -11,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+
+from libs.bus.nats_auth import NatsAuth, nkey_public_key
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +37,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class EmbeddedNatsServer:
-    """nats-server with JetStream on a free loopback port; ``url`` is valid after ``start()``."""
+def authorization_conf(auth: NatsAuth) -> str:
+    """The nats-server ``authorization`` block admitting the clients that connect with ``auth``
+    ("" when it holds no credentials: anyone may connect)."""
+    if auth.user:
+        return f"authorization {{ user: {json.dumps(auth.user)}, password: {json.dumps(auth.password)} }}\n"
+    if auth.nkey_seed_file:
+        public_key = json.dumps(nkey_public_key(auth.nkey_seed_file))
+        return f"authorization {{ users: [ {{ nkey: {public_key} }} ] }}\n"
+    return ""
 
-    def __init__(self, store_dir: str | None = None, host: str = "127.0.0.1") -> None:
+
+class EmbeddedNatsServer:
+    """nats-server with JetStream on a free loopback port; ``url`` is valid after ``start()``.
+    ``auth``: the credentials it requires of clients (none by default); ``extra_conf``: more
+    nats-server configuration (a ``tls`` block, for one)."""
+
+    def __init__(
+        self,
+        store_dir: str | None = None,
+        host: str = "127.0.0.1",
+        auth: NatsAuth | None = None,
+        extra_conf: str = "",
+    ) -> None:
         self.host = host
+        self.conf_extra = (authorization_conf(auth) if auth is not None else "") + extra_conf
         self.port = 0
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -61,8 +84,9 @@ class EmbeddedNatsServer:
         conf = Path(self.store_dir) / "nats.conf"
         conf.write_text(
             f'host: "{self.host}"\nport: {self.port}\nmax_payload: {MAX_PAYLOAD}\n'
-            f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
+            f'jetstream {{ store_dir: "{self.store_dir}" }}\n' + self.conf_extra
         )
+        conf.chmod(0o600)  # it may hold the clients' password
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(conf)],
             stdout=subprocess.DEVNULL,

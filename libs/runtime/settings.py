@@ -79,13 +79,23 @@ def build_config(cls: type[T], args: argparse.Namespace, env: Mapping[str, str])
 
 
 def to_argv(config: object, names: frozenset[str] | None = None) -> list[str]:
-    """Flags that rebuild ``config`` (or the named fields of it) in a child process."""
+    """Flags that rebuild ``config`` (or the named fields of it) in a child process, but for its
+    secrets (fields marked ``"secret"``): ``secret_env`` hands those over, out of ps's sight."""
     argv: list[str] = []
     for f in dataclasses.fields(config):  # type: ignore[arg-type]
-        if names is not None and f.name not in names:
+        if (names is not None and f.name not in names) or f.metadata.get("secret"):
             continue
         argv += [flag_name(f.name), str(getattr(config, f.name))]
     return argv
+
+
+def secret_env(config: object) -> dict[str, str]:
+    """The environment that carries ``config``'s secrets to a child process (set ones only)."""
+    return {
+        env_name(f.name): str(getattr(config, f.name))
+        for f in dataclasses.fields(config)  # type: ignore[arg-type]
+        if f.metadata.get("secret") and getattr(config, f.name)
+    }
 
 
 def resolve_cache_dir(configured: str, env: Mapping[str, str]) -> str:

@@ -6,6 +6,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from libs.bus.nats_auth import NatsConfig
 from libs.grammar.sandbox import CompileLimits
 from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 from libs.recipe.chat_formats import FORMATS
@@ -14,8 +15,7 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+class Config(NatsConfig):
     subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
     gateway_id: str = field(
         default_factory=lambda: "gw-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
@@ -131,6 +131,7 @@ class Config:
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        NatsConfig.__post_init__(self)  # (slots: no zero-argument super())
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.chat_format not in FORMATS:

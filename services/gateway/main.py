@@ -109,7 +109,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile |
     )
     subjects = Subjects(config.subject_prefix)
     reload_on_sighup(keys)
-    bus = await NatsBus.connect(config.nats_url, name=config.gateway_id)
+    bus = await NatsBus.connect(config.nats_url, name=config.gateway_id, auth=config.nats_auth)
     service = GatewayService(
         bus,
         subjects,

@@ -11,14 +11,14 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from libs.bus.nats_auth import NatsConfig
 from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 
 GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+class Config(NatsConfig):
     subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
     kvcache_id: str = field(
         default_factory=lambda: "kvcache-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
@@ -55,6 +55,7 @@ class Config:
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        NatsConfig.__post_init__(self)  # (slots: no zero-argument super())
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         for key in ("store_capacity_gb", "gc_interval_s", "reconcile_interval_s", "stats_interval_s"):

@@ -17,7 +17,7 @@ from services.kvcache.service import KVCacheService
 
 
 async def serve(config: Config, store_root: Path | None, stop: asyncio.Event) -> None:
-    bus = await NatsBus.connect(config.nats_url, name=config.kvcache_id)
+    bus = await NatsBus.connect(config.nats_url, name=config.kvcache_id, auth=config.nats_auth)
     try:
         service = KVCacheService(config, bus, store_root)
         start_metrics_server(config.metrics_port, metrics.registry(service))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from libs.bus.nats_auth import NatsConfig
 from services.scheduler.spec_policy import POLICIES
 from services.scheduler.speculation import METHODS
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+class Config(NatsConfig):
     subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
     scheduler_id: str = field(
         default_factory=lambda: "sched-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
@@ -140,6 +140,7 @@ class Config:
         return self.speculative_max_tokens
 
     def __post_init__(self) -> None:
+        NatsConfig.__post_init__(self)  # (slots: no zero-argument super())
         if self.routing not in ("kv", "round_robin"):
             raise ValueError(f"routing must be kv or round_robin, got {self.routing!r}")
         if self.speculative_method not in METHODS:

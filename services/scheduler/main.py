@@ -16,7 +16,7 @@ from services.scheduler.service import SchedulerService
 
 
 async def serve(config: Config, stop: asyncio.Event) -> None:
-    bus = await NatsBus.connect(config.nats_url, name=config.scheduler_id)
+    bus = await NatsBus.connect(config.nats_url, name=config.scheduler_id, auth=config.nats_auth)
     try:
         service = SchedulerService(config, bus)
         start_metrics_server(config.metrics_port, metrics.registry(service.workers))

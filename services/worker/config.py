@@ -6,6 +6,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from libs.bus.nats_auth import NatsConfig
 from libs.grammar.sandbox import CompileLimits
 from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 from libs.protocol.messages import SPECULATIVE_METHODS
@@ -14,8 +15,7 @@ DEVICE = re.compile(r"cpu|(cuda|npu)(:\d+)?")
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+class Config(NatsConfig):
     subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
     worker_id: str = field(
         default_factory=lambda: "worker-" + uuid.uuid4().hex[:8], metadata={"help": "unique id"}
@@ -147,6 +147,7 @@ class Config:
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        NatsConfig.__post_init__(self)  # (slots: no zero-argument super())
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if not DEVICE.fullmatch(self.device):

@@ -284,7 +284,7 @@ def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]
 
 async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
     worker = await asyncio.to_thread(build_worker, config, cache_dir)
-    bus = await NatsBus.connect(config.nats_url, name=config.worker_id)
+    bus = await NatsBus.connect(config.nats_url, name=config.worker_id, auth=config.nats_auth)
     try:
         service = WorkerService(
             config,

@@ -36,7 +36,14 @@ class Serve:
     tmp: Path
 
     @classmethod
-    def start(cls, model_cache_dir: Path, tmp: Path, *flags: str, port: int | None = None) -> Serve:
+    def start(
+        cls,
+        model_cache_dir: Path,
+        tmp: Path,
+        *flags: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Serve:
         port = port or free_port()
         log = tmp / "serve.log"
         argv = ["serve", "--port", str(port), "--cache-dir", str(model_cache_dir), *TINY, *flags]
@@ -46,7 +53,7 @@ class Serve:
                 [sys.executable, "-m", "deepinfer", *argv],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), **(env or {})},
                 start_new_session=True,
             )
         return cls(proc, port, log, tmp)
@@ -157,9 +164,11 @@ def free_ports(count: int) -> int:
 
 
 @contextlib.contextmanager
-def serving(model_cache_dir: Path, tmp: Path, *flags: str, ready_s: float) -> Iterator[Serve]:
+def serving(
+    model_cache_dir: Path, tmp: Path, *flags: str, ready_s: float, env: dict[str, str] | None = None
+) -> Iterator[Serve]:
     """``Serve.start`` until /health answers 200 (within ``ready_s``); killed on leaving."""
-    serve = Serve.start(model_cache_dir, tmp, *flags)
+    serve = Serve.start(model_cache_dir, tmp, *flags, env=env)
     try:
         serve.wait_until("/health 200", serve.healthy, ready_s)
         yield serve

@@ -3,6 +3,7 @@ nothing behind. Real processes, real faults (kill -9 by pid, Ctrl-C to the proce
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,9 +16,11 @@ import httpx
 import psutil
 import pytest
 
+from tests.service.test_nats_auth import refused
 from tests.system.serve_proc import MODEL, Serve, free_ports, scrape, serving
 
 READY_S = 240.0
+NATS_USER, NATS_PASSWORD = "deepinfer", "not-in-any-argv"
 HEAL_S = 180.0  # a restarted worker loads the model again, on a loaded machine
 
 
@@ -99,10 +102,24 @@ def metrics_port() -> int:
 def running(
     model_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
 ) -> Iterator[Serve]:
-    """One stack for the fault tests below, which run in order; the last one stops it."""
+    """One stack for the fault tests below, which run in order; the last one stops it. Its NATS
+    requires a user and password (the password in the environment, as the README advises)."""
     tmp = tmp_path_factory.mktemp("serve")
-    with serving(model_cache_dir, tmp, "--metrics-port", str(metrics_port), ready_s=READY_S) as serve:
+    flags = ("--metrics-port", str(metrics_port), "--nats-user", NATS_USER)
+    env = {"DEEPINFER_NATS_PASSWORD": NATS_PASSWORD}
+    with serving(model_cache_dir, tmp, *flags, ready_s=READY_S, env=env) as serve:
         yield serve
+
+
+def test_nats_requires_the_credentials_and_no_argv_shows_the_password(running: Serve) -> None:
+    (nats_proc,) = running.children("nats-server")
+    (port,) = _listen_ports(nats_proc)  # the client port (the embedded server has no monitor port)
+    url = f"nats://127.0.0.1:{port}"
+    assert asyncio.run(refused(url))
+    assert asyncio.run(refused(url, user=NATS_USER, password="wrong"))
+    assert not asyncio.run(refused(url, user=NATS_USER, password=NATS_PASSWORD))
+    for child in psutil.Process(running.proc.pid).children(recursive=True):
+        assert NATS_PASSWORD not in " ".join(child.cmdline())
 
 
 def test_kill_9_worker_is_restarted_and_serves(running: Serve, metrics_port: int) -> None:
