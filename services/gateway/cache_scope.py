@@ -8,15 +8,17 @@ gateway and across restarts, since cached KV outlives both. No key: "", the shar
 an authenticating proxy an operator names a trusted header (``tenant_header``) whose value is the
 tenant instead; a request without it falls back to its key.
 
-Retention class: the ``x-deepinfer-cache-class`` header, else the body's ``prompt_cache_retention``
-(OpenAI's field; Messages has no such field, only the header), else the configured default. A
-value is one of the configured classes (any case), or one of OpenAI's values, read as:
+Retention class: the ``x-deepinfer-cache-class`` header, else the body's retention request
+(OpenAI's ``prompt_cache_retention``; Anthropic's top-level ``cache_control.ttl``, "5m" when the
+cache_control names none), else the configured default. A value is one of the configured classes
+(any case), or one of the vendors' values, read as:
 
-    in_memory (or in-memory)  -> the lowest-priority class (the first evicted; OpenAI's short cache)
-    24h                       -> the default class (OpenAI's extended cache; ours keeps days)
+    in_memory (or in-memory), 5m  -> the lowest-priority class (the first evicted: a short cache)
+    24h, 1h                       -> the default class (an extended cache; ours keeps days)
 
 A configured class of the same name wins over that reading. Anything else is a 400 naming the
-parameter and the classes it accepts.
+parameter and the classes it accepts (the parsers admit only these values of cache_control.ttl,
+so its 400 is the parser's).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ TENANT_CHARS: Final = 32  # hex digits of sha256 kept: 128 bits, no collision be
 MAX_TENANT_HEADER_CHARS: Final = 128
 # Separates this use of a key's hash from any other (a key's plain sha256 is a common fingerprint).
 _TENANT_DOMAIN: Final = b"deepinfer-kv-tenant\x00"
-_OPENAI_SHORT: Final = ("in_memory", "in-memory")
-_OPENAI_EXTENDED: Final = "24h"
+_SHORT: Final = ("in_memory", "in-memory", "5m")  # OpenAI's short cache; Anthropic's default ttl
+_EXTENDED: Final = ("24h", "1h")  # OpenAI's extended cache; Anthropic's long ttl
+_VENDOR_VALUES: Final = ("in_memory", "24h", "5m", "1h")  # as a 400 lists them (one spelling each)
 
 KeyStyle = Literal["openai", "anthropic"]  # which API's key header a route reads first
 
@@ -83,7 +86,7 @@ class CacheScoping:
         requested: str | None = None,
         authenticated: str = "",
     ) -> CacheScope:
-        """``requested``: the body's prompt_cache_retention (None: absent, or an API without it);
+        """``requested``: the body's retention (prompt_cache_retention, or cache_control's ttl; None: none);
         ``authenticated``: the tenant of the API key the gateway checked ("": keys are off)."""
         tenant = self.tenant(headers, style, authenticated)
         return CacheScope(tenant, self.retention_class(headers, requested))
@@ -113,10 +116,10 @@ class CacheScoping:
         name = value.strip().lower()
         if name in self._names:
             return name
-        if name in _OPENAI_SHORT:
+        if name in _SHORT:
             return self._lowest
-        if name == _OPENAI_EXTENDED:
+        if name in _EXTENDED:
             return self.policy.default.name
-        known = ", ".join(map(repr, [*self._names, _OPENAI_SHORT[0], _OPENAI_EXTENDED]))
+        known = ", ".join(map(repr, [*self._names, *_VENDOR_VALUES]))
         message = f"unknown cache retention class {shown(value)} in '{param}': it must be one of {known}"
         raise ApiError(400, message, param=param)

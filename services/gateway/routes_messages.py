@@ -24,7 +24,7 @@ class MessagesRoutes:
         try:
             req = parse_messages_request(await json_body(request))
             self.server.served.check_model(req.model)
-            scope = self.admission.scope(request, "anthropic")  # the header only
+            scope = self.admission.scope(request, "anthropic", req.cache_retention)
             prompt = await self.admission.prompt(req.conversation, "output_config.format")
             admitted = await self.admission.admit(
                 "messages",

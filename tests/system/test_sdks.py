@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anthropic
 import openai
@@ -202,3 +203,65 @@ def test_responses_background_stream_resumes_with_starting_after(oai: openai.Ope
     assert [e.type for e in first + rest] == [e.type for e in whole]
     assert whole[0].type == "response.created" and whole[1].type == "response.queued"
     assert whole[-1].type in ("response.completed", "response.incomplete")
+
+
+def test_fields_for_the_vendors_own_service_are_accepted_and_change_no_answer(
+    oai: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """Regions, tiers, moderation scoring, cache options, compaction: inert here (greedy, the same text)."""
+    messages = [{"role": "user", "content": ASK}]
+    chat: dict[str, Any] = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 12}
+    steered = oai.chat.completions.create(
+        **chat,
+        moderation={"model": "omni-moderation-latest", "policy": {"input": {"mode": "score"}}},
+        prompt_cache_options={"mode": "explicit", "ttl": "30m"},
+        service_tier="flex",
+        safety_identifier="user-1",
+        verbosity="low",
+        store=True,
+    )
+    assert (
+        steered.choices[0].message.content == oai.chat.completions.create(**chat).choices[0].message.content
+    )
+
+    responses: dict[str, Any] = {"model": MODEL, "input": ASK, "temperature": 0, "max_output_tokens": 12}
+    steered_response = oai.responses.create(
+        **responses,
+        context_management=[{"type": "compaction", "compact_threshold": 100_000}],
+        access_programs={"cyber": "standard"},
+        background_options={"completion_window": "soonest"},
+        image={"context_compression": "auto"},
+        prompt_cache_options={"mode": "implicit", "ttl": "12h"},
+    )
+    assert steered_response.output_text == oai.responses.create(**responses).output_text
+
+    # extra_body: this SDK version has no temperature argument
+    message: dict[str, Any] = {"model": MODEL, "max_tokens": 12, "messages": messages}
+    message["extra_body"] = {"temperature": 0}
+    whole = claude.messages.create(**message)
+    cached = claude.messages.create(
+        **message,
+        cache_control={"type": "ephemeral", "ttl": "1h"},  # the default retention class
+        speed="fast",
+        inference_geo="us",
+        diagnostics={"previous_message_id": whole.id},
+        service_tier="standard_only",
+        workspace_id="wrkspc_1",  # a header: the gateway has no workspaces
+    )
+    assert [b.model_dump() for b in cached.content] == [b.model_dump() for b in whole.content]
+
+
+def test_refused_fields_say_why_in_each_apis_error_shape(
+    oai: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as msg_err:
+        claude.messages.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}], container="container_1"
+        )
+    error = msg_err.value.body["error"]  # type: ignore[index]
+    assert error["type"] == "invalid_request_error"
+    assert "'container' is not supported: no code execution containers" in error["message"]
+    with pytest.raises(openai.BadRequestError) as resp_err:
+        oai.responses.create(model=MODEL, input="hi", conversation="conv_1")
+    assert resp_err.value.body["param"] == "conversation"  # type: ignore[index]
+    assert "previous_response_id" in resp_err.value.body["message"]  # type: ignore[index]

@@ -6,7 +6,9 @@ Extensions accepted beside OpenAI's fields: DeepSeek's ``thinking: {type}``, ass
 constraint spelled ``response_format: {"type": "regex", "regex": "..."}`` (the wheel's spelling;
 vLLM's ``guided_regex`` is not accepted). An unknown top-level field is a 400, as at OpenAI.
 ``prompt_cache_retention`` is passed on as sent; ``prompt_cache_key`` is validated and unused.
-``prediction`` (Predicted Outputs) becomes ``ChatRequest.prediction``, its text.
+``prediction`` (Predicted Outputs) becomes ``ChatRequest.prediction``, its text. Fields that steer
+OpenAI's own service (store, service_tier, moderation, prompt_cache_options...) are validated and
+inert, or refused saying why: docs/sdk-compat.md has the table.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from libs.recipe.api.common import (
     json_object,
     metadata,
     model_name,
+    one_of,
     output_format,
     prompt_cache_retention,
     reject_present,
@@ -29,6 +32,7 @@ from libs.recipe.api.common import (
     resolve_thinking,
     thinking_type,
 )
+from libs.recipe.api.inert import CHAT_PROMPT_CACHE_KEYS, moderation, prompt_cache_options
 from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, ToolDefinition
 from libs.recipe.fields import ApiError, boolean, optional_bool, optional_dict, optional_str
@@ -36,18 +40,24 @@ from libs.recipe.sampling import Sampling, parse_sampling
 
 OPENAI_FIELDS = (
     "model", "messages", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
-    "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
-    "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort",
-    "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
-    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
+    "max_tokens", "metadata", "modalities", "moderation", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop", "store",
+    "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
     "verbosity", "audio", "function_call", "functions", "web_search_options",
 )  # fmt: skip
 EXTENSION_FIELDS = (
     "thinking", "chat_template_kwargs",  # DeepSeek / vLLM
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM sampling
 )  # fmt: skip
-# Known, but not implemented: a 400 beats silently ignoring them.
-UNSUPPORTED = ("audio", "functions", "function_call", "web_search_options")
+# Known, but not implemented: a 400 that says why beats silently ignoring them.
+UNSUPPORTED = {
+    "audio": "this server generates text only (modalities: ['text'])",
+    "functions": "the deprecated functions API is not served: send 'tools' instead",
+    "function_call": "the deprecated functions API is not served: send 'tool_choice' instead",
+    "web_search_options": "no web search runs here: give the model a function tool that searches",
+}
+UNKNOWN = "Unrecognized request argument supplied: {}".format
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +111,8 @@ def _extra(body: dict[str, Any]) -> dict[str, Any]:
 def _check_modalities(body: dict[str, Any]) -> None:
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
-        raise ApiError(400, "only the 'text' output modality is supported", param="modalities")
+        why = "'modalities' must be ['text']: only the 'text' output modality is supported"
+        raise ApiError(400, why, param="modalities")
 
 
 def _conversation(body: dict[str, Any]) -> Conversation:
@@ -135,8 +146,7 @@ def _prediction(body: dict[str, Any]) -> str:
     prediction = optional_dict(body, "prediction")
     if prediction is None:
         return ""
-    unknown = lambda key: f"Unrecognized request argument supplied: {key}"  # noqa: E731
-    check_fields(prediction, ("type", "content"), unknown, prefix="prediction.")
+    check_fields(prediction, ("type", "content"), UNKNOWN, prefix="prediction.")
     if prediction.get("type") != "content":
         raise ApiError(400, "'prediction.type' must be 'content'", param="prediction.type")
     content = prediction.get("content")
@@ -150,26 +160,30 @@ def _prediction(body: dict[str, Any]) -> str:
         where = f"prediction.content[{i}]"
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ApiError(400, f"'{where}' must be a part of type 'text' with a string 'text'", param=where)
-        check_fields(part, ("type", "text"), unknown, prefix=f"{where}.")
+        check_fields(part, ("type", "text"), UNKNOWN, prefix=f"{where}.")
         texts.append(part["text"])
     return "".join(texts)
 
 
 def _check_unused(body: dict[str, Any]) -> None:
-    """Fields accepted and validated, though nothing here acts on them."""
+    """Fields accepted and validated, though nothing here acts on them: parallel_tool_calls (not
+    enforced), user, safety_identifier, metadata and store (nothing is kept for OpenAI's products),
+    service_tier, verbosity (the model has no such control), moderation, prompt_cache_options."""
     optional_bool(body, "parallel_tool_calls")
     optional_str(body, "user")
+    optional_str(body, "safety_identifier")
     metadata(body)
     boolean(body, "store")
     optional_str(body, "service_tier")
+    one_of(body, "verbosity", ("low", "medium", "high"))
+    moderation(body, UNKNOWN)
+    prompt_cache_options(body, UNKNOWN, CHAT_PROMPT_CACHE_KEYS)
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a Chat Completions body (400 naming the offending field on bad input)."""
     body = json_object(body)
-    check_fields(
-        body, OPENAI_FIELDS + EXTENSION_FIELDS, lambda key: f"Unrecognized request argument supplied: {key}"
-    )
+    check_fields(body, OPENAI_FIELDS + EXTENSION_FIELDS, UNKNOWN)
     model = model_name(body)
     reject_present(body, UNSUPPORTED)
     _check_modalities(body)

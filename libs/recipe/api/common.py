@@ -3,9 +3,9 @@ the Conversation they all end in. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from libs.recipe.api.tools import check_name
 from libs.recipe.conversation import (
@@ -48,12 +48,27 @@ def check_fields(
             raise ApiError(400, message(f"{prefix}{key}"), param=f"{prefix}{key}")
 
 
-def reject_present(body: dict[str, Any], keys: Iterable[str], prefix: str = "") -> None:
-    """Fields we know but do not implement: refusing beats silently ignoring them."""
-    for key in keys:
+def reject_present(body: dict[str, Any], reasons: Mapping[str, str], prefix: str = "") -> None:
+    """Fields we know but do not implement, each with why: refusing beats silently ignoring them.
+    An explicit null is the field left out, as everywhere else."""
+    for key, why in reasons.items():
         if body.get(key) is not None:
-            param = f"{prefix}{key}"
-            raise ApiError(400, f"'{param}' is not supported", param=param, code="unsupported_parameter")
+            refuse(f"{prefix}{key}", why)
+
+
+def refuse(param: str, why: str) -> NoReturn:
+    """The 400 for a known field (or value) this server does not serve, saying why."""
+    raise ApiError(400, f"'{param}' is not supported: {why}", param=param, code="unsupported_parameter")
+
+
+def one_of(obj: dict[str, Any], key: str, allowed: tuple[str, ...], param: str | None = None) -> str | None:
+    """``obj[key]``, one of ``allowed`` (None when absent); ``param`` names it in the 400."""
+    value = obj.get(key)
+    if value is None or (isinstance(value, str) and value in allowed):
+        return value
+    where = param or key
+    choices = ", ".join(map(repr, allowed))
+    raise ApiError(400, f"'{where}' must be one of {choices}, got {shown(value)}", param=where)
 
 
 def model_name(body: dict[str, Any]) -> str:

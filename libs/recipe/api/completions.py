@@ -1,13 +1,13 @@
 """OpenAI (legacy) Completions request body -> a validated ``CompletionRequest``. Pure.
 
 One prompt per request: a string, or a list of token ids (a one-element list of either is
-unwrapped). Several prompts in one request are a 400, as are ``suffix`` (no fill-in-the-middle
-format) and ``logit_bias``. ``logprobs`` here is OpenAI's integer 0-5: how many top alternatives to
-return per token (0: just the sampled token's logprob). ``max_tokens`` defaults to 16, OpenAI's
-default for this endpoint. Chat's ``prompt_cache_key`` and ``prompt_cache_retention`` are
-accepted here too (OpenAI's legacy endpoint has neither), so one client setting fits both.
-Given the model's vocabulary size, token ids it has no row for (in the prompt or
-``stop_token_ids``) are a 400 here, before anything decodes or embeds them.
+unwrapped). Several prompts in one request are a 400, as is ``suffix`` (no fill-in-the-middle
+format); ``logit_bias`` is honoured as in Chat. ``logprobs`` here is OpenAI's integer 0-5: how
+many top alternatives to return per token (0: just the sampled token's logprob). ``max_tokens``
+defaults to 16, OpenAI's default for this endpoint. Chat's ``prompt_cache_key`` and
+``prompt_cache_retention`` are accepted here too (OpenAI's legacy endpoint has neither), so one
+client setting fits both. Given the model's vocabulary size, token ids it has no row for (in the
+prompt or ``stop_token_ids``) are a 400 here, before anything decodes or embeds them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ FIELDS = (
     "top_p", "user", "prompt_cache_key", "prompt_cache_retention",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM
 )  # fmt: skip
-UNSUPPORTED = ("suffix",)
+UNSUPPORTED = {"suffix": "the served model has no fill-in-the-middle prompt format: send one prompt"}
 MAX_LOGPROBS = 5  # OpenAI's limit for this endpoint
 DEFAULT_MAX_TOKENS = 16
 
@@ -81,7 +81,8 @@ def parse_completion_request(body: Any, vocab_size: int | None = None) -> Comple
     best_of = optional_int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of not in (1, n):
         # best_of > n means sampling extra sequences and ranking them: not implemented.
-        raise ApiError(400, "'best_of' must be 1 or equal to 'n'", param="best_of")
+        why = "'best_of' must be 1 or equal to 'n': ranking extra samples is not supported"
+        raise ApiError(400, why, param="best_of")
     max_tokens = optional_int(body, "max_tokens", 1)
     prompt, echo = _prompt(body), boolean(body, "echo")
     sampling = read_sampling(

@@ -4,11 +4,17 @@ Anthropic's semantics where they differ from the wheel's: ``max_tokens`` is requ
 ``temperature`` is in [0, 1], ``tool_choice: any`` means a call is required, and a final assistant
 message is a prefill the model continues (``prefix``). ``/v1/messages/count_tokens`` bodies use
 ``parse_count_tokens_request``: the same, without ``max_tokens``.
+
+Top-level ``cache_control: {type: ephemeral, ttl}`` becomes ``MessagesRequest.cache_retention``, its
+ttl (Anthropic's default "5m" when it names none), which the gateway reads as a retention class of
+the prefix cache; the cache itself is always on, so block-level ``cache_control`` markers are
+accepted and have nothing to add. Fields that steer Anthropic's own service (speed, inference_geo,
+service_tier, diagnostics) are validated and inert, or refused saying why: docs/sdk-compat.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from libs.recipe.api.common import (
@@ -21,6 +27,7 @@ from libs.recipe.api.common import (
     resolve_thinking,
     thinking_type,
 )
+from libs.recipe.api.inert import anthropic_options, strict_object
 from libs.recipe.api.messages_content import parse_messages, system_text
 from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, Message, ToolDefinition
@@ -40,9 +47,17 @@ from libs.recipe.sampling import Sampling, build_sampling
 FIELDS = (
     "model", "messages", "max_tokens", "system", "tools", "tool_choice", "thinking", "output_config",
     "stop_sequences", "temperature", "top_p", "top_k", "metadata", "stream", "service_tier",
-    "container", "mcp_servers", "context_management",
+    "container", "mcp_servers", "context_management", "cache_control", "diagnostics", "inference_geo",
+    "speed",
 )  # fmt: skip
-UNSUPPORTED = ("container", "mcp_servers", "context_management")
+UNSUPPORTED = {
+    "container": "no code execution containers run here: use client tools",
+    "mcp_servers": "this server connects to no MCP servers: send their tools as client tools",
+    "context_management": "context editing is not done here: trim the messages before sending them",
+}
+UNKNOWN = "{}: Extra inputs are not permitted".format
+CACHE_TTLS = ("5m", "1h")
+DEFAULT_CACHE_TTL = "5m"  # Anthropic's, for a cache_control that names no ttl
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +66,7 @@ class MessagesRequest:
     conversation: Conversation
     sampling: Sampling  # its max_tokens is required for /v1/messages; None only for count_tokens
     stream: bool
+    cache_retention: str | None = None  # top-level cache_control's ttl: the gateway maps it to a class
 
 
 def _tool(tool: Any, where: str) -> ToolDefinition:
@@ -130,7 +146,7 @@ def _output_config(body: dict[str, Any]) -> tuple[Any, OutputFormat]:
     """(effort, output format) from output_config: text, or a json_schema."""
     config = optional_dict(body, "output_config") or {}
     allowed = ("effort", "format")
-    check_fields(config, allowed, lambda key: f"{key}: Extra inputs are not permitted", "output_config.")
+    check_fields(config, allowed, UNKNOWN, "output_config.")
     fmt = optional_dict(config, "format", "output_config.format")
     if fmt is None:
         return config.get("effort"), OutputFormat()
@@ -144,9 +160,24 @@ def _output_config(body: dict[str, Any]) -> tuple[Any, OutputFormat]:
     return config.get("effort"), OutputFormat("json_schema", schema=fmt["schema"])
 
 
+def _cache_ttl(body: dict[str, Any]) -> str | None:
+    """Top-level ``cache_control``'s ttl ("5m" when it names none); None without one."""
+    control = strict_object(body, "cache_control", ("type", "ttl"), UNKNOWN)
+    if control is None:
+        return None
+    if control.get("type") != "ephemeral":
+        raise ApiError(400, "cache_control.type: Input should be 'ephemeral'", param="cache_control.type")
+    ttl = control.get("ttl")
+    if ttl is None:
+        return DEFAULT_CACHE_TTL
+    if not isinstance(ttl, str) or ttl not in CACHE_TTLS:
+        raise ApiError(400, "cache_control.ttl: Input should be '5m' or '1h'", param="cache_control.ttl")
+    return ttl
+
+
 def _request(body: Any, max_tokens_required: bool) -> MessagesRequest:
     body = json_object(body)
-    check_fields(body, FIELDS, lambda key: f"{key}: Extra inputs are not permitted")
+    check_fields(body, FIELDS, UNKNOWN)
     model = model_name(body)
     reject_present(body, UNSUPPORTED)
     max_tokens = _max_tokens(body, max_tokens_required)
@@ -164,7 +195,7 @@ def _request(body: Any, max_tokens_required: bool) -> MessagesRequest:
     )
     meta = optional_dict(body, "metadata") or {}
     optional_str(meta, "user_id", "metadata.user_id")  # accepted, and unused
-    optional_str(body, "service_tier")
+    anthropic_options(body, UNKNOWN)
     conversation = build_conversation(
         messages, thinking=thinking, effort=effort, tool_choice=tool_choice, tools=tools, output=output
     )
@@ -173,6 +204,7 @@ def _request(body: Any, max_tokens_required: bool) -> MessagesRequest:
         conversation=conversation,
         sampling=_sampling(body, max_tokens),
         stream=boolean(body, "stream"),
+        cache_retention=_cache_ttl(body),
     )
 
 
@@ -182,5 +214,6 @@ def parse_messages_request(body: Any) -> MessagesRequest:
 
 
 def parse_count_tokens_request(body: Any) -> MessagesRequest:
-    """Validate a /v1/messages/count_tokens body: a Messages body whose max_tokens is optional."""
-    return _request(body, max_tokens_required=False)
+    """Validate a /v1/messages/count_tokens body: a Messages body whose max_tokens is optional.
+    Its cache_control is validated and inert: counting stores nothing in the cache."""
+    return replace(_request(body, max_tokens_required=False), cache_retention=None)

@@ -3,7 +3,9 @@
 The request holds its input as messages; ``conversation(history)`` builds the Conversation, so
 the gateway can chain ``previous_response_id`` by passing the earlier response's messages (their
 tool calls may be what this input's function_call_output items answer). ``instructions`` are a
-leading system message of this request only, never part of the history it leaves behind.
+leading system message of this request only, never part of the history it leaves behind. Fields
+that steer OpenAI's own service (service_tier, moderation, access_programs, context_management...)
+are validated and inert, or refused saying why: docs/sdk-compat.md has the table.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ from libs.recipe.api.common import (
     require_json_word,
     resolve_thinking,
 )
+from libs.recipe.api.inert import (
+    RESPONSES_PROMPT_CACHE_KEYS,
+    access_programs,
+    background_options,
+    context_management,
+    image_options,
+    moderation,
+    prompt_cache_options,
+    responses_stream_options,
+)
 from libs.recipe.api.responses_input import WORDING, parse_input
 from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, Effort, Message, ToolChoice, ToolDefinition
@@ -45,9 +57,16 @@ FIELDS = (
     "max_tool_calls", "temperature", "top_p", "top_logprobs", "stream", "stream_options", "background",
     "store", "previous_response_id", "metadata", "parallel_tool_calls", "include", "truncation", "user",
     "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier", "prompt",
-    "conversation",
+    "conversation", "access_programs", "background_options", "context_management", "image", "moderation",
+    "prompt_cache_options",
 )  # fmt: skip
-UNSUPPORTED = ("prompt", "conversation")  # stored prompt templates; server-side conversations
+UNSUPPORTED = {
+    "prompt": "stored prompt templates are not kept here: send its text as 'instructions' and 'input'",
+    # Accepting it would drop the conversation's earlier items from the prompt without a word.
+    "conversation": "server-side conversations are not kept here: chain turns with 'previous_response_id' "
+    "or send the history in 'input'",
+}
+UNKNOWN = "Unknown parameter: '{}'.".format
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +190,7 @@ def _enum(body: dict[str, Any], key: str, allowed: tuple[str, ...], default: str
 def _reasoning(body: dict[str, Any]) -> tuple[dict[str, Any], bool | None, Effort | None]:
     reasoning = optional_dict(body, "reasoning") or {}
     allowed = ("effort", "summary", "generate_summary")
-    check_fields(reasoning, allowed, lambda key: f"Unknown parameter: '{key}'.", "reasoning.")
+    check_fields(reasoning, allowed, UNKNOWN, "reasoning.")
     summary = optional_str(reasoning, "summary", "reasoning.summary")
     if summary not in (None, "auto", "concise", "detailed", "none"):
         raise ApiError(
@@ -181,11 +200,24 @@ def _reasoning(body: dict[str, Any]) -> tuple[dict[str, Any], bool | None, Effor
     return {"effort": reasoning.get("effort"), "summary": summary}, thinking, effort
 
 
+def _check_unused(body: dict[str, Any]) -> None:
+    """Fields accepted and validated, though nothing here acts on them (docs/sdk-compat.md says why
+    each is inert): max_tool_calls bounds built-in tools, of which there are none here."""
+    optional_str(body, "safety_identifier")
+    optional_str(body, "service_tier")
+    optional_int(body, "max_tool_calls", 1)
+    moderation(body, UNKNOWN)
+    prompt_cache_options(body, UNKNOWN, RESPONSES_PROMPT_CACHE_KEYS)
+    access_programs(body, UNKNOWN)
+    background_options(body, UNKNOWN)
+    image_options(body, UNKNOWN)
+    context_management(body, UNKNOWN)
+    responses_stream_options(body, UNKNOWN)
+
+
 def _settings(body: dict[str, Any]) -> dict[str, Any]:
     """The top-level settings a Response repeats back, each validated once, with OpenAI's defaults
-    filled in; the fields accepted but unused are validated here too."""
-    optional_str(body, "safety_identifier")
-    optional_int(body, "max_tool_calls", 1)
+    filled in."""
     return {
         "instructions": optional_str(body, "instructions"),
         "parallel_tool_calls": optional_bool(body, "parallel_tool_calls") is not False,
@@ -236,9 +268,10 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     conversation here (and kept); with one, its tool results may answer history, so ``conversation``
     checks."""
     body = json_object(body)
-    check_fields(body, FIELDS, lambda key: f"Unknown parameter: '{key}'.")
+    check_fields(body, FIELDS, UNKNOWN)
     model = model_name(body)
     reject_present(body, UNSUPPORTED)
+    _check_unused(body)
     settings = _settings(body)
     messages, origins = parse_input(body.get("input"))
     reasoning, thinking, effort = _reasoning(body)

@@ -1,11 +1,13 @@
 """A request's cache scope: the tenant from its API key (or a trusted header), the retention class
-from its header or body, OpenAI's retention values read as classes, and the 400 for an unknown one."""
+from its header or body, OpenAI's retention values and Anthropic's cache_control TTLs read as
+classes, and the 400 for an unknown one."""
 
 from __future__ import annotations
 
 import pytest
 
 from libs.kvstore.retention import RetentionPolicy, parse_retention_classes
+from libs.recipe.api import parse_count_tokens_request, parse_messages_request
 from libs.recipe.fields import ApiError
 from services.gateway.cache_scope import (
     CACHE_CLASS_HEADER,
@@ -67,6 +69,9 @@ def test_a_trusted_header_names_the_tenant_and_without_it_the_key_does() -> None
         (None, "in_memory", "scratch"),  # OpenAI's short cache: the class evicted first
         (None, "in-memory", "scratch"),
         (None, "24h", "agent"),  # OpenAI's extended cache: the default class
+        (None, "5m", "scratch"),  # Anthropic's cache_control ttl (and its default): a short cache
+        (None, "1h", "agent"),  # Anthropic's long ttl: the default class
+        ("chat", "5m", "chat"),  # the header wins over cache_control too
         ("chat", "in_memory", "chat"),  # the header wins
         ("chat", "nonsense", "chat"),  # ... and the body is not consulted
         ("  ", "chat", "chat"),  # a blank header is no header
@@ -96,7 +101,8 @@ def test_an_unknown_class_is_a_400_naming_the_parameter_and_the_classes(
         CacheScoping(POLICY).retention_class(headers, body)
     assert err.value.status == 400 and err.value.param == param
     assert param in err.value.message and "'forever'" in err.value.message
-    assert all(f"'{name}'" in err.value.message for name in ("agent", "scratch", "chat", "in_memory", "24h"))
+    known = ("agent", "scratch", "chat", "in_memory", "24h", "5m", "1h")
+    assert all(f"'{name}'" in err.value.message for name in known)
 
 
 def test_the_default_policy_and_a_whole_scope() -> None:
@@ -104,3 +110,24 @@ def test_the_default_policy_and_a_whole_scope() -> None:
     assert scoping.retention_class({}, "in_memory") == "agent"
     headers = {"x-api-key": "k", CACHE_CLASS_HEADER: "CHAT"}
     assert scoping.scope(headers, "anthropic") == CacheScope(tenant_of_key("k"), "chat")
+
+
+@pytest.mark.parametrize(
+    ("cache_control", "expected"),
+    [
+        (None, "agent"),  # no cache_control: the default class
+        ({"type": "ephemeral"}, "scratch"),  # Anthropic's default ttl, 5m: the class evicted first
+        ({"type": "ephemeral", "ttl": "5m"}, "scratch"),
+        ({"type": "ephemeral", "ttl": "1h"}, "agent"),
+    ],
+)
+def test_messages_top_level_cache_control_picks_the_retention_class(
+    cache_control: dict[str, str] | None, expected: str
+) -> None:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    if cache_control is not None:
+        body["cache_control"] = cache_control
+    requested = parse_messages_request(body).cache_retention
+    assert CacheScoping(POLICY).scope({}, "anthropic", requested).retention_class == expected
+    # Counting tokens stores nothing: its cache_control asks for no class.
+    assert parse_count_tokens_request(body).cache_retention is None
