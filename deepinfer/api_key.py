@@ -18,6 +18,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant", required=True, help="whose KV cache and usage the key's requests are")
     parser.add_argument("--requests-per-minute", type=int, default=0, help="the key's rate limit (0: none)")
     parser.add_argument("--priority", type=int, default=0, help="lower runs first among waiting requests")
+    share = "the tenant's share of admissions when tenants wait together"
+    parser.add_argument("--weight", type=float, default=1.0, help=share)
     parser.add_argument("--name", default="", help="how logs name the key (default: its hash's start)")
 
 
@@ -39,7 +41,7 @@ def main(args: argparse.Namespace) -> None:
     keys = parse_keys(path.read_text(), str(path)) if path.exists() else ()
     key = new_key()
     entry = {"sha256": hash_key(key), "tenant": args.tenant, "requests_per_minute": args.requests_per_minute}
-    entry |= {"priority": args.priority} | ({"name": args.name} if args.name else {})
+    entry |= {"priority": args.priority, "weight": args.weight} | ({"name": args.name} if args.name else {})
     added: ApiKey = parse_entry(entry, "the new key")  # the same checks as the gateway's (ValueError)
     write_atomically(path, dump_keys([*keys, added]))
     print(key)

@@ -45,6 +45,7 @@ class MemberInfo:
     draining: bool = False  # a worker: told to stop (SIGTERM), it takes no new sequences
     incarnation: str = ""  # a scheduler: which start of its id (see SchedulerRef)
     role: str = "both"  # a worker: prefill | decode | both (a prefill worker alone cannot serve)
+    device: str = ""  # a worker: its device kind (cpu, cuda, npu): serving economics count its time
 
     @property
     def stuck(self) -> bool:

@@ -146,6 +146,7 @@ class SubmitRequest:
     eos_token_id: int
     priority: int = 0  # lower runs first
     tenant: str = ""  # salts the request's block hashes: tenants never share (or probe) cached KV
+    tenant_weight: float = 1.0  # the tenant's share of admissions when tenants wait together (> 0)
     retention_class: str = ""  # how long its KV is kept in G3 ("agent", "chat", ...); "": the default
     # A resubmit, after the scheduler that had the request was lost (the gateway moves it): per
     # choice, the packed output tokens its client has received, from which it goes on; the

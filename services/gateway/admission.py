@@ -115,6 +115,7 @@ class Admission:
                 retention_class=scope.retention_class,
                 prediction_token_ids=prediction_token_ids,
                 priority=caller.priority,
+                tenant_weight=caller.weight,
             )
         except SubmitRejected as exc:
             status, type_, code = _REJECTED[exc.status]

@@ -5,13 +5,15 @@ file admits nobody::
 
     {"keys": [
       {"sha256": "<64 hex digits>", "tenant": "acme", "requests_per_minute": 600, "priority": 0,
-       "name": "acme-ci"}
+       "weight": 2, "name": "acme-ci"}
     ]}
 
 ``tenant`` (required): whose KV cache the key's requests use and whose usage they count as; keys
 of one tenant share both. ``requests_per_minute`` (0 or absent: no limit): a token bucket per key
 that holds a minute's requests and refills continuously, as OpenAI's request limits behave.
 ``priority`` (default 0, lower runs first): the scheduler's order between waiting requests.
+``weight`` (default 1): the tenant's share when tenants wait together (the scheduler's fair queue
+admits a tenant of weight 2 twice as often as one of weight 1; give a tenant's keys one weight).
 ``name``: how logs name the key (default: the first 8 hex digits of its hash).
 ``deepinfer api-key`` mints a key and appends its entry; the gateway reloads the file on SIGHUP.
 
@@ -35,7 +37,8 @@ KEY_PREFIX: Final = "sk-di-"  # minted keys: recognizable in logs and by secret 
 MAX_TENANT_CHARS: Final = 128
 MAX_REQUESTS_PER_MINUTE: Final = 10**9
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
-_FIELDS: Final = frozenset({"sha256", "tenant", "requests_per_minute", "priority", "name"})
+_FIELDS: Final = frozenset({"sha256", "tenant", "requests_per_minute", "priority", "weight", "name"})
+MAX_WEIGHT: Final = 1e6
 
 
 def hash_key(api_key: str) -> str:
@@ -55,6 +58,7 @@ class ApiKey:
     requests_per_minute: int = 0  # 0: no limit
     priority: int = 0  # lower runs first
     name: str = ""
+    weight: float = 1.0  # the tenant's share of admissions (services/scheduler/fair_queue.py)
 
     @property
     def label(self) -> str:
@@ -68,6 +72,8 @@ class ApiKey:
             out["requests_per_minute"] = self.requests_per_minute
         if self.priority:
             out["priority"] = self.priority
+        if self.weight != 1.0:
+            out["weight"] = self.weight
         if self.name:
             out["name"] = self.name
         return out
@@ -89,6 +95,14 @@ def _printable(value: Any, key: str, where: str, required: bool) -> str:
     return text
 
 
+def _weight(entry: Mapping[str, Any], where: str) -> float:
+    value = entry.get("weight", 1.0)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_WEIGHT
+    if not ok:
+        raise ValueError(f"{where}: 'weight' must be a number in (0, {MAX_WEIGHT:g}], got {value!r}")
+    return float(value)
+
+
 def parse_entry(entry: Any, where: str) -> ApiKey:
     """One entry of the keys file (ValueError naming ``where`` and the field at fault)."""
     if not isinstance(entry, dict):
@@ -106,6 +120,7 @@ def parse_entry(entry: Any, where: str) -> ApiKey:
         requests_per_minute=_int_field(entry, "requests_per_minute", 0, MAX_REQUESTS_PER_MINUTE, where),
         priority=_int_field(entry, "priority", -(2**31), 2**31 - 1, where),
         name=_printable(entry.get("name"), "name", where, required=False),
+        weight=_weight(entry, where),
     )
 
 

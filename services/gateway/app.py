@@ -14,6 +14,7 @@ from starlette.routing import Route
 from services.gateway.admission import Admission
 from services.gateway.auth import KeyCheck, KeyFile
 from services.gateway.cache_scope import CacheScoping
+from services.gateway.economics import PriceList
 from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.response_store import ResponseStore
 from services.gateway.routes_messages import MessagesRoutes
@@ -32,11 +33,13 @@ def build_app(
     keepalive_s: float = 15.0,
     scoping: CacheScoping | None = None,
     keys: KeyFile | None = None,
+    prices: PriceList | None = None,
 ) -> Starlette:
     """``retry_after_s``: the Retry-After of a 429 (the scheduler's queue is full);
     ``keepalive_s``: the longest silence on an SSE stream before a keep-alive comment;
     ``scoping``: how a request's tenant and retention class are read (default classes, no tenant header);
-    ``keys``: the API keys every /v1 route checks (None: no check)."""
+    ``keys``: the API keys every /v1 route checks (None: no check);
+    ``prices``: the price list and rental the serving economics use (default: ``PriceList()``)."""
     server = Server(service, served, retry_after_s, keepalive_s)
     admission = Admission(service, served, scoping)
     openai = OpenAIRoutes(server, admission)
@@ -56,7 +59,7 @@ def build_app(
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [served.card()]})
 
-    gateway_metrics = GatewayMetrics(service)
+    gateway_metrics = GatewayMetrics(service, prices)
 
     async def metrics(request: Request) -> Response:
         return Response(gateway_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -130,7 +130,7 @@ class KeyCheck:
             await response(scope, receive, send)
             return
         key = decision.key
-        scope.setdefault("state", {})[CALLER_KEY] = Caller(key.tenant, key.priority, key.label)
+        scope.setdefault("state", {})[CALLER_KEY] = Caller(key.tenant, key.priority, key.label, key.weight)
         if observer is not None:
             observer.tenant = key.tenant
         headers = limit_headers(decision, shape == "anthropic")

@@ -16,6 +16,7 @@ class Caller:
     tenant: str = ""  # the key's tenant; "": keys are off (anonymous)
     priority: int = 0  # lower runs first
     key_label: str = ""
+    weight: float = 1.0  # the tenant's share of admissions when tenants wait together
 
 
 ANONYMOUS: Final = Caller()

@@ -10,6 +10,7 @@ from libs.bus.nats_auth import NatsConfig
 from libs.grammar.sandbox import CompileLimits
 from libs.kvstore.retention import DEFAULT_RETENTION_SPEC, RetentionPolicy, policy_from_config
 from libs.recipe.chat_formats import FORMATS
+from services.gateway.economics import PriceList
 
 _HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
 
@@ -122,6 +123,18 @@ class Config(NatsConfig):
             "proxy) instead of hashing the API key; '' = off"
         },
     )
+    price_input_per_million: float = field(
+        default=0.28, metadata={"help": "serving economics: dollars per million uncached input tokens"}
+    )
+    price_cached_input_per_million: float = field(
+        default=0.28 / 50, metadata={"help": "serving economics: dollars per million cache-hit input tokens"}
+    )
+    price_output_per_million: float = field(
+        default=0.42, metadata={"help": "serving economics: dollars per million output tokens"}
+    )
+    rental_per_device_hour: float = field(
+        default=7.0, metadata={"help": "serving economics: dollars one device's rental costs an hour"}
+    )
     watchdog_s: float = field(
         default=60.0, metadata={"help": "exit when the event loop has been stuck this long (0: off)"}
     )
@@ -158,11 +171,21 @@ class Config(NatsConfig):
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.tenant_header and not _HEADER_NAME.fullmatch(self.tenant_header):
             raise ValueError(f"tenant_header must be an HTTP header name, got {self.tenant_header!r}")
+        self.prices  # noqa: B018  (a negative price fails at start)
         self.retention_policy  # noqa: B018  (built now: a bad spec fails at start, naming its key)
 
     @property
     def retention_policy(self) -> RetentionPolicy:
         return policy_from_config(self.retention_classes, self.default_retention_class)
+
+    @property
+    def prices(self) -> PriceList:
+        return PriceList(
+            self.price_input_per_million,
+            self.price_cached_input_per_million,
+            self.price_output_per_million,
+            self.rental_per_device_hour,
+        )
 
     @property
     def grammar_limits(self) -> CompileLimits:

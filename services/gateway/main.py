@@ -135,6 +135,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile |
                     config.keepalive_s,
                     CacheScoping(config.retention_policy, config.tenant_header),
                     keys,
+                    config.prices,
                 ),
                 host=config.host,
                 port=config.port,

@@ -46,6 +46,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from libs.protocol.kv_messages import KVCacheStats
 from libs.recipe.segments import Usage
+from services.gateway.economics import PriceList, TokenLedger
+from services.gateway.economics_metrics import economics_families
 
 if TYPE_CHECKING:
     from services.gateway.routing import RouterFeed
@@ -158,12 +160,22 @@ def kv_families(stats: Sequence[KVCacheStats]) -> list[Metric]:
 class GatewayCollector(Collector):
     """Read at scrape time: the KV-cache stats board, and the requests this gateway has pending."""
 
-    def __init__(self, service: GatewayService, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        service: GatewayService,
+        ledger: TokenLedger,
+        prices: PriceList,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.service = service
+        self.ledger = ledger
+        self.prices = prices
         self.clock = clock
 
     def collect(self) -> Iterator[Metric]:
         yield from kv_families(self.service.kv_stats.current(self.clock()))
+        self.service.observe_devices()
+        yield from economics_families(self.ledger, self.service.device_clock, self.prices)
         doc = "requests submitted by this gateway and not yet over (background ones included)"
         pending = GaugeMetricFamily("deepinfer_gateway_requests_in_flight", doc, labels=["gateway"])
         pending.add_metric([self.service.gateway_id], self.service.num_in_flight)
@@ -203,8 +215,9 @@ def router_families(feed: RouterFeed) -> Iterator[Metric]:
 class GatewayMetrics:
     """Every metric of one gateway app, on a registry of its own (several apps share a test process)."""
 
-    def __init__(self, service: GatewayService) -> None:
+    def __init__(self, service: GatewayService, prices: PriceList | None = None) -> None:
         self.registry = registry = CollectorRegistry()
+        self.ledger = TokenLedger()  # every generation's tokens by kind: the economics' revenue
         api = ["api"]
         self.requests = Counter(
             "deepinfer_requests",
@@ -269,7 +282,7 @@ class GatewayMetrics:
             ["tenant"],
             registry=registry,
         )
-        registry.register(GatewayCollector(service))
+        registry.register(GatewayCollector(service, self.ledger, prices or PriceList()))
         ProcessCollector(registry=registry)
 
     def exposition(self) -> bytes:
@@ -331,6 +344,7 @@ class RequestObserver:
         self.metrics.prompt_tokens.labels(self.api).inc(usage.prompt_tokens)
         self.metrics.cached_prompt_tokens.labels(self.api).inc(usage.cached_tokens)
         self.metrics.generation_tokens.labels(self.api).inc(usage.completion_tokens)
+        self.metrics.ledger.add(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
         if self.tenant:
             by_kind = self.metrics.tenant_tokens
             by_kind.labels(self.tenant, "input_uncached").inc(usage.prompt_tokens - usage.cached_tokens)

@@ -53,6 +53,7 @@ from libs.protocol.messages import (
 )
 from libs.protocol.stream_messages import ResumeClaim, StreamRecord
 from libs.protocol.subjects import Subjects
+from services.gateway.economics import DeviceClock
 from services.gateway.grace import GracePeriods, OnLeave
 from services.gateway.kv_router import KVRouter
 from services.gateway.metrics import StatsBoard
@@ -111,6 +112,7 @@ class GatewayService:
         self._grace = GracePeriods(resume_grace_s, self.cancel_soon, self.pause_soon)
         self._out_seq_seen = 0  # the newest out stream sequence this gateway has seen
         self.kv_stats = StatsBoard()  # every service's latest KV-cache stats, for /metrics
+        self.device_clock = DeviceClock()  # live workers' time, for the serving economics
         # Kept current by a background watcher: /health and the failing of requests whose
         # scheduler died read it without a round trip.
         self.members = MembershipView(bus, subjects.members_bucket)
@@ -171,6 +173,7 @@ class GatewayService:
         retention_class: str = "",
         prediction_token_ids: list[int] | None = None,
         priority: int = 0,
+        tenant_weight: float = 1.0,
     ) -> RequestStream:
         """Admit the request (raises SubmitRejected) and return the stream of its deltas.
 
@@ -178,7 +181,8 @@ class GatewayService:
         stored while the submit is under way, long before a client could ask to resume.
         ``tenant`` and ``retention_class``: whose cached KV it may use, and how long its own is kept.
         ``prediction_token_ids``: the output the client predicts (drafted from; Predicted Outputs).
-        ``priority``: its place among waiting requests (lower runs first; the API key's).
+        ``priority``: its place among waiting requests (lower runs first; the API key's);
+        ``tenant_weight``: its tenant's share of admissions (the key's).
         """
         req = SubmitRequest(
             request_id,
@@ -188,6 +192,7 @@ class GatewayService:
             eos_token_id,
             priority=priority,
             tenant=tenant,
+            tenant_weight=tenant_weight,
             retention_class=retention_class,
             prediction_token_ids=pack_tokens(prediction_token_ids or []),
         )
@@ -364,6 +369,7 @@ class GatewayService:
 
         Gone: not live in a current view, and either seen live before or silent since it took
         the request (a scheduler answers submits a moment before its first heartbeat)."""
+        self.observe_devices()
         if not self.members.current:
             return  # cut off from the bus: the connection listener acts
         infos = self.members.live(MemberKind.SCHEDULER, silence_s=self.scheduler_loss_s)
@@ -380,6 +386,12 @@ class GatewayService:
             return scheduler in self._schedulers_seen or now - pending.accepted_at > self.scheduler_loss_s
 
         self.migrations.on_schedulers([*self._pending.values(), *self._replays], gone, now)
+
+    def observe_devices(self) -> None:
+        """Bring the device clock up to now (every members read, and every scrape)."""
+        live = self.members.live(MemberKind.WORKER) if self.members.current else None
+        workers = None if live is None else {m.member_id: m.device or "unknown" for m in live}
+        self.device_clock.observe(time.monotonic(), workers)
 
     def _live_schedulers(self) -> list[SchedulerRef]:
         live = self.members.live(MemberKind.SCHEDULER)

@@ -1,14 +1,15 @@
-"""Admission from the scheduler core's waiting queue into a plan: by priority then arrival,
-first come first served (nobody overtakes the head of the queue), one suspect at a time, the
+"""Admission from the scheduler core's waiting queue into a plan: in the queue's order (priority,
+fair between tenants, then arrival: services/scheduler/fair_queue.py), nobody overtaking the head
+of the queue, one suspect at a time, the
 choices of a request after their parent's prompt, each with its prefix-cache and tier hit. Pure:
 no nats, asyncio or torch."""
 
 from __future__ import annotations
 
 import bisect
-import heapq
 from typing import TYPE_CHECKING
 
+from services.scheduler.fair_queue import Entry
 from services.scheduler.plan import Plan
 from services.scheduler.sequence import Sequence, SequenceStatus
 
@@ -18,10 +19,10 @@ if TYPE_CHECKING:
 
 def admit_waiting(core: WorkerScheduler, plan: Plan) -> None:
     """Admit waiting sequences into ``plan`` while its budget, ``max_num_seqs`` and KV blocks allow."""
-    skipped: list[tuple[tuple[int, int, int], str]] = []
+    skipped: list[Entry] = []
     while core._waiting and plan.budget > 0 and len(core._running) < core.limits.max_num_seqs:
-        entry = heapq.heappop(core._waiting)
-        seq = core.seqs[entry[1]]
+        entry = core._waiting.pop()
+        seq = core.seqs[entry.seq_id]
         if seq.num_pending_tokens or waits_for_parent(core, seq, plan.step_id):
             skipped.append(entry)
             continue
@@ -33,8 +34,10 @@ def admit_waiting(core: WorkerScheduler, plan: Plan) -> None:
         if not try_admit(core, plan, seq):
             skipped.append(entry)
             break  # first come, first served: nobody overtakes the head of the queue
+        # Its tenant pays for what it brings to compute (a prefix-cache hit is nearly free).
+        core._waiting.charge(seq.tenant, max(1, seq.num_tokens - seq.num_computed_tokens), seq.tenant_weight)
     for entry in skipped:
-        heapq.heappush(core._waiting, entry)
+        core._waiting.requeue(entry)
 
 
 def try_admit(core: WorkerScheduler, plan: Plan, seq: Sequence) -> bool:

@@ -21,8 +21,8 @@ def check_integrity(core: WorkerScheduler) -> None:
     assert [s.order for s in core._running] == sorted(s.order for s in core._running)
     assert set(core.block_manager.block_tables) <= running, "a waiting or paused sequence holds blocks"
     waiting = {s.seq_id for s in core.seqs.values() if s.status is SequenceStatus.WAITING}
-    assert waiting == {sid for _, sid in core._waiting}, "waiting heap disagrees with statuses"
-    assert len(waiting) == len(core._waiting), "a sequence is queued twice"
+    assert waiting == set(core._waiting), "waiting queue disagrees with statuses"
+    core._waiting.check_integrity()
     bs = core.limits.block_size
     for seq in core.seqs.values():
         assert 0 <= seq.num_pending_tokens <= 2, "more than two plans in flight"

@@ -105,6 +105,7 @@ class Placement:
             req.eos_token_id,
             priority=req.priority,
             tenant=req.tenant,
+            tenant_weight=req.tenant_weight,
             retention_class=req.retention_class,
             # absent: G3 off, or a kind new since the lookup; a worker without the store loads none
             num_stored_blocks=stored.get(kind, 0) if handle.load.has_kv_store else 0,

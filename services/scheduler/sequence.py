@@ -33,6 +33,7 @@ class Sequence:
     eos_token_id: int
     priority: int = 0  # lower runs first
     tenant: str = ""  # salts its block hashes: tenants never share KV
+    tenant_weight: float = 1.0  # its tenant's share of admissions (services/scheduler/fair_queue.py)
     retention_class: str = ""  # how long G3 keeps the blocks it saves ("": the store's default)
     request_id: str = ""  # defaults to seq_id (choice 0)
     index: int = 0  # the choice
@@ -97,6 +98,7 @@ class Sequence:
             self.eos_token_id,
             priority=self.priority,
             tenant=self.tenant,
+            tenant_weight=self.tenant_weight,
             retention_class=self.retention_class,
             request_id=self.request_id,
             index=index,

@@ -5,7 +5,8 @@ One step = ``schedule()`` -> the worker runs the plan -> ``postprocess(result)``
 work under a token budget (``max_num_batched_tokens``) and ``max_num_seqs``, in this order:
 1. one token for every running sequence that is decoding;
 2. the next chunk of every running sequence still in prefill (chunked prefill);
-3. newly admitted (or resumed) sequences from the waiting queue, by priority then arrival.
+3. newly admitted (or resumed) sequences from the waiting queue, by priority, fairly between
+   tenants (fair_queue.py), then arrival.
 When KV blocks run out, the lowest-priority, latest-arrived running sequence that is not yet in
 the plan is preempted by recompute: its blocks are freed, the worker drops it, and it waits to be
 prefilled again over its prompt and the tokens it has already produced. No admission happens in a
@@ -38,7 +39,6 @@ writes its old content runs before the plan that overwrites it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterable, Mapping
 
@@ -47,6 +47,7 @@ from libs.protocol.member_messages import StepSample
 from libs.protocol.messages import FinishReason, SchedulerOutput
 from services.scheduler import admission, integrity, pausing, step_results
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.fair_queue import FairQueue
 from services.scheduler.kv_reuse import KVReuse
 from services.scheduler.kv_tiers import TierPlanner
 from services.scheduler.limits import Limits as Limits  # re-exported: callers import it from here
@@ -66,7 +67,7 @@ class WorkerScheduler:
         self.kv_tiers = TierPlanner(limits, self._hasher, self.block_manager.prefix_cache)
         self.kv_reuse = KVReuse(limits, self.block_manager, self._hasher, self.kv_tiers)
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence: waiting, running or paused
-        self._waiting: list[tuple[tuple[int, int, int], str]] = []  # heap of (order, seq_id)
+        self._waiting = FairQueue()  # by priority, fair between tenants, then arrival
         self._running: list[Sequence] = []  # sorted by order
         self._finished_since_plan: list[str] = []  # the worker must drop these
         self._request_seqs: dict[str, list[str]] = {}  # request id -> its sequences' ids
@@ -147,11 +148,10 @@ class WorkerScheduler:
         return [self.seqs[s] for s in ids if s in self.seqs]
 
     def _enqueue(self, seq: Sequence) -> None:
-        heapq.heappush(self._waiting, (seq.order, seq.seq_id))
+        self._waiting.push(seq.seq_id, seq.order, seq.tenant)
 
     def _dequeue(self, seq: Sequence) -> None:
-        self._waiting.remove((seq.order, seq.seq_id))
-        heapq.heapify(self._waiting)
+        self._waiting.remove(seq.seq_id)
 
     def schedule(self) -> SchedulerOutput:
         plan = Plan(next(self._step_ids), self.limits.max_num_batched_tokens)
@@ -182,7 +182,7 @@ class WorkerScheduler:
         limit = plan.budget + sum(len(d) for d in plan.drafts.values())
         demand = sum(s.num_uncomputed_tokens for s in self._running if s.num_uncomputed_tokens > 1)
         num_free_slots = self.limits.max_num_seqs - len(self._running)
-        for _, seq_id in heapq.nsmallest(max(num_free_slots, 0), self._waiting):  # next admitted first
+        for seq_id in self._waiting.peek(max(num_free_slots, 0)):  # next admitted first
             if demand >= limit:
                 break
             demand += self.seqs[seq_id].num_tokens

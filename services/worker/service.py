@@ -238,6 +238,7 @@ class WorkerService:
             owner=self.owner,
             draining=self.draining,
             role=self.config.role,
+            device=self.config.device.split(":")[0],
         )
 
     def load(self) -> WorkerLoad:

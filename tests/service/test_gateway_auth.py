@@ -78,7 +78,7 @@ def harness(served: ServedModel, tmp_path: Path) -> Iterator[Harness]:
     path = tmp_path / "keys.json"
     write_keys(
         path,
-        {"sha256": hash_key(ACME), "tenant": "acme", "priority": 2},
+        {"sha256": hash_key(ACME), "tenant": "acme", "priority": 2, "weight": 3},
         {"sha256": hash_key(BETA), "tenant": "beta"},
         {"sha256": hash_key(SLOW), "tenant": "slow", "requests_per_minute": 2, "name": "slow-ci"},
     )
@@ -137,7 +137,7 @@ def test_a_known_key_is_served_as_its_tenant(harness: Harness, path: str) -> Non
     if path.endswith("count_tokens"):
         return
     (submitted,) = harness.fake.submitted
-    assert submitted.tenant == "acme" and submitted.priority == 2
+    assert submitted.tenant == "acme" and submitted.priority == 2 and submitted.tenant_weight == 3
 
 
 def test_the_open_routes_stay_open(harness: Harness) -> None:

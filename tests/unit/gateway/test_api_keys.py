@@ -34,9 +34,11 @@ def doc(*entries: dict[str, Any]) -> str:
 
 def test_a_key_is_stored_as_its_sha256_and_read_back() -> None:
     assert hash_key(A) == hashlib.sha256(A.encode()).hexdigest()  # `printf %s KEY | sha256sum`
-    keys = parse_keys(doc(entry(A, requests_per_minute=60, priority=-2, name="ci"), entry(B, "beta")))
+    keys = parse_keys(
+        doc(entry(A, requests_per_minute=60, priority=-2, name="ci", weight=2.5), entry(B, "beta"))
+    )
     assert keys == (
-        ApiKey(hash_key(A), "acme", 60, -2, "ci"),
+        ApiKey(hash_key(A), "acme", 60, -2, "ci", 2.5),
         ApiKey(hash_key(B), "beta"),
     )
     assert parse_keys(dump_keys(keys)) == keys
@@ -68,6 +70,10 @@ def test_minted_keys_are_distinct_and_prefixed() -> None:
         (doc(entry(A, requests_per_minute=True)), "'requests_per_minute'"),
         (doc(entry(A, priority="high")), "'priority'"),
         (doc(entry(A, rpm=5)), "unknown field(s) rpm"),
+        (doc(entry(A, weight=0)), "'weight'"),
+        (doc(entry(A, weight=-1.5)), "'weight'"),
+        (doc(entry(A, weight="2")), "'weight'"),
+        (doc(entry(A, weight=True)), "'weight'"),
         (doc(entry(A), entry(A, "other")), "twice"),
         (json.dumps({"keys": ["sk"]}), "must be an object"),
     ],
