@@ -47,8 +47,8 @@ from deepinfer.supervisor import (
     wait_exited,
 )
 from libs.bus.nats_server import EmbeddedNatsServer
+from libs.runtime.logs import setup_logging
 from libs.runtime.metrics_server import start_metrics_server
-from libs.runtime.process import setup_logging
 from libs.runtime.settings import add_config_args, build_config
 from services.gateway.api_keys import read_keys_file
 from services.gateway.config import Config as GatewayConfig
@@ -115,6 +115,10 @@ class Config:
         default=10.0, metadata={"help": "on SIGTERM, how long in-flight streams may take to finish"}
     )
     log_level: str = field(default="info", metadata={"help": "logging level"})
+    log_format: str = field(
+        default="text",
+        metadata={"help": "log lines as text or json (each with its request id where it has one)"},
+    )
     # Shared with the services' Configs (one flag): serve's own metrics take the port after theirs.
     metrics_port: int = field(
         default=0, metadata={"help": "Prometheus /metrics port of each service (0: not served)"}
@@ -323,7 +327,7 @@ def main(args: argparse.Namespace) -> None:
         raise ValueError("the embedded nats-server serves no TLS: give --nats-url of a server that does")
     if configs["gateway"].api_keys_file:
         read_keys_file(configs["gateway"].api_keys_file)  # a bad file: exit 2 now, not a restart loop
-    setup_logging(config.log_level, "serve")
+    setup_logging(config.log_level, "serve", config.log_format)
     roles = config.worker_roles(configs["worker"].role)
     handoff = shared_memory_handoff(configs["worker"], roles)
     if handoff is not None:

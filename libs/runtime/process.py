@@ -153,13 +153,6 @@ class Watchdog:
                     return
 
 
-def setup_logging(level: str, name: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )
-
-
 def run_service(serve: ServeFn, watchdog_s: float = 0.0, max_busy_s: float = 0.0) -> NoReturn:
     """Run ``serve(stop)`` on uvloop, then exit the process (0); SIGINT/SIGTERM set ``stop``. A
     watchdog runs when ``watchdog_s`` or ``max_busy_s`` is > 0."""

@@ -13,6 +13,7 @@ from libs.recipe.conversation import Conversation
 from libs.recipe.fields import ApiError
 from libs.recipe.sampling import Sampling
 from libs.recipe.template_format import Prompt
+from libs.runtime.logs import set_request_id
 from services.gateway.cache_scope import UNSCOPED, CacheScope, CacheScoping, KeyStyle
 from services.gateway.caller import ANONYMOUS, Caller, caller_of
 from services.gateway.request_stream import RequestStream
@@ -71,6 +72,7 @@ class Admission:
     ) -> Admitted:
         """Submit the request; ``prediction``: the output the client expects (Predicted Outputs);
         ``caller``: who sent it (its key's priority orders it in the scheduler's queue)."""
+        set_request_id(request_id)  # the rest of this HTTP request's log lines are about it
         served = self.served
         # Every API's raw token ids meet the vocabulary here (rendered prompts pass trivially).
         served.check_token_ids(prompt.token_ids, sampling.base)

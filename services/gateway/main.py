@@ -21,7 +21,8 @@ from libs.bus.nats_bus import NatsBus
 from libs.grammar import resolve_backend
 from libs.protocol.member_messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
-from libs.runtime.process import StopEvent, run_service, setup_logging
+from libs.runtime.logs import setup_logging
+from libs.runtime.process import StopEvent, run_service
 from libs.runtime.settings import build_config, resolve_cache_dir
 from services.gateway.app import build_app
 from services.gateway.auth import KeyFile
@@ -177,7 +178,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile |
 def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
-    setup_logging(config.log_level, "gateway")
+    setup_logging(config.log_level, "gateway", config.log_format)
     keys = KeyFile(config.api_keys_file) if config.api_keys_file else None  # a bad file: exit 2
     warn_if_open(config)
     run_service(lambda stop: serve(config, cache_dir, stop, keys), config.watchdog_s)

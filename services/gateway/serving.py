@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.fields import ApiError, shown
+from libs.runtime.logs import set_request_id
 from services.gateway.admission import Admitted
 from services.gateway.generation import Generation, GenerationObserver, numbered
 from services.gateway.metrics import watch_generation
@@ -252,6 +253,7 @@ class Server:
 
     async def resume(self, request_id: str, api: str, after: int, tenant: str) -> EventStreamResponse:
         """``tenant``: the resuming client's; another tenant's stream is as unknown as a missing one."""
+        set_request_id(request_id)
         record = await self.service.stream_record(request_id) if is_issued_id(request_id) else None
         if record is None or record.api != api or record.tenant != tenant:
             message = f"no resumable stream with id {shown(request_id)} (it may have expired)"

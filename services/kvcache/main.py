@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 
 from libs.bus.nats_bus import NatsBus
+from libs.runtime.logs import setup_logging
 from libs.runtime.metrics_server import start_metrics_server
-from libs.runtime.process import run_service, setup_logging
+from libs.runtime.process import run_service
 from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
 from services.kvcache import metrics
 from services.kvcache.config import Config
@@ -28,6 +29,6 @@ async def serve(config: Config, store_root: Path | None, stop: asyncio.Event) ->
 
 def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
-    setup_logging(config.log_level, "kvcache")
+    setup_logging(config.log_level, "kvcache", config.log_format)
     store_root = kv_store_root(config.kv_store_path, resolve_cache_dir(config.cache_dir, os.environ))
     run_service(lambda stop: serve(config, store_root, stop), config.watchdog_s)

@@ -7,8 +7,9 @@ import asyncio
 import os
 
 from libs.bus.nats_bus import NatsBus
+from libs.runtime.logs import setup_logging
 from libs.runtime.metrics_server import start_metrics_server
-from libs.runtime.process import run_service, setup_logging
+from libs.runtime.process import run_service
 from libs.runtime.settings import build_config
 from services.scheduler import metrics
 from services.scheduler.config import Config
@@ -27,5 +28,5 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
 
 def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
-    setup_logging(config.log_level, "scheduler")
+    setup_logging(config.log_level, "scheduler", config.log_format)
     run_service(lambda stop: serve(config, stop), config.watchdog_s)

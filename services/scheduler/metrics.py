@@ -10,6 +10,8 @@ gauges are read from the cores at scrape time by ``QueueCollector``:
   verification, those accepted, sequence-steps that verified a draft) since that worker's core
   was made (a draft the policy cut is counted as far as it was verified). Acceptance rate is
   accepted / drafted; mean accepted length per verification is accepted / verifications
+- ``deepinfer_kv_cache_usage_perc{worker_id}``: share of that worker's KV blocks in use
+- ``deepinfer_request_queue_time_seconds``: from a sequence's placement to its first admission
 - ``deepinfer_steps_total``: steps a worker ran and answered
 - ``deepinfer_step_seconds``: from a plan's send to its result (queueing at the worker included,
   with overlap on)
@@ -33,6 +35,7 @@ from prometheus_client.registry import Collector
 from libs.protocol.errors import failure_reason
 
 if TYPE_CHECKING:
+    from services.scheduler.sequence import Sequence
     from services.scheduler.step_loop import WorkerHandle
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series beside each counter
@@ -63,6 +66,13 @@ MIGRATIONS = Counter(
     "deepinfer_migrations",
     "sequences moved to another worker, by why: its worker crashed, left, or drains",
     ["reason"],
+    registry=EVENTS,
+)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_SECONDS = Histogram(
+    "deepinfer_request_queue_time_seconds",
+    "from a sequence's placement on a worker to its first admission into a plan",
+    buckets=QUEUE_BUCKETS,
     registry=EVENTS,
 )
 HANDOFFS = Counter(
@@ -98,6 +108,8 @@ class QueueCollector(Collector):
         waiting = GaugeMetricFamily("deepinfer_num_requests_waiting", "sequences waiting", labels=labels)
         doc = "KV blocks allocation can take (free, or cached and unreferenced)"
         free = GaugeMetricFamily("deepinfer_num_free_kv_blocks", doc, labels=labels)
+        doc = "share of the worker's KV blocks (G1) held by sequences: 1 - free / total"
+        usage = GaugeMetricFamily("deepinfer_kv_cache_usage_perc", doc, labels=labels)
         spec_labels = ["worker_id", "source"]
         drafted = CounterMetricFamily(
             "deepinfer_spec_draft_tokens", "drafted tokens verified", labels=spec_labels
@@ -108,7 +120,9 @@ class QueueCollector(Collector):
         for worker_id, handle in list(self.workers.items()):
             running.add_metric([worker_id], handle.core.num_running)
             waiting.add_metric([worker_id], handle.core.num_waiting)
-            free.add_metric([worker_id], handle.core.block_manager.num_free_blocks)
+            num_free, num_blocks = handle.core.block_manager.num_free_blocks, handle.core.limits.num_blocks
+            free.add_metric([worker_id], num_free)
+            usage.add_metric([worker_id], 1.0 - num_free / num_blocks if num_blocks else 0.0)
             speculator = handle.core.speculator
             for source, stats in speculator.stats.items():
                 if source == speculator.method or stats.num_verified:  # a source in use, or used
@@ -116,7 +130,16 @@ class QueueCollector(Collector):
                     drafted.add_metric(where, stats.num_drafted)
                     accepted.add_metric(where, stats.num_accepted)
                     verified.add_metric(where, stats.num_verified)
-        yield from (running, waiting, free, drafted, accepted, verified)
+        yield from (running, waiting, free, usage, drafted, accepted, verified)
+
+
+def observe_queue_times(seqs: Mapping[str, Sequence], new_seq_ids: Iterable[str], now: float) -> None:
+    """The queue time of each sequence a plan admits for the first time."""
+    for seq_id in new_seq_ids:
+        seq = seqs.get(seq_id)
+        if seq is not None and seq.queued_at:
+            QUEUE_SECONDS.observe(max(0.0, now - seq.queued_at))
+            seq.queued_at = 0.0
 
 
 def registry(workers: Mapping[str, WorkerHandle]) -> CollectorRegistry:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import NamedTuple
 
 from libs.protocol.codec import unpack_tokens
@@ -112,6 +113,7 @@ class Placement:
             block_hashes=list(chains[kind]),  # hashed with this worker's fingerprint and block size
             handoff=worker_id != decode_id,
             prediction_token_ids=unpack_tokens(req.prediction_token_ids),
+            queued_at=time.monotonic(),  # its queue time ends at its first admission (metrics)
         )
         if req.request_id in self.fleet.table:
             return self._again(req)

@@ -38,6 +38,7 @@ class Sequence:
     request_id: str = ""  # defaults to seq_id (choice 0)
     index: int = 0  # the choice
     arrival: int = 0  # admission order, the FCFS tie-break
+    queued_at: float = 0.0  # when it was queued (monotonic, set by its placer); 0 once first admitted
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -101,6 +102,7 @@ class Sequence:
             tenant_weight=self.tenant_weight,
             retention_class=self.retention_class,
             request_id=self.request_id,
+            queued_at=self.queued_at,
             index=index,
             num_stored_blocks=self.num_stored_blocks,
             prediction_token_ids=self.prediction_token_ids,

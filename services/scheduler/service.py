@@ -36,6 +36,7 @@ from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.member_messages import MemberInfo, MemberKind, WorkerLoad
 from libs.protocol.messages import CancelRequest, PauseRequest, SubmitReply, SubmitRequest, SubmitStatus
 from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
+from libs.runtime.logs import request_scope, set_request_id
 from services.scheduler import metrics
 from services.scheduler.config import Config
 from services.scheduler.device_events import DeviceEvents
@@ -135,6 +136,7 @@ class SchedulerService:
         self._tasks.create_task(self._answer_submit(msg, req))
 
     async def _answer_submit(self, msg: Message, req: SubmitRequest) -> None:
+        set_request_id(req.request_id)  # this task's log lines are about this request
         try:
             await self.bus.respond(msg, encode(await self.admit(req)))
         except Exception:  # one failed submit must not take the service's TaskGroup down with it
@@ -155,7 +157,8 @@ class SchedulerService:
                     self.workers[worker_id].wake.set()  # the next plan tells the worker to drop it
                 # The end goes out like any other: a reader replaying the stream sees it end.
                 self._publish_soon(aborted, "")
-                log.info("cancelled %s", request_id)
+                with request_scope(request_id):
+                    log.info("cancelled %s", request_id)
 
     async def on_pause(self, msg: Message) -> None:
         """Pause requests whose stream lost its client (their sequences leave the worker at once),
@@ -166,13 +169,17 @@ class SchedulerService:
         now = time.monotonic()
         deadline = now + (pause.timeout_s or self.config.pause_timeout_s)
         for request_id in pause.request_ids:
-            if not self._readers.admit(request_id, pause.gateway_id, pause.resume, now):
-                log.info("ignored a stale pause of %s from %s", request_id, pause.gateway_id)
-                continue
-            worker_id, changed = self.fleet.pause(request_id, deadline, pause.resume)
-            if changed and worker_id in self.workers:
-                self.workers[worker_id].wake.set()  # the next plan drops it there, or admits it again
-                log.info("%s %s", "resumed" if pause.resume else "paused", request_id)
+            with request_scope(request_id):
+                self._pause_one(request_id, pause, deadline, now)
+
+    def _pause_one(self, request_id: str, pause: PauseRequest, deadline: float, now: float) -> None:
+        if not self._readers.admit(request_id, pause.gateway_id, pause.resume, now):
+            log.info("ignored a stale pause of %s from %s", request_id, pause.gateway_id)
+            return
+        worker_id, changed = self.fleet.pause(request_id, deadline, pause.resume)
+        if changed and worker_id in self.workers:
+            self.workers[worker_id].wake.set()  # the next plan drops it there, or admits it again
+            log.info("%s %s", "resumed" if pause.resume else "paused", request_id)
 
     async def _expire_paused(self, stop: asyncio.Event) -> None:
         """Cancel paused requests that nobody resumed or cancelled in time (their gateway may be gone)."""

@@ -80,6 +80,8 @@ class StepLoop:
                 plan = core.next_plan(len(self._in_flight), self.max_in_flight)
                 metrics.PREEMPTIONS.inc(core.num_preemptions - num_preemptions)
                 if plan is not None:
+                    new_seq_ids = (s.seq_id for s in plan.new_seqs)
+                    metrics.observe_queue_times(core.seqs, new_seq_ids, time.monotonic())
                     self._in_flight.append(asyncio.ensure_future(self._send(plan)))
                     continue
                 if self._in_flight:

@@ -145,6 +145,10 @@ class Config(NatsConfig):
         default=0, metadata={"help": "port of this process's Prometheus /metrics (0: not served)"}
     )
     log_level: str = field(default="info", metadata={"help": "logging level"})
+    log_format: str = field(
+        default="text",
+        metadata={"help": "log lines as text or json (each with its request id where it has one)"},
+    )
 
     def __post_init__(self) -> None:
         NatsConfig.__post_init__(self)  # (slots: no zero-argument super())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -116,7 +117,13 @@ class Grammars:
     def submit(self, constraint: StructuredOutput) -> Future[CompiledGrammar]:
         """Start compiling (or find the cached grammar); never raises: errors are in the future."""
         try:
-            return self._cache(constraint.backend).submit(constraint)
+            started = time.perf_counter()
+            future = self._cache(constraint.backend).submit(constraint)
+            if not future.done():  # a compile to wait for (a cached grammar is done already)
+                future.add_done_callback(
+                    lambda _: metrics.GRAMMAR_COMPILE_SECONDS.observe(time.perf_counter() - started)
+                )
+            return future
         except Exception as exc:
             failed: Future[CompiledGrammar] = Future()
             failed.set_exception(exc)

@@ -25,8 +25,9 @@ from libs.models.quant import quantize_model
 from libs.protocol.member_messages import StepSample
 from libs.recipe.grammar_markup import grammar_vocab_of
 from libs.recipe.tokenizer import Tokenizer
+from libs.runtime.logs import setup_logging
 from libs.runtime.metrics_server import start_metrics_server
-from libs.runtime.process import run_service, setup_logging
+from libs.runtime.process import run_service
 from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
 from services.worker import determinism, metrics
 from services.worker.config import Config
@@ -320,7 +321,7 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
 def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
-    setup_logging(config.log_level, "worker")
+    setup_logging(config.log_level, "worker", config.log_format)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     run_service(lambda stop: serve(config, cache_dir, stop), config.watchdog_s, config.max_step_s)

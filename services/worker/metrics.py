@@ -52,6 +52,12 @@ SEQUENCES_FAILED = Counter(
     ["reason"],
     registry=EVENTS,
 )
+GRAMMAR_COMPILE_SECONDS = Histogram(
+    "deepinfer_grammar_compile_seconds",
+    "from a structured output's request for its grammar to the grammar compiled (a cached one: not counted)",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+    registry=EVENTS,
+)
 GRAMMAR_COMPILE_TIMEOUTS = Counter(
     "deepinfer_grammar_compile_timeouts",
     "structured-output grammars whose compile ran past its bound",

@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -74,7 +75,11 @@ async def test_running_and_waiting_are_read_from_the_cores_when_scraped() -> Non
         assert value(held, "deepinfer_num_requests_running", worker_id="w1") == 1
         assert value(held, "deepinfer_num_requests_waiting", worker_id="w1") == 5
         num_blocks = service.workers["w1"].core.limits.num_blocks
-        assert value(held, "deepinfer_num_free_kv_blocks", worker_id="w1") < num_blocks  # r1's
+        num_free = value(held, "deepinfer_num_free_kv_blocks", worker_id="w1")
+        assert num_free < num_blocks  # r1's
+        usage = value(held, "deepinfer_kv_cache_usage_perc", worker_id="w1")
+        assert usage == pytest.approx(1 - num_free / num_blocks) and usage > 0
+        queued = value(held, "deepinfer_request_queue_time_seconds_count")
         worker.gate.set()
         assert set((await finished(out, 6)).values()) == {FinishReason.LENGTH}
         await until(lambda: not service.workers["w1"].core.has_work())
@@ -82,7 +87,10 @@ async def test_running_and_waiting_are_read_from_the_cores_when_scraped() -> Non
         assert value(done, "deepinfer_num_requests_running", worker_id="w1") == 0
         assert value(done, "deepinfer_num_requests_waiting", worker_id="w1") == 0
         assert value(done, "deepinfer_num_free_kv_blocks", worker_id="w1") == num_blocks
+        assert value(done, "deepinfer_kv_cache_usage_perc", worker_id="w1") == 0
         assert value(done, "deepinfer_steps_total") > value(held, "deepinfer_steps_total")
+        # the five queued behind the held step were admitted since: each queue time observed once
+        assert value(done, "deepinfer_request_queue_time_seconds_count") == queued + 5
 
 
 async def test_a_sequence_failed_alone_a_preemption_and_a_lost_worker_are_counted() -> None:

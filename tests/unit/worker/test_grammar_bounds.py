@@ -71,6 +71,16 @@ def test_wait_warm_returns_once_every_compiler_process_is_ready(model: LlamaForC
         scraped = generate_latest(metrics.registry(runner)).decode()
         assert 'deepinfer_grammar_compilers_ready{backend="xgrammar"} 2.0' in scraped
         json_any = StructuredOutput(StructuredOutputKind.JSON, backend="xgrammar")
-        assert grammars.submit(json_any).done()  # warm's compile, cached
+        compiles = metrics.GRAMMAR_COMPILE_SECONDS._sum.get(), _count(metrics.GRAMMAR_COMPILE_SECONDS)
+        assert grammars.submit(json_any).done()  # warm's compile, cached: no compile time counted
+        schema = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, '{"type": "integer"}', backend="xgrammar")
+        grammars.submit(schema).result(timeout=30)
+        assert _count(metrics.GRAMMAR_COMPILE_SECONDS) == compiles[1] + 1  # one compile timed
+        assert metrics.GRAMMAR_COMPILE_SECONDS._sum.get() > compiles[0]
     finally:
         grammars.close()
+
+
+def _count(histogram: object) -> float:
+    """Observations so far (the +Inf bucket of a prometheus_client Histogram)."""
+    return sum(bucket.get() for bucket in histogram._buckets)  # type: ignore[attr-defined]
