@@ -9,23 +9,14 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from libs.bus.nats_server import free_port
+from tests.system.serve_proc import scrape
 from tests.system.stack import READY_TIMEOUT_S, Stack, wait_healthy
 
 MODEL = "SmolLM2-135M-Instruct"
 PRICES = {"input_uncached": 1000.0, "input_cached": 10.0, "output": 2000.0}  # dollars per M tokens
 RENTAL = 3.5
-
-
-def scrape(root: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{root}/metrics", timeout=10).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_known_traffic_gives_the_reported_revenue_and_margin(stack: Stack) -> None:
@@ -40,7 +31,7 @@ def test_known_traffic_gives_the_reported_revenue_and_margin(stack: Stack) -> No
     root = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(f"{root}/health", [gateway], stack.log, READY_TIMEOUT_S)
-        before, started = scrape(root), time.monotonic()
+        before, started = scrape(port), time.monotonic()
         tokens = dict.fromkeys(PRICES, 0)
         for content in ("Say hi.", "Say hi.", "Name three colors."):  # the repeat hits the prefix cache
             body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": content}]}
@@ -50,7 +41,7 @@ def test_known_traffic_gives_the_reported_revenue_and_margin(stack: Stack) -> No
             tokens["input_cached"] += cached
             tokens["output"] += usage["completion_tokens"]
         time.sleep(2.0)  # device time to measure beyond the requests'
-        after, elapsed = scrape(root), time.monotonic() - started
+        after, elapsed = scrape(port), time.monotonic() - started
     finally:
         gateway.terminate()
         gateway.wait(30)
