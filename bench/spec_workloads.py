@@ -10,74 +10,8 @@ have one, the prediction it sends with them (OpenAI Predicted Outputs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from deepinfer.bench.workloads import CODE_EDITS, Task  # the code-edit snippets `deepinfer bench` sends too
 
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    message: str  # the user message
-    prediction: str | None = None  # what a client expects the output to be (code-edit)
-
-
-HTML = """<ul class="menu">
-  <li><a href="/">Home</a></li>
-  <li><a href="/about">About</a></li>
-  <li><a href="/blog">Blog</a></li>
-  <li><a href="/contact">Contact</a></li>
-</ul>
-"""
-POINT = """class Point:
-    def __init__(self, x, y):
-        self.x = x
-        self.y = y
-
-    def __repr__(self):
-        return f'Point({self.x}, {self.y})'
-"""
-QUERY = """SELECT id, name, email, created_at
-FROM users
-WHERE active = 1
-  AND country = 'FR'
-ORDER BY created_at DESC
-LIMIT 50;
-"""
-BUTTON = """.button {
-  color: white;
-  background: #0066cc;
-  padding: 8px 16px;
-  border-radius: 4px;
-  font-size: 14px;
-}
-"""
-USER = """interface User {
-  id: number;
-  name: string;
-  email: string;
-  isAdmin: boolean;
-}
-"""
-
-
-def _edit(ask: str, lang: str, code: str, edited: str) -> Task:
-    return Task(f"{ask} and show the whole code:\n\n```{lang}\n{code}```", f"```{lang}\n{edited}```")
-
-
-CODE_EDITS = (
-    _edit(
-        "Add a link to /shop after Blog in this HTML", "html", HTML,
-        HTML.replace("</ul>", '  <li><a href="/shop">Shop</a></li>\n</ul>'),
-    ),
-    _edit(
-        "Add a docstring to this class", "python", POINT,
-        POINT.replace("class Point:\n", 'class Point:\n    """A point in the plane."""\n\n'),
-    ),
-    _edit("Change the limit to 100 in this query", "sql", QUERY, QUERY.replace("LIMIT 50", "LIMIT 100")),
-    _edit("Make the padding 10px 20px in this CSS", "css", BUTTON, BUTTON.replace("8px 16px", "10px 20px")),
-    _edit(
-        "Add an optional phone field to this TypeScript interface", "ts", USER,
-        USER.replace("}", "  phone?: string;\n}"),
-    ),
-)  # fmt: skip
 WORKLOADS: dict[str, tuple[Task, ...]] = {
     "code-edit": CODE_EDITS,
     "summarization": (

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import gc
 import io
-import json
 import os
 import signal
 import statistics
@@ -40,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,9 @@ import llamacpp_baseline
 import torch
 from prompts import bench_prompts, chat_prompts
 
+# the streaming client: the benches beside this one import it from here
+from deepinfer.bench.client import StreamOutcome as StreamOutcome
+from deepinfer.bench.client import stream_chat as stream_chat
 from deepinfer.local_engine import LocalEngine
 from deepinfer.serve import ChildExited, wait_healthy
 from libs.bus.nats_server import free_port
@@ -161,52 +163,6 @@ class Report:
 # --- the full stack over HTTP ------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class StreamOutcome:
-    num_tokens: int
-    ttft_s: float | None
-    error: str | None
-    usage: dict[str, Any] | None = None  # the usage chunk, when the stream ended with one
-
-
-async def stream_chat(
-    http: httpx.AsyncClient,
-    body: dict[str, Any],
-    start: float,
-    on_event: Callable[[dict[str, Any], float], None] | None = None,
-) -> StreamOutcome:
-    """One streaming chat request (``body`` without stream flags): completion tokens from the usage
-    chunk, and the time from ``start`` to the first content delta. ``on_event`` gets each event and
-    the ``time.perf_counter()`` it arrived at."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    first: float | None = None
-    usage: dict[str, Any] | None = None
-    try:
-        async with http.stream("POST", "/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                return StreamOutcome(0, None, f"HTTP {resp.status_code}: {text[:300]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if on_event is not None:
-                    on_event(event, time.perf_counter())
-                if "error" in event:
-                    return StreamOutcome(
-                        0, first, f"error event in stream: {json.dumps(event['error'])[:300]}"
-                    )
-                choices = event.get("choices") or ()
-                if first is None and any((c.get("delta") or {}).get("content") for c in choices):
-                    first = time.perf_counter() - start
-                usage = event.get("usage") or usage
-    except httpx.HTTPError as exc:
-        return StreamOutcome(0, first, f"{type(exc).__name__}: {exc}")
-    if usage is None:
-        return StreamOutcome(0, first, "stream ended without a usage chunk")
-    return StreamOutcome(int(usage["completion_tokens"]), first, None, usage)
-
-
 async def stream_one(
     http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, start: float
 ) -> StreamOutcome:
@@ -219,8 +175,7 @@ async def stream_one(
     }
     outcome = await stream_chat(http, body, start)
     if outcome.error is None and outcome.num_tokens != max_tokens:
-        error = f"{outcome.num_tokens} completion tokens, expected {max_tokens}"
-        return StreamOutcome(outcome.num_tokens, outcome.ttft_s, error)
+        return replace(outcome, error=f"{outcome.num_tokens} completion tokens, expected {max_tokens}")
     return outcome
 
 

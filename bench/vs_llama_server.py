@@ -9,7 +9,8 @@ N concurrent streaming Chat Completions (distinct prompts, `--max-tokens` each w
 temperature `--temperature`, a seed per stream) after a warm-up round, `--repeats` times; the run
 with the most tokens/s counts. Printed per level and server: tokens/s (generated tokens over the
 wall time from the first request to the last token), TTFT p50/p99, inter-token latency p50/p99
-(gaps between a stream's content events) and the stack/llama-server ratios, then the targets:
+(gaps between a stream's content events), computed as `deepinfer bench` computes them (the
+streaming client and metrics of deepinfer/bench/), and the stack/llama-server ratios, then the targets:
 tokens/s 1.0x at 1 stream, 1.5x at 8, 2.0x at 32, and for each server its first request's TTFT
 against the median TTFT of the single requests after it (target <= 2x): the first request after
 start, which pays for any warm-up the server did not do.
@@ -28,8 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
-import json
 import os
 import signal
 import statistics
@@ -45,6 +44,8 @@ import httpx
 from prompts import bench_prompts
 from throughput import load_average, running_serve, running_server
 
+from deepinfer.bench.client import StreamOutcome, stream_chat
+from deepinfer.bench.metrics import summarize
 from libs.bus.nats_server import free_port
 from libs.modelfiles.registry import resolve_model_path
 from libs.runtime.settings import resolve_cache_dir
@@ -55,59 +56,20 @@ NUM_SINGLE_AFTER_FIRST = 5  # single requests whose median the first one is held
 
 
 @dataclass(frozen=True, slots=True)
-class Stream:
-    num_tokens: int
-    ttft_s: float | None
-    gaps_s: tuple[float, ...]  # between consecutive content events
-    error: str | None
-
-
-@dataclass(frozen=True, slots=True)
 class Level:
     num_streams: int
-    num_tokens: int
-    seconds: float
-    ttfts_s: tuple[float, ...]
-    gaps_s: tuple[float, ...]
+    metrics: dict[str, Any]  # deepinfer.bench.metrics.summarize's: vllm bench serve's names
     errors: tuple[str, ...]
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+        return float(self.metrics["output_throughput"])
 
 
-def percentile(values: tuple[float, ...], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-async def stream(http: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
-    """One streaming chat: content events' arrival times; tokens from the usage chunk when the
-    server sends one, else one per content event."""
-    start = time.perf_counter()
-    times: list[float] = []
-    usage: dict[str, Any] | None = None
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    try:
-        async with http.stream("POST", "/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                return Stream(0, None, (), f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return Stream(0, None, (), f"error event: {json.dumps(event['error'])[:300]}")
-                if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
-                    times.append(time.perf_counter())
-                usage = event.get("usage") or usage
-    except httpx.HTTPError as exc:
-        return Stream(0, None, (), f"{type(exc).__name__}: {exc}")
-    num_tokens = int(usage["completion_tokens"]) if usage else len(times)
-    gaps = tuple(b - a for a, b in itertools.pairwise(times))
-    return Stream(num_tokens, times[0] - start if times else None, gaps, None)
+async def stream(http: httpx.AsyncClient, body: dict[str, Any]) -> StreamOutcome:
+    """One streaming chat, TTFT from its own start; tokens from the usage chunk when the server
+    sends one, else one per content event."""
+    return await stream_chat(http, body, time.perf_counter(), require_usage=False)
 
 
 def request(prompt: str, max_tokens: int, temperature: float, seed: int) -> dict[str, Any]:
@@ -137,17 +99,8 @@ async def run_level(base_url: str, prompts: list[str], opts: argparse.Namespace)
                     for i, p in enumerate(prompts)
                 )
             )
-            seconds = time.perf_counter() - start
-            runs.append(
-                Level(
-                    len(prompts),
-                    sum(s.num_tokens for s in streams),
-                    seconds,
-                    tuple(s.ttft_s for s in streams if s.ttft_s is not None),
-                    tuple(g for s in streams for g in s.gaps_s),
-                    tuple(s.error for s in streams if s.error),
-                )
-            )
+            metrics = summarize(streams, time.perf_counter() - start)
+            runs.append(Level(len(prompts), metrics, tuple(s.error for s in streams if s.error)))
     return max(runs, key=lambda r: r.tokens_per_s)
 
 
@@ -206,9 +159,8 @@ Results = dict[str, tuple[tuple[float | None, float | None], dict[int, Level]]]
 
 
 def level_row(name: str, n: int, lv: Level) -> str:
-    ttft_p50 = statistics.median(lv.ttfts_s) if lv.ttfts_s else None
-    cells = (ttft_p50, percentile(lv.ttfts_s, 0.99), percentile(lv.gaps_s, 0.5), percentile(lv.gaps_s, 0.99))
-    return f"{name:<14} {n:>7} {lv.tokens_per_s:>7.1f} " + " ".join(f"{ms(c):>8}" for c in cells)
+    keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+    return f"{name:<14} {n:>7} {lv.tokens_per_s:>7.1f} " + " ".join(f"{lv.metrics[k]:>8.0f}" for k in keys)
 
 
 def print_report(results: Results) -> None:

@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from deepinfer import api_key, health, serve
+from deepinfer import api_key, bench, health, serve
 from libs.runtime.settings import add_config_args
 from services.gateway.config import Config as GatewayConfig
 from services.kvcache.config import Config as KVCacheConfig
@@ -37,12 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(commands.add_parser("health", help=help_text, description=help_text), health.Config)
     help_text = "mint an API key and add its hash to a keys file (the gateway's --api-keys-file)"
     api_key.add_args(commands.add_parser("api-key", help=help_text, description=help_text))
+    help_text = "load any OpenAI-compatible URL: throughput, latency and economics reports"
+    bench.add_args(commands.add_parser("bench", help=help_text, description=help_text))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    commands = {"serve": serve.main, "health": health.main, "api-key": api_key.main}
+    commands = {"serve": serve.main, "health": health.main, "api-key": api_key.main, "bench": bench.main}
     run = commands.get(args.command) or importlib.import_module(f"services.{args.command}.main").main
     try:
         run(args)
