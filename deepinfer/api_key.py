@@ -5,6 +5,7 @@ once, on stdout; nothing keeps it."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import sys
 import tempfile
@@ -24,12 +25,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` at once (a reload never reads half a file), mode 0600."""
+    """Replace ``path`` by ``text`` at once (a reload never reads half a file), keeping an existing
+    file's mode (its readers may be a group); a new file is 0600."""
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o600
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.chmod(tmp, 0o600)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -38,6 +41,13 @@ def write_atomically(path: Path, text: str) -> None:
 
 def main(args: argparse.Namespace) -> None:
     path = Path(args.file)
+    # Two mints at once must not lose an entry: the read-modify-replace runs under a lock file.
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _add_key(args, path)
+
+
+def _add_key(args: argparse.Namespace, path: Path) -> None:
     keys = parse_keys(path.read_text(), str(path)) if path.exists() else ()
     key = new_key()
     entry = {"sha256": hash_key(key), "tenant": args.tenant, "requests_per_minute": args.requests_per_minute}

@@ -73,6 +73,8 @@ class NatsAuth:
         """ValueError for a combination that cannot work (found at start, not at the first connect)."""
         if self.password and not self.user:
             raise ValueError("nats_password needs nats_user")
+        if self.password.startswith("$2"):
+            raise ValueError("nats_password must not start with '$2': nats-server reads it as a bcrypt hash")
         if self.user and self.nkey_seed_file:
             raise ValueError("give nats_user/nats_password or nats_nkey_seed_file, not both")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

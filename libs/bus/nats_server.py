@@ -41,7 +41,9 @@ def authorization_conf(auth: NatsAuth) -> str:
     """The nats-server ``authorization`` block admitting the clients that connect with ``auth``
     ("" when it holds no credentials: anyone may connect)."""
     if auth.user:
-        return f"authorization {{ user: {json.dumps(auth.user)}, password: {json.dumps(auth.password)} }}\n"
+        # (ensure_ascii=False: nats-server's strings take no \u escapes)
+        user, password = (json.dumps(text, ensure_ascii=False) for text in (auth.user, auth.password))
+        return f"authorization {{ user: {user}, password: {password} }}\n"
     if auth.nkey_seed_file:
         public_key = json.dumps(nkey_public_key(auth.nkey_seed_file))
         return f"authorization {{ users: [ {{ nkey: {public_key} }} ] }}\n"

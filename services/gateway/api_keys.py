@@ -38,7 +38,7 @@ MAX_TENANT_CHARS: Final = 128
 MAX_REQUESTS_PER_MINUTE: Final = 10**9
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 _FIELDS: Final = frozenset({"sha256", "tenant", "requests_per_minute", "priority", "weight", "name"})
-MAX_WEIGHT: Final = 1e6
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e6  # a tiny weight would make one admission cost the queue infinity
 
 
 def hash_key(api_key: str) -> str:
@@ -97,9 +97,10 @@ def _printable(value: Any, key: str, where: str, required: bool) -> str:
 
 def _weight(entry: Mapping[str, Any], where: str) -> float:
     value = entry.get("weight", 1.0)
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_WEIGHT
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and MIN_WEIGHT <= value <= MAX_WEIGHT
     if not ok:
-        raise ValueError(f"{where}: 'weight' must be a number in (0, {MAX_WEIGHT:g}], got {value!r}")
+        bounds = f"[{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]"
+        raise ValueError(f"{where}: 'weight' must be a number in {bounds}, got {value!r}")
     return float(value)
 
 
@@ -135,10 +136,14 @@ def parse_keys(text: str, source: str = "keys file") -> tuple[ApiKey, ...]:
         raise ValueError(f'{source}: must be an object {{"keys": [...]}}')
     keys = tuple(parse_entry(entry, f"{source}, key {i}") for i, entry in enumerate(doc["keys"]))
     seen: set[str] = set()
+    weights: dict[str, float] = {}
     for i, key in enumerate(keys):
         if key.key_hash in seen:
             raise ValueError(f"{source}, key {i}: the same key hash appears twice")
         seen.add(key.key_hash)
+        # the weight is the tenant's share: one per tenant, whichever of its keys a request uses
+        if weights.setdefault(key.tenant, key.weight) != key.weight:
+            raise ValueError(f"{source}, key {i}: tenant {key.tenant!r} has keys of different weights")
     return keys
 
 

@@ -40,7 +40,8 @@ def build_app(
     ``scoping``: how a request's tenant and retention class are read (default classes, no tenant header);
     ``keys``: the API keys every /v1 route checks (None: no check);
     ``prices``: the price list and rental the serving economics use (default: ``PriceList()``)."""
-    server = Server(service, served, retry_after_s, keepalive_s)
+    gateway_metrics = GatewayMetrics(service, prices, per_tenant=keys is not None)
+    server = Server(service, served, retry_after_s, keepalive_s, gateway_metrics.served)
     admission = Admission(service, served, scoping)
     openai = OpenAIRoutes(server, admission)
     responses = ResponsesRoutes(server, admission, store)
@@ -58,8 +59,6 @@ def build_app(
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [served.card()]})
-
-    gateway_metrics = GatewayMetrics(service, prices)
 
     async def metrics(request: Request) -> Response:
         return Response(gateway_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -131,8 +131,6 @@ class KeyCheck:
             return
         key = decision.key
         scope.setdefault("state", {})[CALLER_KEY] = Caller(key.tenant, key.priority, key.label, key.weight)
-        if observer is not None:
-            observer.tenant = key.tenant
         headers = limit_headers(decision, shape == "anthropic")
 
         async def sending(message: Message) -> None:

@@ -56,10 +56,18 @@ class TokenLedger:
 
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKEN_KINDS, 0))
 
+    @staticmethod
+    def split(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> tuple[tuple[str, int], ...]:
+        """A usage's tokens by kind."""
+        return (
+            ("input_uncached", prompt_tokens - cached_tokens),
+            ("input_cached", cached_tokens),
+            ("output", output_tokens),
+        )
+
     def add(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
-        self.tokens["input_uncached"] += prompt_tokens - cached_tokens
-        self.tokens["input_cached"] += cached_tokens
-        self.tokens["output"] += output_tokens
+        for kind, count in self.split(prompt_tokens, cached_tokens, output_tokens):
+            self.tokens[kind] += count
 
     def revenue(self, prices: PriceList) -> dict[str, float]:
         """Dollars by kind."""

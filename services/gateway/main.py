@@ -142,6 +142,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile |
                 port=config.port,
                 log_level=config.log_level,
                 access_log=False,
+                log_config=None,  # uvicorn's own lines go through our handler (--log-format)
                 timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s),  # SIGTERM: streams finish
             )
         )
@@ -179,6 +180,9 @@ def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
     setup_logging(config.log_level, "gateway", config.log_format)
+    # SIGHUP (serve forwards it at once) must not kill a gateway still loading: ignored until
+    # serve() installs the reload.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     keys = KeyFile(config.api_keys_file) if config.api_keys_file else None  # a bad file: exit 2
     warn_if_open(config)
     run_service(lambda stop: serve(config, cache_dir, stop, keys), config.watchdog_s)

@@ -47,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from libs.protocol.kv_messages import KVCacheStats
 from libs.recipe.segments import Usage
 from services.gateway.economics import PriceList, TokenLedger
-from services.gateway.economics_metrics import economics_families
+from services.gateway.economics_metrics import ServedUsage, economics_families
 
 if TYPE_CHECKING:
     from services.gateway.routing import RouterFeed
@@ -215,7 +215,10 @@ def router_families(feed: RouterFeed) -> Iterator[Metric]:
 class GatewayMetrics:
     """Every metric of one gateway app, on a registry of its own (several apps share a test process)."""
 
-    def __init__(self, service: GatewayService, prices: PriceList | None = None) -> None:
+    def __init__(
+        self, service: GatewayService, prices: PriceList | None = None, per_tenant: bool = False
+    ) -> None:
+        """``per_tenant``: count tokens by tenant (API keys are on: tenants are the keys file's)."""
         self.registry = registry = CollectorRegistry()
         self.ledger = TokenLedger()  # every generation's tokens by kind: the economics' revenue
         api = ["api"]
@@ -283,6 +286,7 @@ class GatewayMetrics:
             registry=registry,
         )
         registry.register(GatewayCollector(service, self.ledger, prices or PriceList()))
+        self.served = ServedUsage(self.ledger, self.tenant_tokens if per_tenant else None)
         ProcessCollector(registry=registry)
 
     def exposition(self) -> bytes:
@@ -325,7 +329,6 @@ class RequestObserver:
         self.generating = False  # a generation answers it: it is over when that has ended
         self.ended = False
         self.error = False
-        self.tenant = ""  # the API key's tenant (services/gateway/auth.py); "": keys are off
         self._rate_limited = False
         self._last_tokens: dict[int, float] = {}  # choice -> when its last delta with tokens came
 
@@ -344,12 +347,6 @@ class RequestObserver:
         self.metrics.prompt_tokens.labels(self.api).inc(usage.prompt_tokens)
         self.metrics.cached_prompt_tokens.labels(self.api).inc(usage.cached_tokens)
         self.metrics.generation_tokens.labels(self.api).inc(usage.completion_tokens)
-        self.metrics.ledger.add(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
-        if self.tenant:
-            by_kind = self.metrics.tenant_tokens
-            by_kind.labels(self.tenant, "input_uncached").inc(usage.prompt_tokens - usage.cached_tokens)
-            by_kind.labels(self.tenant, "input_cached").inc(usage.cached_tokens)
-            by_kind.labels(self.tenant, "output").inc(usage.completion_tokens)
 
     def rate_limited(self, tenant: str) -> None:
         """The request's key was past its rate limit: it is refused with a 429."""

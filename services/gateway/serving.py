@@ -22,6 +22,7 @@ from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.fields import ApiError, shown
 from libs.runtime.logs import set_request_id
 from services.gateway.admission import Admitted
+from services.gateway.economics_metrics import ServedUsage, UsageObserver
 from services.gateway.generation import Generation, GenerationObserver, numbered
 from services.gateway.metrics import watch_generation
 from services.gateway.renderers import renderer_for
@@ -176,17 +177,26 @@ class Server:
     """What every API route needs to turn a stream of deltas into a response."""
 
     def __init__(
-        self, service: GatewayService, served: ServedModel, retry_after_s: int, keepalive_s: float = 15.0
+        self,
+        service: GatewayService,
+        served: ServedModel,
+        retry_after_s: int,
+        keepalive_s: float = 15.0,
+        usage: ServedUsage | None = None,
     ) -> None:
+        """``usage``: where every generation's usage is counted when it ends (the economics)."""
         self.service = service
         self.served = served
         self.retry_after_s = retry_after_s
         self.keepalive_s = keepalive_s
+        self.usage = usage
 
     def generation(
         self, record: StreamRecord, collect: bool = False, observer: GenerationObserver | None = None
     ) -> Generation:
         """``collect``: the non-streaming body will be asked for; ``observer``: the request's metrics."""
+        if self.usage is not None:
+            observer = UsageObserver(self.usage, record, observer)
         renderer = renderer_for(record, collect)
         return Generation(record, self.served.tokenizer, renderer, self.served.keep_token_ids, observer)
 
@@ -253,11 +263,11 @@ class Server:
 
     async def resume(self, request_id: str, api: str, after: int, tenant: str) -> EventStreamResponse:
         """``tenant``: the resuming client's; another tenant's stream is as unknown as a missing one."""
-        set_request_id(request_id)
         record = await self.service.stream_record(request_id) if is_issued_id(request_id) else None
         if record is None or record.api != api or record.tenant != tenant:
             message = f"no resumable stream with id {shown(request_id)} (it may have expired)"
             raise ApiError(404, message, code="not_found")
+        set_request_id(request_id)  # (an id this gateway issued: no client text in the log lines)
         generation = self.generation(record)
         stream = await self.service.replay(record, "never" if record.background else "grace")
         return self.sse(generation, stream, after)

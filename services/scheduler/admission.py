@@ -34,8 +34,6 @@ def admit_waiting(core: WorkerScheduler, plan: Plan) -> None:
         if not try_admit(core, plan, seq):
             skipped.append(entry)
             break  # first come, first served: nobody overtakes the head of the queue
-        # Its tenant pays for what it brings to compute (a prefix-cache hit is nearly free).
-        core._waiting.charge(seq.tenant, max(1, seq.num_tokens - seq.num_computed_tokens), seq.tenant_weight)
     for entry in skipped:
         core._waiting.requeue(entry)
 
@@ -64,6 +62,9 @@ def try_admit(core: WorkerScheduler, plan: Plan, seq: Sequence) -> bool:
     seq.loaded_blocks = (load.first_block, load.first_block + len(load.tiers)) if load else (0, 0)
     if load is not None and load.partial_key:
         seq.partial_key = b""  # the worker deletes the file once read
+    # Its tenant pays for what it brings to compute (a prefix-cache hit is nearly free), counted
+    # before the plan takes its first chunk into num_computed_tokens.
+    core._waiting.charge(seq.tenant, max(1, seq.num_tokens - seq.num_computed_tokens), seq.tenant_weight)
     seq.status = SequenceStatus.RUNNING
     bisect.insort(core._running, seq, key=lambda s: s.order)
     plan.new_seq_ids.add(seq.seq_id)

@@ -223,3 +223,18 @@ def test_a_bad_keys_file_is_refused_at_start(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not JSON"):
         KeyFile(str(tmp_path / "bad.json"))
+
+
+def test_a_replayed_stream_is_not_counted_twice(harness: Harness) -> None:
+    headers = openai_key(ACME)
+    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    with harness.client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: {")]
+    request_id = json.loads(lines[0][6:])["id"]
+    counted = harness.metric("deepinfer_tenant_tokens_total", tenant="acme", kind="output")
+    revenue = harness.metric("deepinfer_revenue_dollars_total", kind="output")
+    assert counted > 0 and revenue > 0
+    replay = harness.client.get(f"/v1/chat/completions/{request_id}?stream=true", headers=headers)
+    assert replay.status_code == 200 and replay.text.count("data: {") == len(lines)  # the whole stream again
+    assert harness.metric("deepinfer_tenant_tokens_total", tenant="acme", kind="output") == counted
+    assert harness.metric("deepinfer_revenue_dollars_total", kind="output") == revenue

@@ -57,7 +57,7 @@ async def refused(url: str, **options: object) -> bool:
 
 
 def test_user_and_password() -> None:
-    auth = NatsAuth(user="svc", password='p"w\\ord')  # quoted into the server's config as written
+    auth = NatsAuth(user="svc", password='p"w\\ördé')  # quoted into the server's config as written
     with EmbeddedNatsServer(auth=auth) as server:
         assert asyncio.run(round_trip(server.url, auth)) == b"pong"
         assert asyncio.run(refused(server.url))
@@ -135,6 +135,7 @@ def test_tls_with_a_ca(tls_server: tuple[EmbeddedNatsServer, Path, Path]) -> Non
 def test_settings_refuse_what_cannot_work(tmp_path: Path) -> None:
     for fields, says in (
         ({"nats_password": "pw"}, "needs nats_user"),
+        ({"nats_user": "u", "nats_password": "$2a$11$abc"}, "bcrypt"),
         ({"nats_user": "u", "nats_nkey_seed_file": __file__}, "not both"),
         ({"nats_tls_cert_file": __file__}, "go together"),
         ({"nats_tls_cert_file": __file__, "nats_tls_key_file": __file__}, "needs nats_tls_ca_file"),

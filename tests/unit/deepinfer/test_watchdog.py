@@ -74,7 +74,8 @@ def test_sigint_or_a_second_signal_hurries_the_stop() -> None:
 
 SERVICE = """
 import asyncio, sys, time
-from libs.runtime.process import busy, run_service, setup_logging
+from libs.runtime.logs import setup_logging
+from libs.runtime.process import busy, run_service
 
 async def serve(stop):
     mode = sys.argv[1]

@@ -71,6 +71,8 @@ def test_minted_keys_are_distinct_and_prefixed() -> None:
         (doc(entry(A, priority="high")), "'priority'"),
         (doc(entry(A, rpm=5)), "unknown field(s) rpm"),
         (doc(entry(A, weight=0)), "'weight'"),
+        (doc(entry(A, weight=1e-320)), "'weight'"),
+        (doc(entry(A, weight=2.0), entry(B, weight=3.0)), "different weights"),
         (doc(entry(A, weight=-1.5)), "'weight'"),
         (doc(entry(A, weight="2")), "'weight'"),
         (doc(entry(A, weight=True)), "'weight'"),

@@ -118,3 +118,49 @@ def test_the_core_admits_a_small_tenant_between_a_floods_requests() -> None:
         sched.postprocess(ids, [EOS] * len(ids))  # each ends at once: the slot frees
         sched.check_integrity()
     assert admitted.index("small") <= 1, admitted
+
+
+def test_newcomers_do_not_starve_a_waiting_tenant_and_idle_ones_are_forgotten() -> None:
+    queue = FairQueue(max_idle_tenants=8)
+    queue.push("a0", (0, 0, 0), "a")
+    queue.push("a1", (0, 1, 0), "a")
+    admit(queue, 1, cost=1000.0)  # a is far ahead; a1 waits
+    popped = []
+    for i in range(50):  # one-shot tenants (random API keys), one arriving per admission
+        queue.push(f"n{i}", (0, 2 + i, 0), f"new{i}")
+        popped += admit(queue, 1)
+        queue.check_integrity()
+        if "a1" in popped:
+            break
+    # a newcomer starts where the least-served waiting tenant is (a, at 1000): a1, older, goes first
+    assert popped[0] == "a1", popped
+    for i in range(50, 100):
+        queue.push(f"n{i}", (0, 2 + i, 0), f"new{i}")
+        admit(queue, 1)
+    queue.check_integrity()
+    assert len(queue._vtime) - len(queue._queues) <= 8  # idle tenants' times are not kept without bound
+
+
+def tenant_seq_of(seq_id: str, tenant: str, prompt_len: int, first_token: int) -> Sequence:
+    """A sequence whose prompt starts at ``first_token``: distinct prompts share no cached prefix."""
+    params = make_seq(seq_id, max_tokens=2).sampling_params
+    prompt = list(range(first_token, first_token + prompt_len))
+    return Sequence(seq_id, "gw", prompt, params, EOS, tenant=tenant)
+
+
+def test_the_core_charges_tokens_not_requests() -> None:
+    sched = make_scheduler(max_num_seqs=1, max_num_waiting=64, max_model_len=128, num_blocks=128)
+    for i in range(6):
+        sched.add(tenant_seq_of(f"big{i}", "big", 40, first_token=1000 + 100 * i))
+    for i in range(30):
+        sched.add(tenant_seq_of(f"small{i}", "small", 4, first_token=5000 + 100 * i))
+    admitted: list[str] = []
+    while len(admitted) < 18:
+        plan = sched.schedule()
+        sched.check_integrity()
+        admitted += [s.seq_id for s in plan.new_seqs]
+        ids = tuple(s.seq_id for s in plan.new_seqs) + plan.seq_ids
+        sched.postprocess(ids, [EOS] * len(ids))
+    # one 40-token prompt costs what ten 4-token ones do: ~10 small admissions per big one
+    num_big = sum(s.startswith("big") for s in admitted[:18])
+    assert 1 <= num_big <= 3, admitted
