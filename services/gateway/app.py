@@ -14,6 +14,7 @@ from starlette.routing import Route
 from services.gateway.admission import Admission
 from services.gateway.auth import KeyCheck, KeyFile
 from services.gateway.cache_scope import CacheScoping
+from services.gateway.dashboard import dashboard
 from services.gateway.economics import PriceList
 from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.response_store import ResponseStore
@@ -70,6 +71,7 @@ def build_app(
             Route("/livez", livez),
             Route("/v1/models", models),
             Route("/metrics", metrics),
+            Route("/dashboard", dashboard),
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/chat/completions/{request_id}", openai.resume_chat, methods=["GET"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),

@@ -12,8 +12,10 @@ import copy
 import dataclasses
 import io
 import json
+import os
 import re
 import shlex
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ import pytest
 import yaml
 
 from deepinfer.cli import SERVICES, build_parser
-from libs.bus.nats_server import MAX_PAYLOAD
+from libs.bus.nats_server import MAX_PAYLOAD, find_nats_server
 from libs.runtime.settings import ENV_PREFIX, build_config
 from services.worker.config import Config as WorkerConfig
 
@@ -67,6 +69,17 @@ def _environment(service: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def _raw_environment(service: dict[str, Any]) -> dict[str, str]:
+    """The environment as written, ``${VAR:-default}`` kept: two services read one compose
+    variable only if they name it alike, with the same default."""
+    env = service.get("environment") or {}
+    if isinstance(env, dict):
+        return {
+            str(k): _scalar(v) if isinstance(v, bool) else str(v) for k, v in env.items() if v is not None
+        }
+    return {key: value for key, sep, value in (str(item).partition("=") for item in env) if sep}
+
+
 def _string_list(value: Any) -> list[str] | None:
     if isinstance(value, list) and all(isinstance(v, str | int | float) for v in value):
         return [_interpolate(str(v)) for v in value]
@@ -107,6 +120,12 @@ def _is_nats(service: dict[str, Any]) -> bool:
     return str(service.get("image", "")).split(":")[0].split("/")[-1] == "nats"
 
 
+def _is_third_party(service: dict[str, Any]) -> bool:
+    """An image of its own (nats, prometheus, grafana): not a deepinfer command line."""
+    repository = str(service.get("image", "")).split(":")[0].split("/")[-1]
+    return "build" not in service and repository != "deepinfer"
+
+
 def _parse_args(argv: list[str]) -> tuple[Any, str]:
     """argparse's result, or None and its error (argparse exits on a bad command line)."""
     err = io.StringIO()
@@ -131,34 +150,63 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
 
 
+_NATS_BARE_VALUE = re.compile(r"[^\s,;}\]]+")
+_NATS_QUOTED_VALUE = re.compile(r"\"([^\"]*)\"|'([^']*)'")
+_NATS_ITEM_SEPARATOR = re.compile(r"[\s,;]*")
+
+
+def _nats_value(text: str, pos: int, where: str) -> tuple[str, int]:
+    """The scalar or ``[...]`` array at ``pos``: an array's items are joined by ``,``."""
+    if text.startswith("[", pos):
+        items: list[str] = []
+        pos += 1
+        while True:
+            separator = _NATS_ITEM_SEPARATOR.match(text, pos)
+            pos = separator.end() if separator else pos
+            if pos >= len(text):
+                raise ValueError(f"unclosed array in nats config at {where!r}")
+            if text[pos] == "]":
+                return ",".join(items), pos + 1
+            if text[pos] in "[{":
+                raise ValueError(f"nested arrays and maps are not read here: {where!r}")
+            item, pos = _nats_value(text, pos, where)
+            items.append(item)
+    m = _NATS_QUOTED_VALUE.match(text, pos) or _NATS_BARE_VALUE.match(text, pos)
+    if m is None:
+        raise ValueError(f"no value for {where!r} in nats config")
+    return next((g for g in m.groups() if g is not None), m.group(0)), m.end()
+
+
 def parse_nats_conf(text: str) -> dict[str, str]:
     """A small subset of the nats config syntax, flattened: ``{"port": "4222", "jetstream": "{}",
-    "jetstream.store_dir": "/data"}``. Enough for the keys checked here."""
+    "jetstream.store_dir": "/data", "cluster.routes": "nats://a:6222,nats://b:6222"}``. Enough for
+    the keys checked here (and the k8s manifests' config, whose cluster routes are an array)."""
+    body = "\n".join(re.sub(r"(^|\s)(#|//).*", "", line) for line in text.splitlines())
     out: dict[str, str] = {}
     stack: list[str] = []
-    for raw in text.splitlines():
-        line = re.sub(r"(^|\s)(#|//).*", "", raw).strip()
-        while line:
-            if line[0] in "},;":
-                if line[0] == "}" and stack:
-                    stack.pop()
-                line = line[1:].strip()
-                continue
-            m = re.match(r"([A-Za-z_][\w.-]*)\s*[:=]?\s*", line)
-            if m is None:
-                raise ValueError(f"cannot parse nats config line: {raw!r}")
-            key = ".".join([*stack, m.group(1)])
-            line = line[m.end() :]
-            if line.startswith("{"):
-                out[key] = "{}"
-                stack.append(m.group(1))
-                line = line[1:].strip()
-                continue
-            v = re.match(r"\"([^\"]*)\"|'([^']*)'|([^\s,;}]+)", line)
-            if v is None:
-                raise ValueError(f"no value for {key!r} in nats config line: {raw!r}")
-            out[key] = next(g for g in v.groups() if g is not None)
-            line = line[v.end() :].strip()
+    key_re = re.compile(r"([A-Za-z_][\w.-]*)\s*[:=]?\s*")
+    pos = 0
+    while pos < len(body):
+        if body[pos].isspace() or body[pos] in ",;":
+            pos += 1
+            continue
+        if body[pos] == "}":
+            if stack:
+                stack.pop()
+            pos += 1
+            continue
+        m = key_re.match(body, pos)
+        if m is None:
+            line = body[pos:].split("\n", 1)[0]
+            raise ValueError(f"cannot parse nats config line: {line!r}")
+        key = ".".join([*stack, m.group(1)])
+        pos = m.end()
+        if body.startswith("{", pos):
+            out[key] = "{}"
+            stack.append(m.group(1))
+            pos += 1
+            continue
+        out[key], pos = _nats_value(body, pos, key)
     return out
 
 
@@ -172,6 +220,49 @@ def _flag_value(argv: list[str], *names: str) -> str | None:
     return None
 
 
+def _nats_conf(
+    service: dict[str, Any], command: list[str], base_dir: Path
+) -> tuple[dict[str, str], list[str]]:
+    """The parsed config file the nats service's ``-c`` names, or the problems that stop reading it."""
+    conf_target = _flag_value(command, "-c", "--config")
+    if conf_target is None:
+        return {}, ["nats: no config file (-c): max_payload can only be set in one"]
+    sources = [src for src, dst in _volume_mounts(service) if dst == conf_target]
+    if not sources:
+        return {}, [f"nats: config {conf_target} is not mounted from this directory"]
+    conf_file = (base_dir / sources[0]).resolve()
+    if not conf_file.is_file():
+        return {}, [f"nats: config file {sources[0]} does not exist"]
+    return parse_nats_conf(conf_file.read_text()), []
+
+
+NATS_AUTH_FIELDS = {"user": f"{ENV_PREFIX}NATS_USER", "password": f"{ENV_PREFIX}NATS_PASSWORD"}
+# a compose variable with a non-empty default: unset, it would log nats in with an empty password
+_VARIABLE_WITH_DEFAULT = re.compile(r"\$\{[A-Za-z_]\w*:?-[^}]+\}")
+
+
+def nats_auth_problems(conf: dict[str, str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The config's ``authorization`` user and password must be ``$VAR`` references to the nats
+    service's environment (``env``, as written), each a compose variable with a default. Also
+    returns what each deepinfer service must set: ``{"DEEPINFER_NATS_USER": "${NATS_USER:-..}", ...}``."""
+    if "authorization" not in conf:
+        return ["nats: no authorization block: anyone who reaches the port may publish"], {}
+    problems, wanted = [], {}
+    for name, service_key in NATS_AUTH_FIELDS.items():
+        value = conf.get(f"authorization.{name}", "")
+        if not re.fullmatch(r"\$[A-Za-z_]\w*", value):
+            problems.append(f"nats: authorization {name} {value!r} is not a $VARIABLE from the environment")
+        elif value[1:] not in env:
+            problems.append(
+                f"nats: authorization {name} reads ${value[1:]}, which the nats service does not set"
+            )
+        elif not _VARIABLE_WITH_DEFAULT.fullmatch(env[value[1:]]):
+            problems.append(f"nats: {value[1:]}={env[value[1:]]!r} is not a compose variable with a default")
+        else:
+            wanted[service_key] = env[value[1:]]
+    return problems, wanted
+
+
 def nats_problems(compose: dict[str, Any], base_dir: Path) -> tuple[list[str], int]:
     """Problems of the nats service, and the client port it listens on."""
     service = compose.get("services", {}).get("nats")
@@ -183,20 +274,10 @@ def nats_problems(compose: dict[str, Any], base_dir: Path) -> tuple[list[str], i
     command = _string_list(service.get("command") or [])
     if command is None:
         return [*problems, "nats: command must be a list"], NATS_DEFAULT_PORT
-    conf: dict[str, str] = {}
-    conf_target = _flag_value(command, "-c", "--config")
-    if conf_target is None:
-        problems.append("nats: no config file (-c): max_payload can only be set in one")
-    else:
-        sources = [src for src, dst in _volume_mounts(service) if dst == conf_target]
-        if not sources:
-            problems.append(f"nats: config {conf_target} is not mounted from this directory")
-        else:
-            conf_file = (base_dir / sources[0]).resolve()
-            if not conf_file.is_file():
-                problems.append(f"nats: config file {sources[0]} does not exist")
-            else:
-                conf = parse_nats_conf(conf_file.read_text())
+    conf, conf_problems = _nats_conf(service, command, base_dir)
+    problems += conf_problems
+    if conf:
+        problems += nats_auth_problems(conf, _raw_environment(service))[0]
     payload = conf.get("max_payload")
     if payload is None:
         problems.append("nats: config sets no max_payload")
@@ -277,20 +358,29 @@ def supervision_problems(name: str, service: dict[str, Any], command: str, confi
 # ---------------------------------------------------------------- the compose checker
 
 
-def compose_problems(compose: dict[str, Any], base_dir: Path) -> list[str]:
+def compose_problems(
+    compose: dict[str, Any], base_dir: Path, dockerfile_text: str | None = None
+) -> list[str]:
+    """``dockerfile_text``: the image's Dockerfile in place of the one the build names (a test's copy)."""
     services = compose.get("services")
     if not isinstance(services, dict):
         return ["no services"]
     problems = [f"missing service {name!r}" for name in REQUIRED_SERVICES if name not in services]
     nats, nats_port = nats_problems(compose, base_dir)
     problems += nats
+    nats_service = services.get("nats")
+    credentials: dict[str, str] = {}
+    if isinstance(nats_service, dict):
+        nats_command = _string_list(nats_service.get("command") or []) or []
+        conf = _nats_conf(nats_service, nats_command, base_dir)[0]
+        credentials = nats_auth_problems(conf, _raw_environment(nats_service))[1] if conf else {}
     nats_names = {name for name, svc in services.items() if _is_nats(svc)}
     declared_volumes = set(compose.get("volumes") or {})
     cache_volumes: dict[str, str] = {}
 
     for name, service in services.items():
         env = _environment(service)
-        if name in nats_names:
+        if name in nats_names or _is_third_party(service):
             problems += [
                 f"{name}: {key} set on a non-deepinfer service" for key in env if key.startswith(ENV_PREFIX)
             ]
@@ -301,8 +391,21 @@ def compose_problems(compose: dict[str, Any], base_dir: Path) -> list[str]:
             dockerfile = (
                 base_dir / str(build.get("context", ".")) / str(build.get("dockerfile", "Dockerfile"))
             )
-            if not dockerfile.resolve().is_file():
+            if dockerfile_text is None and dockerfile.resolve().is_file():
+                owned = user_owned_dirs(dockerfile.read_text())
+            elif dockerfile_text is not None:
+                owned = user_owned_dirs(dockerfile_text)
+            else:
+                owned = None
                 problems.append(f"{name}: build Dockerfile {dockerfile} does not exist")
+            # A fresh named volume takes the owner of the image's directory it is mounted on: one the
+            # image does not give its user is root-owned, and the service cannot write it.
+            problems += [
+                f"{name}: volume {src} on {dst}, which the image does not give its user (uid {owned.uid}): "
+                "a fresh volume there is root-owned"
+                for src, dst in _volume_mounts(service)
+                if owned is not None and src in declared_volumes and dst.rstrip("/") not in owned.dirs
+            ]
         elif "image" not in service:
             problems.append(f"{name}: neither build nor image")
         if service.get("entrypoint") not in (None, ["deepinfer"]):
@@ -320,6 +423,12 @@ def compose_problems(compose: dict[str, Any], base_dir: Path) -> list[str]:
             continue
         config_cls = SERVICES[args.command][1]
         fields = {f.name for f in dataclasses.fields(config_cls)}
+        raw_env = _raw_environment(service)
+        problems += [
+            f"{name}: {key} is {raw_env.get(key)!r}, not {value!r} as the nats service's login"
+            for key, value in credentials.items()
+            if raw_env.get(key) != value
+        ]
         for key in env:
             if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :].lower() not in fields:
                 problems.append(f"{name}: {key} is not a field of the {args.command} Config")
@@ -437,43 +546,79 @@ def _instructions(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def _pip_installs(text: str) -> list[PipInstall]:
-    installs = []
+def _run_commands(text: str) -> list[list[str]]:
+    """The argv of each shell command of each RUN, in order."""
+    commands: list[list[str]] = []
     for instruction, rest in _instructions(text):
         if instruction != "RUN":
             continue
         lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
         lexer.whitespace_split = True
-        commands: list[list[str]] = [[]]
+        commands.append([])
         for token in lexer:
             if token in ("&&", "||", ";", "|", "&"):
                 commands.append([])
             else:
                 commands[-1].append(token)
-        for argv in commands:
-            words = [w for w in argv if not w.startswith("-")][:4]
-            if words[:2] in (["pip", "install"], ["pip3", "install"]):
-                start = argv.index("install") + 1
-            elif words[:1] and words[0].startswith("python") and argv[1:4] == ["-m", "pip", "install"]:
-                start = 4
+    return [argv for argv in commands if argv]
+
+
+@dataclasses.dataclass
+class OwnedDirs:
+    uid: str  # the final USER's uid ("" when the Dockerfile does not say it)
+    dirs: set[str]  # the directories chown'd to it (its home, when useradd creates one)
+
+
+def user_owned_dirs(text: str) -> OwnedDirs:
+    """The directories the image's final USER owns: ``chown user[:group] dir...`` to that user (by
+    name or uid) and ``useradd --create-home``'s home."""
+    users = [rest.split(":")[0].strip() for ins, rest in _instructions(text) if ins == "USER"]
+    user = users[-1] if users else "root"
+    names, uid, dirs = {user}, user if user.isdigit() else "", set()
+    commands = _run_commands(text)
+    for argv in commands:
+        # the user, named by name or by uid: either way its other name counts too
+        created_uid = _flag_value(argv, "-u", "--uid")
+        if argv[0] in ("useradd", "adduser") and user in (argv[-1], created_uid):
+            names.add(argv[-1])
+            uid = created_uid or uid
+            if "-m" in argv or "--create-home" in argv:
+                dirs.add(f"/home/{argv[-1]}")
+    if uid:
+        names.add(uid)
+    for argv in commands:
+        words = [a for a in argv[1:] if not a.startswith("-")]
+        if argv[0] == "chown" and len(words) >= 2 and words[0].split(":")[0] in names:
+            dirs.update(d.rstrip("/") for d in words[1:])
+    return OwnedDirs(uid, dirs)
+
+
+def _pip_installs(text: str) -> list[PipInstall]:
+    installs = []
+    for argv in _run_commands(text):
+        words = [w for w in argv if not w.startswith("-")][:4]
+        if words[:2] in (["pip", "install"], ["pip3", "install"]):
+            start = argv.index("install") + 1
+        elif words[:1] and words[0].startswith("python") and argv[1:4] == ["-m", "pip", "install"]:
+            start = 4
+        else:
+            continue
+        reqs, options, index_url = [], set(), None
+        i = start
+        while i < len(argv):
+            arg = argv[i]
+            name, eq, value = arg.partition("=")
+            if arg.startswith("-"):
+                options.add(name if eq else arg)
+                if not eq and arg in _PIP_VALUE_OPTIONS:
+                    i += 1
+                    value = argv[i] if i < len(argv) else ""
+                if (name if eq else arg) in ("-i", "--index-url"):
+                    index_url = value
             else:
-                continue
-            reqs, options, index_url = [], set(), None
-            i = start
-            while i < len(argv):
-                arg = argv[i]
-                name, eq, value = arg.partition("=")
-                if arg.startswith("-"):
-                    options.add(name if eq else arg)
-                    if not eq and arg in _PIP_VALUE_OPTIONS:
-                        i += 1
-                        value = argv[i] if i < len(argv) else ""
-                    if (name if eq else arg) in ("-i", "--index-url"):
-                        index_url = value
-                else:
-                    reqs.append(arg)
-                i += 1
-            installs.append(PipInstall(reqs, options, index_url))
+                reqs.append(arg)
+            i += 1
+        installs.append(PipInstall(reqs, options, index_url))
     return installs
 
 
@@ -607,6 +752,23 @@ def test_nats_listens_where_services_connect() -> None:
     assert port == NATS_DEFAULT_PORT
 
 
+def test_nats_server_accepts_its_config() -> None:
+    """nats-server itself (-t: check the config and exit) reads nats.conf with the nats service's
+    environment (compose's defaults); without the login variables it refuses the file."""
+    nats = _load_compose()["services"]["nats"]
+    conf = COMPOSE_DIR / "nats.conf"
+
+    def check(environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        argv = [find_nats_server(), "-t", "-c", str(conf)]
+        full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **environment}
+        return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=30)
+
+    ok = check(_environment(nats))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    refused = check({})
+    assert refused.returncode != 0 and "NATS_USER" in refused.stdout + refused.stderr
+
+
 def test_dockerfile_installs_correctly() -> None:
     assert dockerfile_problems(DOCKERFILE.read_text()) == []
 
@@ -708,6 +870,32 @@ COMPOSE_BREAKAGES: dict[str, tuple[Mutation, str]] = {
     "grace below the drain": (_set("gateway", "stop_grace_period", "20s"), "the drain is cut by SIGKILL"),
     "drain above the grace": (_set_env("gateway", "DEEPINFER_SHUTDOWN_GRACE_S", "29"), "shutdown_grace_s"),
     "bad grace": (_set("gateway", "stop_grace_period", "soon"), "not a compose duration"),
+    "kvcache no healthcheck": (_set("kvcache", "healthcheck", None), "kvcache: no healthcheck"),
+    "prefill no healthcheck": (_set("worker-prefill", "healthcheck", None), "worker-prefill: no healthcheck"),
+    "prefill health of another kind": (
+        _set("worker-prefill", "healthcheck", {"test": ["CMD", "deepinfer", "health", "--kind", "kvcache"]}),
+        "worker-prefill: healthcheck is not `deepinfer health --kind worker`",
+    ),
+    "no nats user": (_set_env("gateway", "DEEPINFER_NATS_USER", None), "DEEPINFER_NATS_USER is None"),
+    "nats password default differs": (
+        _set_env("worker", "DEEPINFER_NATS_PASSWORD", "${NATS_PASSWORD:-other}"),
+        "not '${NATS_PASSWORD:-deepinfer}' as the nats service's login",
+    ),
+    "nats password another variable": (
+        _set_env("kvcache", "DEEPINFER_NATS_PASSWORD", "${PASSWORD:-deepinfer}"),
+        "kvcache: DEEPINFER_NATS_PASSWORD",
+    ),
+    "nats login unset": (_set_env("nats", "NATS_PASSWORD", None), "which the nats service does not set"),
+    "nats login without a default": (
+        _set_env("nats", "NATS_USER", "${NATS_USER}"),
+        "is not a compose variable with a default",
+    ),
+    "kv store off the image's dirs": (
+        _set("worker", "volumes", ["model-cache:/cache", "kv-store:/data/kv"]),
+        "worker: volume kv-store on /data/kv, which the image does not give its user",
+    ),
+    "grafana no healthcheck": (_set("grafana", "healthcheck", None), "grafana: no healthcheck"),
+    "env on prometheus": (_set_env("prometheus", "DEEPINFER_PORT", "1"), "non-deepinfer service"),
     "gateway stops with the workers": (
         _set("gateway", "depends_on", {"nats": {"condition": "service_healthy"}}),
         "it would not stop first",
@@ -735,6 +923,17 @@ def test_compose_checker_catches(case: str) -> None:
         ("port: 4222\nmax_payload: 8MB\njetstream {}\n", "no JetStream store dir"),
         ("port: 4222\nmax_payload: 8MB\njetstream { store_dir: /tmp/js }\n", "not on a volume"),
         ("port: 4223\nmax_payload: 8MB\njetstream { store_dir: /data/js }\n", "nats_url"),
+        ("port: 4222\nmax_payload: 8MB\njetstream { store_dir: /data/js }\n", "no authorization block"),
+        (
+            "max_payload: 8MB\njetstream { store_dir: /data/js }\n"
+            "authorization { user: a, password: $NATS_PASSWORD }\n",
+            "authorization user 'a' is not a $VARIABLE",
+        ),
+        (
+            "max_payload: 8MB\njetstream { store_dir: /data/js }\n"
+            "authorization { user: $NATS_USER, password: $PW }\n",
+            "reads $PW, which the nats service does not set",
+        ),
     ],
 )
 def test_compose_checker_reads_nats_conf(tmp_path: Path, conf: str, expected: str) -> None:
@@ -801,3 +1000,23 @@ def test_the_pd_profile_adds_prefill_workers_on_the_decode_workers_store() -> No
     assert env["DEEPINFER_KV_STORE_PATH"] == _environment(decode)["DEEPINFER_KV_STORE_PATH"]
     assert build_config(WorkerConfig, no_flags, env).role == "prefill"
     assert build_config(WorkerConfig, no_flags, _environment(decode)).role == "both"
+
+
+def test_compose_checker_wants_volumes_the_image_user_owns() -> None:
+    text = DOCKERFILE.read_text()
+    assert " /cache /kv-store" in text, "the Dockerfile changed; update this test"
+    problems = compose_problems(_load_compose(), COMPOSE_DIR, text.replace(" /cache /kv-store", " /cache"))
+    assert problems and all("which the image does not give its user (uid 1000)" in p for p in problems)
+    assert {p.split(":")[0] for p in problems} == {"worker", "worker-prefill", "kvcache"}
+    assert all("kv-store on /kv-store" in p for p in problems)
+
+
+def test_user_owned_dirs() -> None:
+    owned = user_owned_dirs(DOCKERFILE.read_text())
+    assert owned == OwnedDirs("1000", {"/cache", "/kv-store", "/home/deepinfer"})
+    text = (
+        "FROM python:3.11-slim\nRUN useradd --uid 1001 app && chown -R 1001:1001 /a && chown root /b\n"
+        "RUN mkdir /c && chown app /c/\nUSER 1001\n"
+    )
+    assert user_owned_dirs(text) == OwnedDirs("1001", {"/a", "/c"})
+    assert user_owned_dirs(text.replace("USER 1001\n", "")) == OwnedDirs("", {"/b"})
