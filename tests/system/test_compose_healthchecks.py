@@ -17,7 +17,7 @@ import pytest
 
 from libs.bus.nats_server import EmbeddedNatsServer, free_port
 from tests.system.stack import Stack
-from tests.unit.test_compose import _environment, _load_compose
+from tests.unit.compose.compose_file import environment, load_compose
 
 COMPOSE_GATEWAY_PORT = "8000"
 DEEPINFER_SERVICES = ("gateway", "scheduler", "worker", "kvcache")
@@ -32,7 +32,7 @@ def _run_check(service: dict[str, Any], nats_url: str, gateway_port: int) -> sub
     elif argv[0] == "python":
         argv = [sys.executable, *argv[1:]]
     argv = [a.replace(f":{COMPOSE_GATEWAY_PORT}/", f":{gateway_port}/") for a in argv]
-    env = {**_environment(service), "DEEPINFER_NATS_URL": nats_url}
+    env = {**environment(service), "DEEPINFER_NATS_URL": nats_url}
     timeout_s = float(str(service["healthcheck"].get("timeout", "5s")).rstrip("s"))
     env_path = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     return subprocess.run(
@@ -42,14 +42,14 @@ def _run_check(service: dict[str, Any], nats_url: str, gateway_port: int) -> sub
 
 @pytest.mark.parametrize("name", DEEPINFER_SERVICES)
 def test_healthcheck_passes_on_the_live_stack(stack: Stack, name: str) -> None:
-    service = _load_compose()["services"][name]
+    service = load_compose()["services"][name]
     result = _run_check(service, stack.nats.url, stack.port)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("name", DEEPINFER_SERVICES)
 def test_healthcheck_fails_without_the_service(name: str) -> None:
-    service = _load_compose()["services"][name]
+    service = load_compose()["services"][name]
     with EmbeddedNatsServer() as empty:  # no member of any kind; no gateway on the port
         result = _run_check(service, empty.url, free_port())
     assert result.returncode != 0, result.stdout + result.stderr

@@ -15,6 +15,8 @@ from deepinfer import health
 from deepinfer.cli import SERVICES
 from libs.runtime.settings import ENV_PREFIX, build_config
 from services.gateway.api_keys import parse_keys
+from tests.unit.compose.check_supervision import STOP_MARGIN_S
+from tests.unit.compose.compose_file import ANY_HOST
 from tests.unit.k8s.check_nats import NatsFacts
 from tests.unit.k8s.manifests import (
     DEEPINFER_IMAGE,
@@ -41,7 +43,6 @@ from tests.unit.k8s.manifests import (
     selects,
     workloads_of,
 )
-from tests.unit.test_compose import ANY_HOST, STOP_MARGIN_S
 
 _PROBE_KINDS = ("startupProbe", "livenessProbe", "readinessProbe")
 

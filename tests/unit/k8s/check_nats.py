@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from libs.bus.nats_server import MAX_PAYLOAD
+from tests.unit.compose.nats_conf import parse_nats_conf, parse_size
 from tests.unit.k8s.manifests import (
     NATS_CLIENT_PORT,
     NATS_CREDENTIALS,
@@ -24,7 +25,6 @@ from tests.unit.k8s.manifests import (
     pod_labels,
     workloads_of,
 )
-from tests.unit.test_compose import parse_nats_conf, parse_size
 
 
 @dataclasses.dataclass

@@ -5,12 +5,13 @@ An empty list means the manifests agree with each other and with the code.
 
 from __future__ import annotations
 
+from tests.unit.compose.compose_file import DOCKERFILE
+from tests.unit.compose.dockerfile import user_owned_dirs
 from tests.unit.k8s.check_autoscaler import autoscaler_problems
 from tests.unit.k8s.check_containers import container_problems
 from tests.unit.k8s.check_nats import nats_problems
 from tests.unit.k8s.check_wiring import reference_problems, selector_problems
 from tests.unit.k8s.manifests import Doc
-from tests.unit.test_compose import DOCKERFILE, user_owned_dirs
 
 
 def manifest_problems(docs: list[Doc]) -> list[str]:

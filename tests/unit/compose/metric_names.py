@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # ---------------------------------------------------------------- what the code exports
 
