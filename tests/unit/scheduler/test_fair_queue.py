@@ -7,6 +7,7 @@ from collections import Counter
 
 from services.scheduler.fair_queue import FairQueue
 from services.scheduler.sequence import Sequence
+from services.scheduler.worker_scheduler import WorkerScheduler
 from tests.unit.scheduler.fake_worker import EOS
 from tests.unit.scheduler.test_scheduler import make_scheduler, make_seq
 
@@ -97,11 +98,24 @@ def test_requeue_and_remove_keep_the_queue_whole() -> None:
     assert len(queue) == 0
 
 
-def tenant_seq(seq_id: str, tenant: str, weight: float = 1.0) -> Sequence:
-    seq = make_seq(seq_id, prompt_len=3, max_tokens=2)
-    return Sequence(
-        seq.seq_id, "gw", seq.prompt_token_ids, seq.sampling_params, EOS, tenant=tenant, tenant_weight=weight
-    )
+def tenant_seq(seq_id: str, tenant: str, prompt_len: int = 3, first_token: int = 10) -> Sequence:
+    """A sequence whose prompt starts at ``first_token``: distinct prompts share no cached prefix."""
+    params = make_seq(seq_id, max_tokens=2).sampling_params
+    prompt = list(range(first_token, first_token + prompt_len))
+    return Sequence(seq_id, "gw", prompt, params, EOS, tenant=tenant)
+
+
+def admissions(sched: WorkerScheduler, num: int) -> list[str]:
+    """The first ``num`` sequences the core admits, each ending at once (its slot frees)."""
+    admitted: list[str] = []
+    while len(admitted) < num:
+        plan = sched.schedule()
+        sched.check_integrity()
+        admitted += [s.seq_id for s in plan.new_seqs]
+        ids = tuple(s.seq_id for s in plan.new_seqs) + plan.seq_ids
+        sched.postprocess(ids, [EOS] * len(ids))
+        sched.check_integrity()
+    return admitted[:num]
 
 
 def test_the_core_admits_a_small_tenant_between_a_floods_requests() -> None:
@@ -109,14 +123,7 @@ def test_the_core_admits_a_small_tenant_between_a_floods_requests() -> None:
     for i in range(6):
         sched.add(tenant_seq(f"flood{i}", "flood"))
     sched.add(tenant_seq("small", "small"))
-    admitted: list[str] = []
-    while len(admitted) < 7:
-        plan = sched.schedule()
-        sched.check_integrity()
-        admitted += [s.seq_id for s in plan.new_seqs]
-        ids = tuple(s.seq_id for s in plan.new_seqs) + plan.seq_ids
-        sched.postprocess(ids, [EOS] * len(ids))  # each ends at once: the slot frees
-        sched.check_integrity()
+    admitted = admissions(sched, 7)
     assert admitted.index("small") <= 1, admitted
 
 
@@ -141,26 +148,13 @@ def test_newcomers_do_not_starve_a_waiting_tenant_and_idle_ones_are_forgotten() 
     assert len(queue._vtime) - len(queue._queues) <= 8  # idle tenants' times are not kept without bound
 
 
-def tenant_seq_of(seq_id: str, tenant: str, prompt_len: int, first_token: int) -> Sequence:
-    """A sequence whose prompt starts at ``first_token``: distinct prompts share no cached prefix."""
-    params = make_seq(seq_id, max_tokens=2).sampling_params
-    prompt = list(range(first_token, first_token + prompt_len))
-    return Sequence(seq_id, "gw", prompt, params, EOS, tenant=tenant)
-
-
 def test_the_core_charges_tokens_not_requests() -> None:
     sched = make_scheduler(max_num_seqs=1, max_num_waiting=64, max_model_len=128, num_blocks=128)
     for i in range(6):
-        sched.add(tenant_seq_of(f"big{i}", "big", 40, first_token=1000 + 100 * i))
+        sched.add(tenant_seq(f"big{i}", "big", 40, first_token=1000 + 100 * i))
     for i in range(30):
-        sched.add(tenant_seq_of(f"small{i}", "small", 4, first_token=5000 + 100 * i))
-    admitted: list[str] = []
-    while len(admitted) < 18:
-        plan = sched.schedule()
-        sched.check_integrity()
-        admitted += [s.seq_id for s in plan.new_seqs]
-        ids = tuple(s.seq_id for s in plan.new_seqs) + plan.seq_ids
-        sched.postprocess(ids, [EOS] * len(ids))
+        sched.add(tenant_seq(f"small{i}", "small", 4, first_token=5000 + 100 * i))
+    admitted = admissions(sched, 18)
     # one 40-token prompt costs what ten 4-token ones do: ~10 small admissions per big one
-    num_big = sum(s.startswith("big") for s in admitted[:18])
+    num_big = sum(s.startswith("big") for s in admitted)
     assert 1 <= num_big <= 3, admitted
