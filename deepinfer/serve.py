@@ -316,6 +316,15 @@ def _spread_metrics_ports(configs: dict[str, Any]) -> dict[str, Any]:
     return configs
 
 
+def check_security(gateway: GatewayConfig, nats_url: str) -> None:
+    """ValueError (exit 2) now, not a restart loop later: a keys file the gateway would refuse, or
+    TLS asked of the embedded nats-server, which serves none."""
+    if not nats_url and gateway.nats_tls_ca_file:
+        raise ValueError("the embedded nats-server serves no TLS: give --nats-url of a server that does")
+    if gateway.api_keys_file:
+        read_keys_file(gateway.api_keys_file)
+
+
 def main(args: argparse.Namespace) -> None:
     # Every Config first: a bad value raises here (exit 2) before anything has started.
     config = build_config(Config, args, os.environ)
@@ -323,10 +332,7 @@ def main(args: argparse.Namespace) -> None:
         name: build_config(cls, args, os.environ) for name, cls in SERVICE_CONFIGS.items()
     }
     nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
-    if not nats_url and configs["gateway"].nats_tls_ca_file:
-        raise ValueError("the embedded nats-server serves no TLS: give --nats-url of a server that does")
-    if configs["gateway"].api_keys_file:
-        read_keys_file(configs["gateway"].api_keys_file)  # a bad file: exit 2 now, not a restart loop
+    check_security(configs["gateway"], nats_url)
     setup_logging(config.log_level, "serve", config.log_format)
     roles = config.worker_roles(configs["worker"].role)
     handoff = shared_memory_handoff(configs["worker"], roles)

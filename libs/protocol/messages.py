@@ -158,6 +158,7 @@ class SubmitRequest:
     num_crashes: int = 0  # worker crashes that found it in the batch so far (a suspect from one)
     # OpenAI Predicted Outputs: packed uint32, the output the client expects (drafted from)
     prediction_token_ids: bytes = b""
+    traceparent: str = ""  # W3C trace context of the gateway's span (libs/runtime/tracing.py); "": none
 
 
 class SubmitStatus(enum.IntEnum):

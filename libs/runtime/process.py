@@ -25,6 +25,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import NoReturn
 
+from libs.runtime.tracing import shutdown_tracing
+
 log = logging.getLogger(__name__)
 
 WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE: "hung", distinct from a crash's signal or a config error (2)
@@ -180,6 +182,7 @@ def run_service(serve: ServeFn, watchdog_s: float = 0.0, max_busy_s: float = 0.0
     # serve() returned: everything the service owns is closed. Skip the interpreter's teardown,
     # which for a worker (a model's tensors) takes seconds of garbage collection, and in which a
     # late Ctrl-C would be a KeyboardInterrupt traceback.
+    shutdown_tracing()  # the spans still batched
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

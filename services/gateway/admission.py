@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
+from opentelemetry import trace
 from starlette.requests import Request
 
-from libs.protocol.messages import SubmitStatus
+from libs.protocol.messages import SamplingParams, SubmitStatus
 from libs.protocol.stream_messages import StreamRecord
 from libs.recipe.conversation import Conversation
 from libs.recipe.fields import ApiError
 from libs.recipe.sampling import Sampling
 from libs.recipe.template_format import Prompt
 from libs.runtime.logs import set_request_id
+from libs.runtime.tracing import current_traceparent
 from services.gateway.cache_scope import UNSCOPED, CacheScope, CacheScoping, KeyStyle
 from services.gateway.caller import ANONYMOUS, Caller, caller_of
 from services.gateway.request_stream import RequestStream
@@ -73,17 +75,9 @@ class Admission:
         """Submit the request; ``prediction``: the output the client expects (Predicted Outputs);
         ``caller``: who sent it (its key's priority orders it in the scheduler's queue)."""
         set_request_id(request_id)  # the rest of this HTTP request's log lines are about it
+        trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
         served = self.served
-        # Every API's raw token ids meet the vocabulary here (rendered prompts pass trivially).
-        served.check_token_ids(prompt.token_ids, sampling.base)
-        params = sampling.resolve(served.check_length(len(prompt.token_ids), sampling.max_tokens))
-        if prompt.structured_output is not None:
-            # The grammar decides where the output ends: a finished grammar allows only stop
-            # tokens, which ignore_eos or min_tokens would forbid.
-            for name, value in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
-                if value:
-                    raise ApiError(400, f"'{name}' cannot be combined with a structured output", param=name)
-            params = replace(params, structured_output=prompt.structured_output)
+        params = self._params(prompt, sampling)
         record = StreamRecord(
             request_id=request_id,
             api=api,
@@ -118,11 +112,27 @@ class Admission:
                 prediction_token_ids=prediction_token_ids,
                 priority=caller.priority,
                 tenant_weight=caller.weight,
+                traceparent=current_traceparent(),
             )
         except SubmitRejected as exc:
             status, type_, code = _REJECTED[exc.status]
             raise ApiError(status, str(exc), code=code, type_=type_) from exc
         return Admitted(record, stream)
+
+    def _params(self, prompt: Prompt, sampling: Sampling) -> SamplingParams:
+        """The request's sampling parameters, checked against the model (vocabulary, length)."""
+        served = self.served
+        # Every API's raw token ids meet the vocabulary here (rendered prompts pass trivially).
+        served.check_token_ids(prompt.token_ids, sampling.base)
+        params = sampling.resolve(served.check_length(len(prompt.token_ids), sampling.max_tokens))
+        if prompt.structured_output is not None:
+            # The grammar decides where the output ends: a finished grammar allows only stop
+            # tokens, which ignore_eos or min_tokens would forbid.
+            for name, value in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
+                if value:
+                    raise ApiError(400, f"'{name}' cannot be combined with a structured output", param=name)
+            params = replace(params, structured_output=prompt.structured_output)
+        return params
 
     async def _prediction(self, text: str) -> list[int]:
         """A prediction's tokens, as the model would write that text (special tokens' spellings

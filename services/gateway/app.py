@@ -44,9 +44,6 @@ def build_app(
     gateway_metrics = GatewayMetrics(service, prices, per_tenant=keys is not None)
     server = Server(service, served, retry_after_s, keepalive_s, gateway_metrics.served)
     admission = Admission(service, served, scoping)
-    openai = OpenAIRoutes(server, admission)
-    responses = ResponsesRoutes(server, admission, store)
-    messages = MessagesRoutes(server, admission)
 
     async def health(request: Request) -> Response:
         """Readiness: a live scheduler and worker can serve (from state a watcher keeps current)."""
@@ -72,16 +69,7 @@ def build_app(
             Route("/v1/models", models),
             Route("/metrics", metrics),
             Route("/dashboard", dashboard),
-            Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
-            Route("/v1/chat/completions/{request_id}", openai.resume_chat, methods=["GET"]),
-            Route("/v1/completions", openai.completions, methods=["POST"]),
-            Route("/v1/completions/{request_id}", openai.resume_completion, methods=["GET"]),
-            Route("/v1/responses", responses.create, methods=["POST"]),
-            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
-            Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
-            Route("/v1/messages", messages.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
-            Route("/v1/messages/{request_id}", messages.resume, methods=["GET"]),
+            *api_routes(server, admission, store),
         ],
         # Outermost first: the key check runs inside the metrics, so refusals are counted too.
         middleware=[
@@ -91,3 +79,22 @@ def build_app(
         ],
         exception_handlers={HTTPException: http_error},
     )
+
+
+def api_routes(server: Server, admission: Admission, store: ResponseStore) -> list[Route]:
+    """Every API's generation, resume and retrieval routes."""
+    openai = OpenAIRoutes(server, admission)
+    responses = ResponsesRoutes(server, admission, store)
+    messages = MessagesRoutes(server, admission)
+    return [
+        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+        Route("/v1/chat/completions/{request_id}", openai.resume_chat, methods=["GET"]),
+        Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/completions/{request_id}", openai.resume_completion, methods=["GET"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+        Route("/v1/messages", messages.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/v1/messages/{request_id}", messages.resume, methods=["GET"]),
+    ]

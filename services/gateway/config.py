@@ -142,6 +142,10 @@ class Config(NatsConfig):
         default=10.0, metadata={"help": "on SIGTERM, how long in-flight streams may take to finish"}
     )
     log_level: str = field(default="info", metadata={"help": "logging level"})
+    otel_endpoint: str = field(
+        default="",
+        metadata={"help": "send OpenTelemetry traces over OTLP/HTTP here ('': $OTEL_EXPORTER_OTLP_ENDPOINT)"},
+    )
     log_format: str = field(
         default="text",
         metadata={"help": "log lines as text or json (each with its request id where it has one)"},

@@ -24,6 +24,7 @@ from libs.protocol.subjects import Subjects
 from libs.runtime.logs import setup_logging
 from libs.runtime.process import StopEvent, run_service
 from libs.runtime.settings import build_config, resolve_cache_dir
+from libs.runtime.tracing import otel_endpoint, setup_tracing
 from services.gateway.app import build_app
 from services.gateway.auth import KeyFile
 from services.gateway.cache_scope import CacheScoping
@@ -180,6 +181,7 @@ def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
     setup_logging(config.log_level, "gateway", config.log_format)
+    setup_tracing("gateway", otel_endpoint(config.otel_endpoint))
     # SIGHUP (serve forwards it at once) must not kill a gateway still loading: ignored until
     # serve() installs the reload.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

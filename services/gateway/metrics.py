@@ -1,19 +1,6 @@
-"""The gateway's /metrics: every service's latest KV-cache stats, and what this gateway measures of
-the requests it serves. Exposition is prometheus_client's (one registry per app).
-
-KV-cache stats: schedulers, workers and kvcache services each publish a ``KVCacheStats`` now and
-then on ``stats.<kind>.<id>``. A ``StatsBoard`` keeps the latest per (kind, publisher) and drops a
-publisher silent for ``STALE_AFTER_S`` (it stopped, or lost its connection): its last numbers would
-otherwise be scraped forever as if current. Times come in as ``now`` (monotonic seconds). Every
-counter becomes ``deepinfer_kv_<name>{kind, publisher, label} value``: whether it is a counter or a
-gauge is its publisher's business, so these families are untyped. Derived from the schedulers'
-counters, summed over them:
-
-    deepinfer_kv_hit_rate{tier=T} = sum hit_tokens{label=T} / sum query_tokens
-
-where a scheduler's query tokens for T are its ``query_tokens{label=T}`` if it counts them per tier,
-else its total (label "all", "total" or ""). A tier with no query tokens yet has no rate (not 0,
-not NaN).
+"""The gateway's /metrics: what this gateway measures of the requests it serves, with the fleet's
+KV-cache stats and router decisions (fleet_metrics.py) and the serving economics
+(economics_metrics.py) read at scrape time. Exposition is prometheus_client's (one registry per app).
 
 Requests (``POST`` to a generation route; resumes, retrievals and count_tokens are not requests):
 ``RequestMetrics`` (ASGI middleware) times each from its arrival and counts it by api and outcome
@@ -25,11 +12,11 @@ object is answered; its generation runs on after the request, unmeasured.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
+from opentelemetry.trace import SpanKind
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -39,27 +26,21 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from libs.protocol.kv_messages import KVCacheStats
 from libs.recipe.segments import Usage
+from libs.runtime.tracing import tracer
 from services.gateway.economics import PriceList, TokenLedger
 from services.gateway.economics_metrics import ServedUsage, economics_families
+from services.gateway.fleet_metrics import kv_families, router_families
 
 if TYPE_CHECKING:
-    from services.gateway.routing import RouterFeed
     from services.gateway.service import GatewayService
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series beside each counter
-
-STALE_AFTER_S: Final = 60.0
-KV_PREFIX: Final = "deepinfer_kv_"
-HIT_RATE: Final = KV_PREFIX + "hit_rate"
-TOTAL_LABELS: Final = ("all", "total", "")  # how publishers label a counter not split by tier
-_NOT_IN_NAME: Final = re.compile(r"[^a-zA-Z0-9_]")
 
 # The generation routes, by path (POST only): the ``api`` label.
 API_OF_PATH: Final = {
@@ -83,78 +64,6 @@ E2E_BUCKETS: Final = (
     0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
 )  # fmt: skip
-
-
-class StatsBoard:
-    """The latest KVCacheStats of each live publisher."""
-
-    def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
-        self.stale_after_s = stale_after_s
-        self._latest: dict[tuple[str, str], tuple[float, KVCacheStats]] = {}
-
-    def update(self, stats: KVCacheStats, now: float) -> None:
-        self._latest[(stats.kind, stats.publisher_id)] = (now, stats)
-
-    def current(self, now: float) -> list[KVCacheStats]:
-        """The live publishers' stats, by kind then publisher; the stale ones are forgotten."""
-        for key in [k for k, (seen, _) in self._latest.items() if now - seen > self.stale_after_s]:
-            del self._latest[key]
-        return [stats for _, (_, stats) in sorted(self._latest.items())]
-
-
-def hit_rates(stats: Iterable[KVCacheStats]) -> dict[str, float]:
-    """Tier -> hit tokens / query tokens over every scheduler (tiers with no queries left out).
-    A scheduler with no hits in a tier still counts its queries there: they missed it."""
-    per_scheduler = [
-        (
-            {c.label: c.value for c in one.counters if c.name == "hit_tokens"},
-            {c.label: c.value for c in one.counters if c.name == "query_tokens"},
-        )
-        for one in stats
-        if one.kind == "scheduler"
-    ]
-    tiers = sorted({tier for hits, _ in per_scheduler for tier in hits})
-    rates: dict[str, float] = {}
-    for tier in tiers:
-        hit = sum(hits.get(tier, 0.0) for hits, _ in per_scheduler)
-        query = sum(queries[tier] if tier in queries else _total(queries) for _, queries in per_scheduler)
-        if query > 0:
-            rates[tier] = hit / query
-    return rates
-
-
-def _total(by_label: dict[str, float]) -> float:
-    return next((by_label[label] for label in TOTAL_LABELS if label in by_label), 0.0)
-
-
-def metric_name(name: str) -> str:
-    """A publisher's counter name as a legal metric name part (anything else becomes '_')."""
-    return _NOT_IN_NAME.sub("_", name) or "_"
-
-
-def kv_families(stats: Sequence[KVCacheStats]) -> list[Metric]:
-    """Every counter of ``stats`` (untyped, each family's series in the order first seen; a series
-    given twice keeps its last value, as a scrape with a duplicate fails whole), then the hit rates."""
-    series: dict[str, dict[tuple[str, str, str], float]] = {}
-    for one in stats:
-        for c in one.counters:
-            by_labels = series.setdefault(KV_PREFIX + metric_name(c.name), {})
-            by_labels[(one.kind, one.publisher_id, c.label)] = c.value
-    families: list[Metric] = []
-    doc = "a KV-cache stat as its publishers report it"
-    for name, values in series.items():
-        family = UnknownMetricFamily(name, doc, labels=["kind", "publisher", "label"])
-        for labels, value in values.items():
-            family.add_metric(list(labels), value)
-        families.append(family)
-    rates = hit_rates(stats)
-    if rates:
-        doc = "prompt tokens found cached in a tier / prompt tokens looked up, over every scheduler"
-        hit_rate = GaugeMetricFamily(HIT_RATE, doc, labels=["tier"])
-        for tier, rate in rates.items():
-            hit_rate.add_metric([tier], rate)
-        families.append(hit_rate)
-    return families
 
 
 class GatewayCollector(Collector):
@@ -189,29 +98,6 @@ class GatewayCollector(Collector):
             yield from router_families(self.service.router)
 
 
-def router_families(feed: RouterFeed) -> Iterator[Metric]:
-    """The KV router's decisions: where it sent requests, how much of their prompts it found
-    cached there (their ratio is the hit rate it routed for), and its resyncs."""
-    stats = feed.router.stats
-    routes = CounterMetricFamily(
-        "deepinfer_router_routes", "requests the KV router sent to each worker", labels=["worker_id"]
-    )
-    for worker_id, count in sorted(stats.num_routes.items()):
-        routes.add_metric([worker_id], count)
-    yield routes
-    doc = "over routed requests: prompt blocks their worker held in G1 or G2 when routed"
-    yield CounterMetricFamily("deepinfer_router_cached_blocks", doc, value=stats.num_cached_blocks)
-    doc = "over routed requests: prompt blocks a cache hit could skip"
-    yield CounterMetricFamily("deepinfer_router_prompt_blocks", doc, value=stats.num_prompt_blocks)
-    doc = "requests with no worker to name (none known, live, owned and decoding): any scheduler placed them"
-    yield CounterMetricFamily("deepinfer_router_unrouted", doc, value=stats.num_unrouted)
-    doc = "KV dumps asked of a publisher after a gap in its event stream, by outcome"
-    dumps = CounterMetricFamily("deepinfer_router_dumps", doc, labels=["outcome"])
-    for outcome, count in feed.num_dumps.items():
-        dumps.add_metric([outcome], count)
-    yield dumps
-
-
 class GatewayMetrics:
     """Every metric of one gateway app, on a registry of its own (several apps share a test process)."""
 
@@ -221,6 +107,13 @@ class GatewayMetrics:
         """``per_tenant``: count tokens by tenant (API keys are on: tenants are the keys file's)."""
         self.registry = registry = CollectorRegistry()
         self.ledger = TokenLedger()  # every generation's tokens by kind: the economics' revenue
+        self._latency_metrics(registry)
+        self._token_metrics(registry)
+        registry.register(GatewayCollector(service, self.ledger, prices or PriceList()))
+        self.served = ServedUsage(self.ledger, self.tenant_tokens if per_tenant else None)
+        ProcessCollector(registry=registry)
+
+    def _latency_metrics(self, registry: CollectorRegistry) -> None:
         api = ["api"]
         self.requests = Counter(
             "deepinfer_requests",
@@ -230,12 +123,8 @@ class GatewayMetrics:
             ["api", "outcome"],
             registry=registry,
         )
-        self.in_flight = Gauge(
-            "deepinfer_requests_in_flight",
-            "generation requests whose response is not over",
-            api,
-            registry=registry,
-        )
+        doc = "generation requests whose response is not over"
+        self.in_flight = Gauge("deepinfer_requests_in_flight", doc, api, registry=registry)
         self.time_to_first_token = Histogram(
             "deepinfer_time_to_first_token_seconds",
             "from a request's arrival to its first delta with tokens",
@@ -257,21 +146,15 @@ class GatewayMetrics:
             buckets=E2E_BUCKETS,
             registry=registry,
         )
-        self.prompt_tokens = Counter(
-            "deepinfer_prompt_tokens", "prompt tokens of the generations that ended", api, registry=registry
-        )
-        self.cached_prompt_tokens = Counter(
-            "deepinfer_cached_prompt_tokens",
-            "of those prompt tokens, the ones served from a KV cache",
-            api,
-            registry=registry,
-        )
-        self.generation_tokens = Counter(
-            "deepinfer_generation_tokens",
-            "output tokens of the generations that ended",
-            api,
-            registry=registry,
-        )
+
+    def _token_metrics(self, registry: CollectorRegistry) -> None:
+        api = ["api"]
+        doc = "prompt tokens of the generations that ended"
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", doc, api, registry=registry)
+        doc = "of those prompt tokens, the ones served from a KV cache"
+        self.cached_prompt_tokens = Counter("deepinfer_cached_prompt_tokens", doc, api, registry=registry)
+        doc = "output tokens of the generations that ended"
+        self.generation_tokens = Counter("deepinfer_generation_tokens", doc, api, registry=registry)
         self.tenant_tokens = Counter(
             "deepinfer_tenant_tokens",
             "tokens of the generations that ended, by API-key tenant (with --api-keys-file) and kind: "
@@ -285,9 +168,6 @@ class GatewayMetrics:
             ["tenant"],
             registry=registry,
         )
-        registry.register(GatewayCollector(service, self.ledger, prices or PriceList()))
-        self.served = ServedUsage(self.ledger, self.tenant_tokens if per_tenant else None)
-        ProcessCollector(registry=registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -402,11 +282,15 @@ class RequestMetrics:
         raised: BaseException | None = None
         in_flight = self.metrics.in_flight.labels(api)
         in_flight.inc()
-        try:
-            await self.app(scope, receive, sending)
-        except BaseException as exc:
-            raised = exc
-            raise
-        finally:
-            in_flight.dec()
-            observer.finish(status, raised)
+        # The request's trace (libs/runtime/tracing.py; a no-op span without an exporter)
+        name, attributes = f"POST {scope['path']}", {"deepinfer.api": api}
+        with tracer().start_as_current_span(name, kind=SpanKind.SERVER, attributes=attributes) as span:
+            try:
+                await self.app(scope, receive, sending)
+            except BaseException as exc:
+                raised = exc
+                raise
+            finally:
+                in_flight.dec()
+                observer.finish(status, raised)
+                span.set_attribute("http.response.status_code", status)

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 from libs.bus.base import Bus, Message, NoResponders, RequestTimeout, Subscription
@@ -54,9 +54,9 @@ from libs.protocol.messages import (
 from libs.protocol.stream_messages import ResumeClaim, StreamRecord
 from libs.protocol.subjects import Subjects
 from services.gateway.economics import DeviceClock
+from services.gateway.fleet_metrics import StatsBoard
 from services.gateway.grace import GracePeriods, OnLeave
 from services.gateway.kv_router import KVRouter
-from services.gateway.metrics import StatsBoard
 from services.gateway.migration import Migrations
 from services.gateway.out_numbering import OutNumbering
 from services.gateway.request_stream import Pending, RequestStream
@@ -174,6 +174,7 @@ class GatewayService:
         prediction_token_ids: list[int] | None = None,
         priority: int = 0,
         tenant_weight: float = 1.0,
+        traceparent: str = "",
     ) -> RequestStream:
         """Admit the request (raises SubmitRejected) and return the stream of its deltas.
 
@@ -182,7 +183,7 @@ class GatewayService:
         ``tenant`` and ``retention_class``: whose cached KV it may use, and how long its own is kept.
         ``prediction_token_ids``: the output the client predicts (drafted from; Predicted Outputs).
         ``priority``: its place among waiting requests (lower runs first; the API key's);
-        ``tenant_weight``: its tenant's share of admissions (the key's).
+        ``tenant_weight``: its tenant's share of admissions (the key's); ``traceparent``: its trace.
         """
         req = SubmitRequest(
             request_id,
@@ -195,6 +196,7 @@ class GatewayService:
             tenant_weight=tenant_weight,
             retention_class=retention_class,
             prediction_token_ids=pack_tokens(prediction_token_ids or []),
+            traceparent=traceparent,
         )
         schedulers = functools.partial(self.members.live, MemberKind.SCHEDULER)
         submit = send_submit(
@@ -204,12 +206,27 @@ class GatewayService:
         # Registered before the submit goes out, so no output can arrive before its queue exists.
         pending = Pending(params.n, params.logprobs, submit=req, request_id=request_id, record=record)
         self._pending[request_id] = pending
+        reply = await self._submitted(request_id, submit, record)
+        if reply.status is not SubmitStatus.ACCEPTED:
+            self._pending.pop(request_id, None)
+            raise SubmitRejected(reply.status, reply.message)
+        self._taken(pending, reply)
+        # Only a resumable stream is worth keeping for a while once its client is gone.
+        on_leave: OnLeave = "now" if record is None else "never" if record.background else "grace"
+        pending.on_leave = on_leave
+        return self._stream(request_id, pending, on_leave)
+
+    async def _submitted(
+        self, request_id: str, submit: Awaitable[SubmitReply], record: StreamRecord | None
+    ) -> SubmitReply:
+        """The scheduler's reply to a submit (its record stored meanwhile); a failed submit is
+        unregistered, and one that may have been admitted is cancelled."""
         try:
             if record is None:
-                reply = await submit
-            else:
-                store = self.bus.kv_put(self.subjects.streams_bucket, request_id, encode(record))
-                _, reply = await asyncio.gather(store, submit)
+                return await submit
+            store = self.bus.kv_put(self.subjects.streams_bucket, request_id, encode(record))
+            _, reply = await asyncio.gather(store, submit)
+            return reply
         except NoResponders as exc:
             self._pending.pop(request_id, None)
             raise SubmitRejected(SubmitStatus.NO_WORKERS, "no scheduler is available") from exc
@@ -220,14 +237,6 @@ class GatewayService:
                 why = f"the scheduler did not answer within {self.submit_timeout_s:g} s"
                 raise SubmitRejected(SubmitStatus.NO_WORKERS, why) from exc
             raise
-        if reply.status is not SubmitStatus.ACCEPTED:
-            self._pending.pop(request_id, None)
-            raise SubmitRejected(reply.status, reply.message)
-        self._taken(pending, reply)
-        # Only a resumable stream is worth keeping for a while once its client is gone.
-        on_leave: OnLeave = "now" if record is None else "never" if record.background else "grace"
-        pending.on_leave = on_leave
-        return self._stream(request_id, pending, on_leave)
 
     def _taken(self, pending: Pending, reply: SubmitReply) -> None:
         """A scheduler accepted the request (a submit, or a resubmit after a loss or hand-back)."""

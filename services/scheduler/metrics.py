@@ -25,6 +25,7 @@ gauges are read from the cores at scrape time by ``QueueCollector``:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from libs.protocol.errors import failure_reason
+from libs.runtime.tracing import parent_context, tracer
 
 if TYPE_CHECKING:
     from services.scheduler.sequence import Sequence
@@ -134,11 +136,22 @@ class QueueCollector(Collector):
 
 
 def observe_queue_times(seqs: Mapping[str, Sequence], new_seq_ids: Iterable[str], now: float) -> None:
-    """The queue time of each sequence a plan admits for the first time."""
+    """The queue time of each sequence a plan admits for the first time (``now``: monotonic), in
+    the histogram and, for a traced request's first choice, as its ``scheduler.queue`` span."""
     for seq_id in new_seq_ids:
         seq = seqs.get(seq_id)
         if seq is not None and seq.queued_at:
-            QUEUE_SECONDS.observe(max(0.0, now - seq.queued_at))
+            seconds = max(0.0, now - seq.queued_at)
+            QUEUE_SECONDS.observe(seconds)
+            if seq.traceparent and seq.index == 0:
+                end_ns = time.time_ns()
+                span = tracer().start_span(
+                    "scheduler.queue",
+                    context=parent_context(seq.traceparent),
+                    start_time=end_ns - int(seconds * 1e9),
+                    attributes={"deepinfer.request_id": seq.request_id},
+                )
+                span.end(end_time=end_ns)
             seq.queued_at = 0.0
 
 

@@ -114,6 +114,7 @@ class Placement:
             handoff=worker_id != decode_id,
             prediction_token_ids=unpack_tokens(req.prediction_token_ids),
             queued_at=time.monotonic(),  # its queue time ends at its first admission (metrics)
+            traceparent=req.traceparent,
         )
         if req.request_id in self.fleet.table:
             return self._again(req)

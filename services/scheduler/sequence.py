@@ -39,6 +39,7 @@ class Sequence:
     index: int = 0  # the choice
     arrival: int = 0  # admission order, the FCFS tie-break
     queued_at: float = 0.0  # when it was queued (monotonic, set by its placer); 0 once first admitted
+    traceparent: str = ""  # the request's trace (libs/runtime/tracing.py): its spans' parent
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -103,6 +104,7 @@ class Sequence:
             retention_class=self.retention_class,
             request_id=self.request_id,
             queued_at=self.queued_at,
+            traceparent=self.traceparent,
             index=index,
             num_stored_blocks=self.num_stored_blocks,
             prediction_token_ids=self.prediction_token_ids,

@@ -37,6 +37,7 @@ from libs.protocol.member_messages import MemberInfo, MemberKind, WorkerLoad
 from libs.protocol.messages import CancelRequest, PauseRequest, SubmitReply, SubmitRequest, SubmitStatus
 from libs.protocol.subjects import QUEUE_SCHEDULERS, Subjects
 from libs.runtime.logs import request_scope, set_request_id
+from libs.runtime.tracing import parent_context, tracer
 from services.scheduler import metrics
 from services.scheduler.config import Config
 from services.scheduler.device_events import DeviceEvents
@@ -137,10 +138,15 @@ class SchedulerService:
 
     async def _answer_submit(self, msg: Message, req: SubmitRequest) -> None:
         set_request_id(req.request_id)  # this task's log lines are about this request
-        try:
-            await self.bus.respond(msg, encode(await self.admit(req)))
-        except Exception:  # one failed submit must not take the service's TaskGroup down with it
-            log.exception("submit %s failed", req.request_id)
+        attributes = {"deepinfer.request_id": req.request_id}
+        parent = parent_context(req.traceparent)
+        with tracer().start_as_current_span("scheduler.place", context=parent, attributes=attributes) as span:
+            try:
+                reply = await self.admit(req)
+                span.set_attribute("deepinfer.submit_status", reply.status.name.lower())
+                await self.bus.respond(msg, encode(reply))
+            except Exception:  # one failed submit must not take the service's TaskGroup down with it
+                log.exception("submit %s failed", req.request_id)
 
     async def admit(self, req: SubmitRequest) -> SubmitReply:
         return await self.placement.admit(req)

@@ -37,7 +37,7 @@ SUFFIXES = {
     "summary": ("_sum", "_count"),
 }
 # Families named at run time: the KV-cache stats the publishers send (``deepinfer_kv_<stat>``).
-DYNAMIC = {("services/gateway/metrics.py", "UnknownMetricFamily")}
+DYNAMIC = {("services/gateway/fleet_metrics.py", "UnknownMetricFamily")}
 
 
 def _strings(scope: ast.AST) -> dict[str, str]:

@@ -14,7 +14,8 @@ from prometheus_client.registry import Collector
 from starlette.requests import ClientDisconnect
 
 from libs.protocol.kv_messages import KVCacheStats, TierCounter
-from services.gateway.metrics import StatsBoard, hit_rates, kv_families, metric_name, outcome
+from services.gateway.fleet_metrics import StatsBoard, hit_rates, kv_families, metric_name
+from services.gateway.metrics import outcome
 
 
 def stats(kind: str, publisher: str, *counters: tuple[str, str, float]) -> KVCacheStats:
