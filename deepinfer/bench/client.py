@@ -82,31 +82,56 @@ async def stream_chat(
         end = time.perf_counter()
         return StreamOutcome(num_tokens, ttft, error, usage, start, tuple(times), end, "".join(parts))
 
-    try:
-        async with http.stream("POST", "/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                return outcome(f"HTTP {resp.status_code}: {text[:300]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                now = time.perf_counter()
-                if on_event is not None:
-                    on_event(event, now)
-                if "error" in event:
-                    return outcome(f"error event in stream: {json.dumps(event['error'])[:300]}")
-                deltas = [c.get("delta") or {} for c in event.get("choices") or ()]
-                content = "".join(d.get("content") or "" for d in deltas)
-                if content or any(d.get(key) for d in deltas for key in REASONING_KEYS):
-                    times.append(now)
-                parts.append(content)
-                usage = event.get("usage") or usage
-    except httpx.HTTPError as exc:
-        return outcome(f"{type(exc).__name__}: {exc}")
+    for attempt in range(2):
+        answered = False
+        try:
+            async with http.stream("POST", "/chat/completions", json=body) as resp:
+                answered = True
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    return outcome(f"HTTP {resp.status_code}: {text[:300]}")
+                usage, error = await _read_events(resp, on_event, times, parts)
+                if error is not None:
+                    return outcome(error)
+        except httpx.RemoteProtocolError as exc:
+            # A kept-alive connection the server had closed (llama-server closes idle ones): the
+            # request never reached it, and is sent once more on a fresh connection.
+            if attempt == 0 and not answered:
+                continue
+            return outcome(f"{type(exc).__name__}: {exc}")
+        except httpx.HTTPError as exc:
+            return outcome(f"{type(exc).__name__}: {exc}")
+        break
     if usage is None and require_usage:
         return outcome("stream ended without a usage chunk")
     return outcome(None)
+
+
+async def _read_events(
+    resp: httpx.Response,
+    on_event: Callable[[dict[str, Any], float], None] | None,
+    times: list[float],
+    parts: list[str],
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Read a chat stream's events: each token event's time into ``times``, its text into
+    ``parts``; returns the usage chunk (None: none came) and the error event's text (None)."""
+    usage: dict[str, Any] | None = None
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[6:])
+        now = time.perf_counter()
+        if on_event is not None:
+            on_event(event, now)
+        if "error" in event:
+            return usage, f"error event in stream: {json.dumps(event['error'])[:300]}"
+        deltas = [c.get("delta") or {} for c in event.get("choices") or ()]
+        content = "".join(d.get("content") or "" for d in deltas)
+        if content or any(d.get(key) for d in deltas for key in REASONING_KEYS):
+            times.append(now)
+        parts.append(content)
+        usage = event.get("usage") or usage
+    return usage, None
 
 
 def open_client(base_url: str, api_key: str = "", timeout_s: float = 600.0) -> httpx.AsyncClient:
