@@ -53,7 +53,7 @@ def test_revenue_per_device_hour_and_margin() -> None:
 
 def test_the_readmes_worked_example() -> None:
     """DeepSeek's figures: a cluster serving 155T tokens a day, $38 of revenue per device-hour at
-    list price. Assumed (the seed does not say): the token mix of DeepSeek's published day of
+    list price. Assumed (those figures do not say): the token mix of DeepSeek's published day of
     V3/R1 serving, 608B input tokens of which 56.3% cache hits, and 168B output tokens."""
     tokens_per_day = 155e12
     num_input, num_output = tokens_per_day * 608 / 776, tokens_per_day * 168 / 776
@@ -64,4 +64,4 @@ def test_the_readmes_worked_example() -> None:
     assert per_day == pytest.approx(29.34e6, rel=1e-3)  # $14.86M + $0.38M + $14.09M
     devices = per_day / (38.0 * 24)  # the devices that revenue implies at $38 / device-hour
     assert devices == pytest.approx(32_170, rel=1e-3)
-    assert gross_margin(38.0, 7.0) == pytest.approx(0.816, abs=0.001)  # the seed's ~82% at $7 / hour
+    assert gross_margin(38.0, 7.0) == pytest.approx(0.816, abs=0.001)  # DeepSeek's ~82% at $7 / hour
