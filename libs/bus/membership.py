@@ -175,6 +175,12 @@ class MembershipView:
             return None
         return seen.info
 
+    def silent(self, kind: MemberKind, member_id: str) -> bool:
+        """Whether the current view holds the member but its heartbeat has stopped (or it is no
+        longer ready): about to be judged dead. A member not in the view yet is not silent."""
+        seen = self._seen.get(member_key(MemberInfo(kind, member_id)))
+        return seen is not None and self.current and not self._alive(seen)
+
     def live(
         self, kind: MemberKind, confirmed: bool = False, silence_s: float | None = None
     ) -> list[MemberInfo]:

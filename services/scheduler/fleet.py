@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from libs.protocol.messages import FinishReason, Handback
@@ -144,15 +145,16 @@ class Fleet:
         for request_id in self.table.requests_on(worker_id):
             if request_id in self.in_transit:
                 continue  # already leaving
-            target = self._pick_target(core._unfinished(request_id), exclude=worker_id)
+            target = self._pick_target(core._unfinished(request_id), exclude={worker_id})
             if target is not None:
                 self._attach(detach(core, request_id), core, target, False, moves)
                 self.table.move(request_id, target)
                 self.num_drain_moves += 1
         return moves
 
-    def lose_worker(self, worker_id: str, loss: WorkerLoss) -> Moves:
-        """The worker is gone: its core is dropped and its requests move or fail (see the module)."""
+    def lose_worker(self, worker_id: str, loss: WorkerLoss, avoid: Collection[str] = ()) -> Moves:
+        """The worker is gone: its core is dropped and its requests move or fail (see the module).
+        ``avoid``: workers not to move them to (their heartbeat stopped: they are next to go)."""
         core = self.cores.pop(worker_id)
         self.roles.pop(worker_id, None)
         self.draining.discard(worker_id)
@@ -172,7 +174,7 @@ class Fleet:
             if loss is WorkerLoss.CRASHED and request_id in in_batch:
                 entry.num_crashes += 1
             why = self._why_not_move(entry, loss)
-            target = None if why else self._pick_target(request_seqs, exclude=worker_id)
+            target = None if why else self._pick_target(request_seqs, exclude={worker_id, *avoid})
             if target is None:
                 if not why and loss is not WorkerLoss.UNREACHABLE:
                     handback = Handback(entry.num_migrations, entry.num_crashes)
@@ -212,7 +214,7 @@ class Fleet:
         seqs, source = self.in_transit.pop(request_id)
         entry = self.table.get(request_id)
         assert entry is not None
-        target = self._pick_target(seqs, exclude=entry.worker_id)
+        target = self._pick_target(seqs, exclude={entry.worker_id})
         if target is None:
             self._fail(seqs, "no decode worker to hand it to", moves, source)
             return moves
@@ -232,14 +234,14 @@ class Fleet:
             return f"the migration limit ({self.migration_limit} moves) is reached"
         return ""
 
-    def _pick_target(self, seqs: list[Sequence], exclude: str) -> str | None:
+    def _pick_target(self, seqs: list[Sequence], exclude: Collection[str]) -> str | None:
         """The best worker for a request by the submit's rule: cached prefix against load."""
         head = seqs[0]
         tokens = head.token_ids(0, head.num_tokens)
         chains: dict[tuple[int, str], list[bytes]] = {}  # workers that hash alike share one chain
         states = []
         for worker_id, core in self.cores.items():
-            if worker_id == exclude or worker_id in self.draining or not self.decodes(worker_id):
+            if worker_id in exclude or worker_id in self.draining or not self.decodes(worker_id):
                 continue
             kind = (core.limits.block_size, core.kv_tiers.model_fingerprint)
             if kind not in chains:

@@ -311,7 +311,10 @@ class SchedulerService:
             handle.task.cancel()
         if handle.load.draining and loss is WorkerLoss.CRASHED:
             loss = WorkerLoss.LEFT  # it left with what could not move in its drain timeout
-        moves = self.fleet.lose_worker(worker_id, loss)
+        # Not onto a worker whose heartbeat stopped too (a crash can find another one SIGSTOPped,
+        # or stalled, that the next check of the members drops with what it was just given).
+        avoid = [w for w in self.workers if self.members.silent(MemberKind.WORKER, w)]
+        moves = self.fleet.lose_worker(worker_id, loss, avoid)
         self.kv.retire(handle.core)
         self._wake_targets(moves)
         if moves.moved:

@@ -61,10 +61,10 @@ class FleetSim:
         self.fleet.finished(driver.finished)  # as the service's publish tells the table
         driver.finished.clear()
 
-    def lose(self, worker_id: str, loss: WorkerLoss) -> Moves:
-        """The worker is gone, its plans in flight with it."""
+    def lose(self, worker_id: str, loss: WorkerLoss, avoid: tuple[str, ...] = ()) -> Moves:
+        """The worker is gone, its plans in flight with it; ``avoid``: workers gone silent too."""
         del self.drivers[worker_id]
-        moves = self.fleet.lose_worker(worker_id, loss)
+        moves = self.fleet.lose_worker(worker_id, loss, avoid)
         self.failed.update((seq.seq_id, why) for seq, why in moves.failed)
         return moves
 

@@ -54,6 +54,19 @@ def test_a_crashed_workers_requests_move_and_finish_as_if_undisturbed() -> None:
     assert len(sim.fleet.table) == 0
 
 
+def test_a_lost_workers_requests_do_not_move_to_a_worker_gone_silent() -> None:
+    sim = FleetSim()
+    w0, silent, w2 = sim.join(), sim.join(), sim.join(num_blocks=8)  # the silent one is the roomier
+    sim.submit(make_seq("r", [5, 6, 7, 8, 9]), w0)
+    steps(sim, w0, 2)
+    assert set(sim.lose(w0, WorkerLoss.CRASHED, avoid=(silent,)).moved) == {w2}
+    sim.fleet.check_integrity()
+    del sim.drivers[silent]  # its own loss, next, moves nothing it was just given
+    assert not sim.fleet.lose_worker(silent, WorkerLoss.CRASHED).moved
+    sim.run()
+    assert sim.outputs == {"r": want([5, 6, 7, 8, 9])}
+
+
 def test_a_request_moved_migration_limit_times_fails_at_the_next_loss() -> None:
     sim = FleetSim(migration_limit=2)
     worker = sim.join()
