@@ -26,7 +26,7 @@ from kernels import best_per_call  # bench/kernels.py: alternating rounds, the b
 from libs.kernels.moe import routed_experts
 from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.modelfiles.llama_config import LlamaConfig
-from libs.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
+from libs.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, RoutedExperts
 from libs.models.layers import GatedMLP
 from libs.models.llama import LlamaForCausalLM
 from libs.models.tiny_deepseek import random_deepseek, tiny_config_json
@@ -151,6 +151,7 @@ def bench_routing(size: str, rounds: int, round_s: float) -> None:
     moe = model.layers[config.first_k_dense_replace].mlp
     assert isinstance(moe, DeepseekV3MoE)
     gate, experts = moe.gate, moe.experts
+    assert isinstance(experts, RoutedExperts)
     shared = GatedMLP(config.hidden_size, config.moe_intermediate_size, torch.float32, None)
     experts_of = f"{config.n_routed_experts} experts, top-{config.num_experts_per_tok}"
     print(f"\n## MoE cost per token, size {size}: {experts_of}")

@@ -44,18 +44,25 @@ def grouped_topk(
     return weights * routed_scaling_factor, ids
 
 
-def routed_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+def routed_experts(
+    x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, first_expert: int = 0
+) -> Tensor:
     """sum_k weights[t, k] * Expert_{ids[t, k]}(x[t]), each expert down(silu(gate x) * up x).
 
     x: [num_tokens, hidden]; weights: [num_tokens, top_k] (fp32); ids: [num_tokens, top_k];
     gate_up: [num_experts, 2 * intermediate, hidden] (rows [gate | up]); down: [num_experts,
     hidden, intermediate]. Returns [num_tokens, hidden] in x.dtype. Tokens are grouped by expert
     (one sort), so each expert that any token chose runs once, on its tokens only.
+    ``first_expert``: gate_up / down hold experts first_expert .. first_expert + num_experts - 1
+    (an expert-parallel rank's share); a pair that chose another expert adds nothing here.
     """
     num_tokens, top_k = ids.shape
-    flat_ids = ids.flatten()
+    num_experts = gate_up.shape[0]
+    flat_ids = ids.flatten() - first_expert
+    # Another rank's experts sort last, past every local one, and are never visited.
+    flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= num_experts), num_experts)
     order = flat_ids.argsort(stable=True)  # the (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
     token_of = order // top_k
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0

@@ -130,7 +130,7 @@ class DeepseekV3MoE(nn.Module):
     def __init__(self, config: DeepseekV3Config, dtype: torch.dtype, device: torch.device | None) -> None:
         super().__init__()
         self.gate = TopkRouter(config, device)
-        self.experts = RoutedExperts(config, dtype, device)
+        self.experts: nn.Module = RoutedExperts(config, dtype, device)  # (sharding may swap in LocalExperts)
         self.shared_experts: GatedMLP | None = None
         if config.n_shared_experts:
             shared = config.moe_intermediate_size * config.n_shared_experts

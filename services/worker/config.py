@@ -41,6 +41,27 @@ class Config(NatsConfig):
         },
     )
     max_num_seqs: int = field(default=32, metadata={"help": "sequences decoded together"})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks (processes, one device each) that one model is sharded over with "
+            "torch.distributed (gloo on CPU, NCCL on CUDA); this process is rank 0, the others start "
+            "here (and with --nnodes, on the other nodes)"
+        },
+    )
+    expert_parallel: bool = field(
+        default=False,
+        metadata={"help": "MoE models: whole routed experts per rank instead of a slice of every expert"},
+    )
+    nnodes: int = field(default=1, metadata={"help": "nodes the ranks are spread over (equally)"})
+    node_rank: int = field(
+        default=0,
+        metadata={"help": "this node's index: 0 runs rank 0 (the worker the bus sees), others only ranks"},
+    )
+    dist_init_addr: str = field(
+        default="",
+        metadata={"help": "host:port where rank 0 listens for the other ranks ('': a free loopback port)"},
+    )
     speculative_method: str = field(
         default="none",
         metadata={
@@ -184,6 +205,23 @@ class Config(NatsConfig):
         if not self.host_cache_gb >= 0:
             raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         self.retention_policy()  # errors name the key
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        size, nodes = self.tensor_parallel_size, self.nnodes
+        if size < 1 or nodes < 1 or size % nodes or not 0 <= self.node_rank < nodes:
+            raise ValueError(
+                f"tensor_parallel_size {size} over nnodes {nodes} (node_rank {self.node_rank}):"
+                " need size >= 1, a whole number of ranks per node, 0 <= node_rank < nnodes"
+            )
+        if nodes > 1 and not re.fullmatch(r"[^\s:]+:\d+", self.dist_init_addr):
+            raise ValueError("nnodes > 1 needs dist_init_addr host:port (where rank 0 listens)")
+        if size > 1 and self.speculative_method == "mtp":
+            raise ValueError("speculative_method mtp is not implemented with tensor_parallel_size > 1")
+        if size > 1 and self.deterministic:
+            raise ValueError(
+                "deterministic is not checked with tensor_parallel_size > 1 (its probe runs one rank)"
+            )
 
     def retention_policy(self) -> RetentionPolicy:
         return policy_from_config(self.retention_classes, self.default_retention_class)

@@ -27,7 +27,7 @@ from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.attention import AttentionFn, MLAAttentionFn
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import Int8Linear, int8_block_weights
-from services.worker.kv_cache import KVCache, StepAttention, StepMLAAttention
+from services.worker.kv_cache import KVBlocks, KVCache, StepAttention, StepMLAAttention
 
 
 class CausalLM(Protocol):
@@ -36,6 +36,21 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class Executor(Protocol):
+    """What the step driver runs forwards on: a ForwardExecutor, or a tensor-parallel worker's
+    rank 0 (ParallelExecutor)."""
+
+    device: torch.device
+
+    @property
+    def kv_cache(self) -> KVBlocks: ...
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None: ...
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True, slots=True)

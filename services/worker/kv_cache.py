@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -16,6 +17,24 @@ from libs.kvstore.kv_spec import KVSpec
 
 def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+class KVBlocks(Protocol):
+    """Whole KV pages by block id, as the tiers and handoffs move them: a KVCache, or a
+    tensor-parallel worker's view of every rank's pages."""
+
+    kv_spec: KVSpec  # the whole model's (every rank's heads)
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]: ...
+
+    def gather_blocks(self, block_ids: Sequence[int]) -> Tensor: ...
+
+    def scatter_blocks(self, block_ids: Sequence[int], payload: Tensor) -> None: ...
 
 
 class KVCache:

@@ -81,17 +81,23 @@ class _QueuedWrite:
     cls: RetentionClass  # raised under the store's lock by a later save asking for a stronger one
 
 
-def kv_fingerprint(model_path: Path, weights: str, dtype: torch.dtype, kv_spec: KVSpec) -> str:
+def kv_fingerprint(
+    model_path: Path, weights: str, dtype: torch.dtype, kv_spec: KVSpec, rank_layout: str = ""
+) -> str:
     """The identity of the KV a model computes, folded into every block hash and G3 path:
     ``<model stem>-<16 hex>`` over the model's content fingerprint, the weight format (int8 / int4
-    weights change the KV too), the KV dtype and spec. Stable across restarts and machines. An MHA
-    spec hashes as the layouts before MLA did (no kind), so the blocks stored then are still read."""
+    weights change the KV too), the KV dtype and spec, and the rank layout of a tensor-parallel
+    worker (RankLayout.describe: '' for one rank). Stable across restarts and machines. An MHA
+    spec hashes as the layouts before MLA did (no kind), so the blocks stored then are still read.
+    Different layouts never share blocks: their KV is rounded differently (an all-reduce sums the
+    ranks' parts in its own order)."""
     shape = dataclasses.astuple(kv_spec)
     parts = (
         model_fingerprint(model_path),
         weights,
         str(dtype),
         *(shape[1:] if kv_spec.kind == MHA else shape),
+        *((rank_layout,) if rank_layout else ()),
     )
     digest = hashlib.sha256("|".join(map(str, parts)).encode())
     stem = _UNSAFE.sub("-", model_path.name.split(".")[0]).strip("._-")[:100] or "model"

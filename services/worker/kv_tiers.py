@@ -38,7 +38,7 @@ from libs.protocol.kv_messages import (
 )
 from libs.protocol.messages import SchedulerOutput
 from services.worker.host_cache import HostCache
-from services.worker.kv_cache import KVCache
+from services.worker.kv_cache import KVBlocks
 from services.worker.kv_store import KVStore, StoredBlock
 
 _STORE_OFF = "store off"  # failed-load label: not in G2, and no G3 to ask
@@ -102,7 +102,7 @@ class KVTiers:
 
     # --- saves ------------------------------------------------------------------------------
 
-    def save(self, kv_cache: KVCache, save: KVSave) -> None:
+    def save(self, kv_cache: KVBlocks, save: KVSave) -> None:
         """Copy the blocks to G2 (those not there yet) and queue their G3 writes (the store skips
         what is queued or on disk already). Runs before the step's forward: a block freed by this
         plan may be overwritten by it."""
@@ -170,7 +170,7 @@ class KVTiers:
             host = self.host
             self.store.prefetch(h for h in block_hashes if host is None or h not in host)
 
-    def load(self, kv_cache: KVCache, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> LoadResult:
+    def load(self, kv_cache: KVBlocks, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> LoadResult:
         """Fill pages ``block_ids[i]`` with block ``block_hashes[i]``, in order, up to the first one
         neither G2 nor G3 can give soundly; the caller recomputes from there."""
         host_rows: list[int] = []

@@ -17,7 +17,7 @@ from libs.protocol.codec import unpack_tokens
 from libs.protocol.kv_messages import HASH_NUM_BYTES, KVLoad, split_hashes
 from libs.protocol.messages import SchedulerOutput
 from services.worker.handoff_area import HandoffArea
-from services.worker.kv_cache import KVCache
+from services.worker.kv_cache import KVBlocks
 from services.worker.kv_tiers import KVTiers, LoadResult
 from services.worker.row_isolation import PlanError, without_blocks
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class KVTransfer:
-    def __init__(self, kv_cache: KVCache, kv_tiers: KVTiers | None, handoff: HandoffArea | None) -> None:
+    def __init__(self, kv_cache: KVBlocks, kv_tiers: KVTiers | None, handoff: HandoffArea | None) -> None:
         self.kv_cache = kv_cache
         self.kv_tiers = kv_tiers  # None: no G2 / G3; a plan's loads are all recomputed
         self.handoff = handoff  # None: partial saves are skipped, partial loads recomputed

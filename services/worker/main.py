@@ -22,6 +22,7 @@ from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
 from libs.models.quant import quantize_model
+from libs.models.sharding import Shard, parallelize, shard_model
 from libs.protocol.member_messages import StepSample
 from libs.recipe.grammar_markup import grammar_vocab_of
 from libs.recipe.tokenizer import Tokenizer
@@ -31,7 +32,7 @@ from libs.runtime.process import run_service
 from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
 from services.worker import determinism, metrics
 from services.worker.config import Config
-from services.worker.forward_executor import ModelShape
+from services.worker.forward_executor import ForwardExecutor, ModelShape
 from services.worker.grammar_compilers import DEFAULT_BACKEND, Grammars
 from services.worker.handoff_area import HANDOFF_DIR_NAME, HandoffArea
 from services.worker.host_cache import HostCache
@@ -40,6 +41,7 @@ from services.worker.kv_store import KVStore, dtype_name, kv_fingerprint
 from services.worker.kv_tiers import KVTiers
 from services.worker.model_runner import ModelRunner
 from services.worker.mtp_drafter import MTPDrafter
+from services.worker.parallel_executor import ParallelExecutor, shard_shape, start_rank_group
 from services.worker.service import WorkerService
 from services.worker.step_profile import profile_steps
 from services.worker.warmup import warm_up
@@ -107,12 +109,27 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
 def load_model(
-    path: Path, cache_dir: Path, fmt: str, device: torch.device = CPU, with_mtp: bool = False
+    path: Path,
+    cache_dir: Path,
+    fmt: str,
+    device: torch.device = CPU,
+    with_mtp: bool = False,
+    shard: Shard | None = None,
 ) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
     """The model in weight format ``fmt`` (a --dtype value) on ``device``; activations in
     ``resolve_dtype(fmt, device)``. Found by architecture; one this worker cannot run is refused,
     naming the file and field. ``with_mtp``: with its MTP module, to draft with (DeepSeek-V3
-    family); otherwise that stays on disk (V3's is 11.5B parameters)."""
+    family); otherwise that stays on disk (V3's is 11.5B parameters). ``shard``: this rank's
+    part of a tensor-parallel model (each rank reads the whole file, then keeps its part)."""
+    model = _load_whole(path, cache_dir, fmt, device, with_mtp, shard)
+    if shard is not None:
+        parallelize(model, shard.tp)
+    return model
+
+
+def _load_whole(
+    path: Path, cache_dir: Path, fmt: str, device: torch.device, with_mtp: bool, shard: Shard | None
+) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
     dtype = resolve_dtype(fmt, device)
     architecture = model_architecture(path)
     if path.is_dir():
@@ -123,18 +140,26 @@ def load_model(
             )
         if fmt in ("int8", "int4"):
             raise ValueError(f"--dtype {fmt}: weight-only int8/int4 is implemented for llama only")
-        return load_deepseek_v3(path, dtype, device, with_mtp=with_mtp)
+        deepseek = load_deepseek_v3(path, dtype, device, with_mtp=with_mtp)
+        if shard is not None:
+            shard_model(deepseek, shard)
+        return deepseek
     if with_mtp:
         raise ValueError(f"{path}: --speculative-method mtp needs a DeepSeek-V3-family checkpoint")
     if architecture != "llama":
         raise ValueError(f"{path}: general.architecture {architecture!r} is not supported (llama)")
-    return load_llama_model(path, cache_dir, fmt, device)
+    return load_llama_model(path, cache_dir, fmt, device, shard)
 
 
-def load_llama_model(path: Path, cache_dir: Path, fmt: str, device: torch.device = CPU) -> LlamaForCausalLM:
-    """A llama GGUF in weight format ``fmt`` on ``device``."""
+def load_llama_model(
+    path: Path, cache_dir: Path, fmt: str, device: torch.device = CPU, shard: Shard | None = None
+) -> LlamaForCausalLM:
+    """A llama GGUF in weight format ``fmt`` on ``device`` (``shard``: this rank's part, quantized
+    after it is cut, before its collectives are installed)."""
     dtype = resolve_dtype(fmt, device)
     model = load_llama(path, cache_dir, dtype=dtype, device=device)
+    if shard is not None:
+        shard_model(model, shard)
     if fmt in ("int8", "int4"):
         quantize_model(model, fmt)  # weight-only: projections and LM head stay packed
         log.info("weights quantized to %s (activations %s)", fmt, dtype)
@@ -206,7 +231,8 @@ class Worker:
 
 
 def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker:
-    """Load the model, size the KV pool and the KV tiers, and (``profile``) time a few steps."""
+    """Load the model (this rank's shard of it, with --tensor-parallel-size; the other ranks start
+    here), size the KV pool and the KV tiers, and (``profile``) time a few steps."""
     path = resolve_model_path(config.model)
     device = resolve_device(config.device)
     if device.type == "cpu":  # built (or loaded from the cache) now, before the worker announces itself
@@ -216,7 +242,9 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     dtype = resolve_dtype(fmt, device)
     if fmt == "int8" and dtype == torch.float32 and cpu_ext.ops() is None:
         log.warning("--dtype int8 with fp32 activations and no CPU kernels: its matmuls dequantize, slowly")
-    model = load_model(path, Path(cache_dir), fmt, device, with_mtp)
+    group = start_rank_group(config, cache_dir, path, fmt) if config.tensor_parallel_size > 1 else None
+    shard = Shard(group.tp, config.expert_parallel) if group is not None else None
+    model = load_model(path, Path(cache_dir), fmt, device, with_mtp, shard)
     if config.deterministic:
         check_deterministic(model, device, dtype, config.speculative_method)
     num_positions = model.config.max_position_embeddings
@@ -226,20 +254,17 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
             "--max-model-len %d: the model has %d positions; using that", config.max_model_len, num_positions
         )
     shape = ModelShape.of(model.config)
-    kv_bytes_per_token = shape.kv_spec.bytes_per_token(element_size(dtype))
-    drafter_bytes_per_token = 0  # the MTP module's latent pages share the block ids
-    if with_mtp:
-        drafter_bytes_per_token = kv_bytes_per_token // shape.kv_spec.num_layers
-    pool_bytes = int(config.kv_cache_gb * 2**30)
-    num_blocks = pool_bytes // ((kv_bytes_per_token + drafter_bytes_per_token) * config.block_size)
+    # Rank 0 holds the most KV heads of any rank (split_evenly): its pages set the pool's size.
+    local_shape = shard_shape(shape, model.config, shard) if shard is not None else shape
+    num_blocks = kv_pool_blocks(config, local_shape.kv_spec, dtype, with_mtp)
     log.info(
-        "model %s (%s KV, %d B/token) dtype=%s, %d KV blocks of %d tokens",
+        "model %s (%s KV) dtype=%s, %d KV blocks of %d tokens%s",
         path.name,
         shape.kv_spec.kind,
-        kv_bytes_per_token,
         dtype,
         num_blocks,
         config.block_size,
+        f", tensor parallel over {config.tensor_parallel_size} ranks" if shard is not None else "",
     )
     grammars = Grammars(
         grammar_vocab(path, Path(cache_dir), model.config.vocab_size), limits=config.grammar_limits()
@@ -248,7 +273,8 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     # other one starts on its first request. Neither importing: a broken install, no start.
     grammars.warm(resolve_backend(DEFAULT_BACKEND))
     weights = fmt if fmt in ("int8", "int4") else dtype_name(dtype)
-    fingerprint = kv_fingerprint(path, weights, dtype, shape.kv_spec)
+    layout = shard.layout(model.config).describe() if shard is not None else ""
+    fingerprint = kv_fingerprint(path, weights, dtype, shape.kv_spec, layout)
     kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.kv_spec, dtype)
     handoff = build_handoff_area(config, cache_dir, fingerprint, shape.kv_spec, dtype)
     drafter = None
@@ -256,6 +282,19 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
         assert isinstance(model, DeepseekV3ForCausalLM)  # load_model refused anything else
         drafter = MTPDrafter(model, num_blocks, config.block_size, dtype, device)
         log.info("drafting with the model's MTP module (its own latent pages, same block ids)")
+    executor = None
+    if group is not None and shard is not None:
+        local = ForwardExecutor(
+            model,
+            local_shape,
+            num_blocks,
+            config.block_size,
+            dtype,
+            device,
+            fuse_blocks=False,
+            one_thread_max_tokens=config.one_thread_max_tokens if device.type == "cpu" else 0,
+        )
+        executor = group.executor(local, shape.kv_spec, shard.layout(model.config))
     runner = ModelRunner(
         model,
         shape,
@@ -269,11 +308,22 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
         drafter=drafter,
         batch_invariant=config.deterministic,
         one_thread_max_tokens=config.one_thread_max_tokens if device.type == "cpu" else 0,
+        executor=executor,
     )
     # Before the worker announces itself: its owner's speculative policy starts from these
     # times. (The warm-up runs later, on the thread that will run the forwards: serve.)
     step_profile = profile_steps(runner, config.max_num_seqs) if profile else ()
     return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint, step_profile)
+
+
+def kv_pool_blocks(config: Config, kv_spec: KVSpec, dtype: torch.dtype, with_mtp: bool) -> int:
+    """KV pages of ``block_size`` tokens in ``kv_cache_gb`` (per rank), the MTP module's included."""
+    kv_bytes_per_token = kv_spec.bytes_per_token(element_size(dtype))
+    drafter_bytes_per_token = 0  # the MTP module's latent pages share the block ids
+    if with_mtp:
+        drafter_bytes_per_token = kv_bytes_per_token // kv_spec.num_layers
+    pool_bytes = int(config.kv_cache_gb * 2**30)
+    return pool_bytes // ((kv_bytes_per_token + drafter_bytes_per_token) * config.block_size)
 
 
 def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]:
@@ -316,12 +366,19 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         if worker.runner.transfer.handoff is not None:
             await asyncio.to_thread(worker.runner.transfer.handoff.close)
         worker.runner.grammars.close()  # kills the grammar compiler processes
+        if isinstance(worker.runner.executor, ParallelExecutor):
+            worker.runner.executor.stop()  # the other ranks exit
 
 
 def main(args: argparse.Namespace) -> None:
     config = build_config(Config, args, os.environ)
     cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
     setup_logging(config.log_level, "worker", config.log_format)
+    if config.node_rank > 0:  # only ranks here: rank 0, the worker the bus sees, is on node 0
+        from services.worker.rank import follow_node  # (imports this module)
+
+        follow_node(config)
+        return
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     run_service(lambda stop: serve(config, cache_dir, stop), config.watchdog_s, config.max_step_s)

@@ -36,12 +36,12 @@ from libs.protocol.codec import pack_tokens, unpack_tokens
 from libs.protocol.kv_messages import KVLoad
 from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, SchedulerOutput
 from services.worker.forward_executor import CausalLM as CausalLM  # re-exported: callers import it here
-from services.worker.forward_executor import ForwardBatch, ForwardExecutor
+from services.worker.forward_executor import Executor, ForwardBatch, ForwardExecutor
 from services.worker.forward_executor import ModelShape as ModelShape  # re-exported
 from services.worker.grammar import SequenceGrammar
 from services.worker.grammar_compilers import Grammars
 from services.worker.handoff_area import HandoffArea
-from services.worker.kv_cache import KVCache
+from services.worker.kv_cache import KVBlocks
 from services.worker.kv_tiers import KVTiers, LoadResult
 from services.worker.kv_transfer import KVTransfer
 from services.worker.mask_job import MaskJob, MaskResult
@@ -75,8 +75,11 @@ class ModelRunner:
         drafter: MTPDrafter | None = None,
         batch_invariant: bool = False,
         one_thread_max_tokens: int = 0,
+        executor: Executor | None = None,
     ) -> None:
-        self.executor = ForwardExecutor(
+        """``executor``: runs the forwards instead of a ForwardExecutor built here from the model
+        (a tensor-parallel worker's ParallelExecutor)."""
+        self.executor: Executor = executor or ForwardExecutor(
             model,
             shape,
             num_blocks,
@@ -104,7 +107,7 @@ class ModelRunner:
         self.transfer = KVTransfer(self.kv_cache, kv_tiers, handoff)
 
     @property
-    def kv_cache(self) -> KVCache:
+    def kv_cache(self) -> KVBlocks:
         return self.executor.kv_cache
 
     @property

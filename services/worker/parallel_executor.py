@@ -1,0 +1,216 @@
+"""Rank 0's forward executor for a tensor-parallel worker: each forward and each KV move is first
+told to the other ranks, then done here on rank 0's shard, so every rank runs the same
+collectives in the same order.
+
+The step driver (ModelRunner) sees the same executor as with one rank: ``forward`` gives the
+whole vocabulary's logits (the LM head gathers them here), and ``kv_cache`` moves whole pages,
+every rank's heads (``ShardedKVCache``), so G2, G3 and P/D handoffs hold the layout of one rank.
+
+Failure is the worker's: a forward that raises here may have left the other ranks inside a
+collective this rank never reached, and the next forward's collectives would then pair with the
+wrong ones. So the worker exits (``leave``) rather than rerun rows, as it does when a rank dies,
+and its sequences move to other workers as a dead worker's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from libs.kvstore.kv_spec import KVSpec
+from libs.modelfiles.deepseek_config import DeepseekV3Config
+from libs.modelfiles.llama_config import LlamaConfig
+from libs.models.parallel import TPGroup
+from libs.models.sharding import RankLayout, Shard
+from services.worker.config import Config
+from services.worker.forward_executor import ForwardBatch, ForwardExecutor, ModelShape
+from services.worker.kv_cache import KVCache, element_size
+from services.worker.parallel_group import (
+    Allocate,
+    GatherBlocks,
+    RankChannel,
+    RankSetup,
+    ScatterBlocks,
+    Stop,
+    free_address,
+    gather_kv,
+    join_group,
+    scatter_kv,
+    spawn_ranks,
+)
+
+log = logging.getLogger(__name__)
+
+RANK_LOST_EXIT_CODE = 71  # the worker left because its group broke (a rank died or a forward raised)
+
+
+def leave(reason: str) -> None:
+    """Exit the worker now: its ranks are out of step, so nothing more can run (no cleanup: a
+    drain would run forwards). Local ranks die with it (PR_SET_PDEATHSIG)."""
+    log.critical("tensor-parallel group broken (%s): the worker exits; its sequences move elsewhere", reason)
+    logging.shutdown()
+    os._exit(RANK_LOST_EXIT_CODE)
+
+
+class ShardedKVCache:
+    """Rank 0's view of every rank's pages: a block moves whole (every rank's heads)."""
+
+    def __init__(
+        self, local: KVCache, full_spec: KVSpec, channel: RankChannel, tp: TPGroup, layout: RankLayout
+    ) -> None:
+        self.local = local
+        self.kv_spec = full_spec
+        self.channel = channel
+        self.tp = tp
+        self.layout = layout
+        self.num_blocks = local.num_blocks
+        self.block_size = local.block_size
+        self.dtype = local.dtype
+        self.device = local.device
+        # What every rank's pages cost per token together (MLA: each rank caches the whole latent).
+        copies = tp.size if local.kv_spec == full_spec else 1
+        self.bytes_per_token = full_spec.bytes_per_token(element_size(local.dtype)) * copies
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return self.kv_spec.block_shape(self.block_size)
+
+    def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        if self.local.kv_spec != self.kv_spec:  # split heads: every rank sends its own
+            self._send(GatherBlocks(tuple(block_ids)))
+        return gather_kv(self.tp, self.layout, self.local, block_ids)
+
+    def scatter_blocks(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
+        if payload.shape != (len(block_ids), *self.block_shape) or payload.dtype != self.dtype:
+            raise ValueError(f"payload {tuple(payload.shape)} {payload.dtype} does not fit these pages")
+        self._send(ScatterBlocks(tuple(block_ids)))
+        scatter_kv(self.tp, self.layout, self.local, block_ids, payload)
+
+    def _send(self, command: GatherBlocks | ScatterBlocks) -> None:
+        try:
+            self.channel.send(command)
+        except Exception as e:
+            leave(f"a command could not reach the other ranks: {e}")
+
+
+class ParallelExecutor:
+    """The ForwardExecutor of rank 0 (``local``, over rank 0's shard) that first tells every
+    other rank to run the same forward."""
+
+    def __init__(
+        self,
+        local: ForwardExecutor,
+        full_spec: KVSpec,
+        channel: RankChannel,
+        tp: TPGroup,
+        layout: RankLayout,
+        ranks: Sequence[subprocess.Popen[bytes]] = (),
+    ) -> None:
+        self.local = local
+        self.device = local.device
+        self.channel = channel
+        self.kv_cache = ShardedKVCache(local.kv_cache, full_spec, channel, tp, layout)
+        self._stopping = False
+        self._ranks = list(ranks)
+        for rank, proc in enumerate(ranks, start=1):  # a local rank that exits takes the worker down
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"rank-{rank}").start()
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None:
+        return self.local.last_hidden
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        try:
+            self.channel.send(batch)
+            return self.local.forward(batch)
+        except Exception as e:
+            log.exception("forward failed on rank 0")
+            leave(f"a forward raised on rank 0: {e}")
+            raise  # (not reached)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Tell the other ranks to exit, wait for this node's, and leave the group (the worker is
+        stopping; a later group in this process starts afresh)."""
+        self._stopping = True
+        try:
+            self.channel.send(Stop())
+        except Exception:
+            log.warning("the other ranks could not be told to stop (this node's are killed)")
+        for proc in self._ranks:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        dist.destroy_process_group()
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        if not self._stopping:
+            leave(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+
+
+def shard_shape(shape: ModelShape, config: LlamaConfig | DeepseekV3Config, shard: Shard) -> ModelShape:
+    """The model's shape as rank ``shard.tp.rank`` holds it: its query heads and its KV."""
+    layout, rank = shard.layout(config), shard.tp.rank
+    return dataclasses.replace(
+        shape, num_heads=layout.num_heads(config, rank), kv_spec=layout.kv_spec(shape.kv_spec, rank)
+    )
+
+
+def threads_per_rank(config: Config) -> int:
+    """--num-threads, or this process's CPUs shared out among the node's ranks."""
+    ranks_per_node = config.tensor_parallel_size // config.nnodes
+    return config.num_threads or max(1, len(os.sched_getaffinity(0)) // ranks_per_node)
+
+
+@dataclass(frozen=True, slots=True)
+class RankGroup:
+    """Rank 0's end of a started group: the other ranks are loading what ``RankSetup`` said."""
+
+    tp: TPGroup
+    channel: RankChannel
+    procs: list[subprocess.Popen[bytes]]  # this node's other ranks
+
+    def executor(self, local: ForwardExecutor, full_spec: KVSpec, layout: RankLayout) -> ParallelExecutor:
+        """Tell every rank the pool's size, and drive them through ``local``."""
+        self.channel.send(Allocate(local.kv_cache.num_blocks))
+        return ParallelExecutor(local, full_spec, self.channel, self.tp, layout, self.procs)
+
+
+def start_rank_group(config: Config, cache_dir: str, path: Path, fmt: str) -> RankGroup:
+    """Start this node's ranks 1..k-1 (other nodes start theirs: ``--node-rank``), join them as
+    rank 0, and tell every rank what to load."""
+    world = config.tensor_parallel_size
+    address = config.dist_init_addr or free_address()
+    ranks_per_node = world // config.nnodes
+    procs = spawn_ranks(address, range(1, ranks_per_node), world, config, first_local_rank=1)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = threads_per_rank(config)
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    tp, channel = join_group(address, 0, world, device.type, config.max_step_s)
+    setup = RankSetup(
+        model_path=str(path),
+        cache_dir=cache_dir,
+        fmt=fmt,
+        expert_parallel=config.expert_parallel,
+        cpu_kernels=config.cpu_kernels,
+        num_threads=threads,
+        block_size=config.block_size,
+        one_thread_max_tokens=config.one_thread_max_tokens,
+    )
+    channel.send(setup)
+    log.info("tensor parallel: %d ranks met at %s (%d on this node)", world, address, ranks_per_node)
+    return RankGroup(tp, channel, procs)
