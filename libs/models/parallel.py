@@ -34,11 +34,14 @@ class TPGroup:
         self.rank = rank
         self.size = size
         self.group = group
+        # Bytes this rank handed to each kind of collective, for bench/parallel.py.
+        self.num_bytes = {"all_reduce": 0, "gather": 0}
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """The sum over ranks of ``x`` (in place), on every rank."""
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
+            self.num_bytes["all_reduce"] += x.numel() * x.element_size()
         return x
 
     def gather_columns(self, x: Tensor, widths: Sequence[int]) -> Tensor:
@@ -51,6 +54,7 @@ class TPGroup:
         padded = padded.contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(padded, parts, dst=0, group=self.group)
+        self.num_bytes["gather"] += padded.numel() * padded.element_size()
         if parts is None:
             return x
         return torch.cat([part[:, :w] for part, w in zip(parts, widths, strict=True)], dim=1)

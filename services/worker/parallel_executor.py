@@ -118,6 +118,7 @@ class ParallelExecutor:
         self.local = local
         self.device = local.device
         self.channel = channel
+        self.tp = tp
         self.kv_cache = ShardedKVCache(local.kv_cache, full_spec, channel, tp, layout)
         self._stopping = False
         self._ranks = list(ranks)

@@ -7,6 +7,9 @@ heads and 8 experts, uneven)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from services.worker.config import Config
 from services.worker.forward_executor import ForwardBatch
 from services.worker.main import Worker, build_worker
 from services.worker.parallel_executor import ParallelExecutor
+from services.worker.parallel_group import free_address
 
 ATOL = 1e-4  # an all-reduce adds the ranks' parts in another order than one rank's matmul
 
@@ -181,3 +185,21 @@ def test_deepseek_ranks_equal_one(
 def test_config_refuses(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Config(**fields)  # type: ignore[arg-type]
+
+
+def test_ranks_on_two_nodes(smollm2_tp1, cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 started on its own, as on a second node (``deepinfer worker --node-rank 1``), joins
+    rank 0 at ``--dist-init-addr``; it runs until rank 0 stops the group, then exits cleanly."""
+    address = free_address()
+    argv = [sys.executable, "-m", "deepinfer", "worker", "--tensor-parallel-size", "2", "--nnodes", "2"]
+    argv += ["--node-rank", "1", "--dist-init-addr", address]
+    node1 = subprocess.Popen(argv)
+    try:
+        config = dataclasses.replace(_config("smollm2", 2), nnodes=2, dist_init_addr=address)
+        with running(config, cache_dir) as worker:
+            executor = worker.runner.executor
+            assert isinstance(executor, ParallelExecutor) and not executor._ranks  # none started here
+            _assert_close(smollm2_tp1[0], _run(worker))
+        assert node1.wait(30) == 0
+    finally:
+        node1.kill()
