@@ -1,5 +1,6 @@
 """Tensor parallelism's cost on this machine: a step's time with one rank and with two (the
-worker's own executor: rank 0 in this process, rank 1 a process of its own, over gloo), and the
+worker's own executor: rank 0 in this process, rank 1 a process of its own), the two ranks'
+all-reduces through shared memory (the default on one CPU node) and through gloo alone, and the
 bytes each collective moves per step.
 
     python bench/parallel.py                                  # SmolLM2: fp32 and int8
@@ -7,9 +8,9 @@ bytes each collective moves per step.
     python bench/parallel.py --quick    # smoke run (tests/unit/worker/test_bench_parallel.py)
 
 Two CPU cores cannot show a speed-up. One rank runs its products on both cores; two ranks get a
-core each, so a step computes the same on the same cores, and every layer adds two all-reduces
-over loopback TCP (gloo), the LM head a gather of the logits, and each step a command broadcast.
-What the numbers show is that overhead, and the bytes behind it: per decode token, two
+core each, so a step computes the same on the same cores, and adds per layer two all-reduces of
+the hidden states, per step a command broadcast and a gather of the logits (both over gloo).
+What the numbers show is that overhead, and the bytes behind it: for a decode token, two
 all-reduces of one hidden vector per layer, which NVLink moves in microseconds.
 """
 
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
+from libs.models import shm_all_reduce
 from libs.runtime.settings import resolve_cache_dir
 from services.worker.config import Config
 from services.worker.forward_executor import ForwardBatch
@@ -31,6 +33,7 @@ from services.worker.main import Worker, build_worker
 from services.worker.parallel_executor import ParallelExecutor
 
 CONTEXT = 256  # tokens each decode row attends over
+SUPPORTED = shm_all_reduce.supported
 
 
 @contextmanager
@@ -46,6 +49,7 @@ def worker(model: str, dtype: str, tp: int, expert_parallel: bool, cache_dir: st
     )
     threads = torch.get_num_threads()
     built = build_worker(config, cache_dir, profile=False)
+    built.runner.grammars.wait_warm()  # compiler processes still warming take the cores from a step
     try:
         yield built
     finally:
@@ -100,6 +104,21 @@ def time_steps(
     return out
 
 
+def measure(
+    args: argparse.Namespace, dtype: str, cache_dir: str
+) -> dict[str, dict[str, tuple[float, dict[str, float]]]]:
+    """Per setting (one rank; two with the shared-memory all-reduce; two with gloo's alone): per step."""
+    rows, prefill, repeat = ([1], 32, 2) if args.quick else ([1, 8, 32], 512, args.repeat)
+    results = {}
+    for label, tp, shm in (("tp1", 1, False), ("tp2", 2, True), ("tp2-gloo", 2, False)):
+        # Rank 0 decides for its group whether the shared-memory path is used.
+        shm_all_reduce.supported = (lambda: True) if shm else (lambda: False)  # type: ignore[assignment]
+        with worker(args.model, dtype, tp, args.expert_parallel, cache_dir) as built:
+            results[label] = time_steps(built, steps(built.runner.block_size, rows, prefill), repeat)
+    shm_all_reduce.supported = SUPPORTED  # type: ignore[assignment]
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -108,24 +127,23 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a smoke run: fp32, two steps, 2 repeats")
     args = parser.parse_args()
+    if not SUPPORTED():
+        raise SystemExit("the shared-memory all-reduce needs x86-64 and /dev/shm")
     cache_dir = str(resolve_cache_dir("", {}))
-    dtypes = ["float32"] if args.quick else args.dtypes.split(",")
-    rows, prefill, repeat = ([1], 32, 2) if args.quick else ([1, 8, 32], 512, args.repeat)
     print(f"# step time, 1 rank vs 2 ranks ({args.model}; {torch.get_num_threads()} CPU threads in all)")
     print(
-        f"{'format':>8} {'step':>12} {'TP=1 ms':>9} {'TP=2 ms':>9} {'TP2/TP1':>8} "
-        f"{'all-reduce KiB':>15} {'gather KiB':>11} {'command B':>10}"
+        f"{'format':>8} {'step':>12} {'TP=1 ms':>8} {'TP=2 ms':>8} {'TP2/TP1':>8} {'gloo ms':>8}"
+        f" {'gloo/TP1':>9} {'all-reduce KiB':>15} {'gather KiB':>11} {'command B':>10}"
     )
-    for dtype in dtypes:
-        results = {}
-        for tp in (1, 2):
-            with worker(args.model, dtype, tp, args.expert_parallel, cache_dir) as built:
-                results[tp] = time_steps(built, steps(built.runner.block_size, rows, prefill), repeat)
-        for name, (one, _) in results[1].items():
-            two, moved = results[2][name]
+    for dtype in ["float32"] if args.quick else args.dtypes.split(","):
+        results = measure(args, dtype, cache_dir)
+        for name, (one, _) in results["tp1"].items():
+            two, moved = results["tp2"][name]
+            gloo, _ = results["tp2-gloo"][name]
             print(
-                f"{dtype:>8} {name:>12} {one * 1e3:9.1f} {two * 1e3:9.1f} {two / one:8.2f} "
-                f"{moved['all_reduce'] / 1024:15.1f} {moved['gather'] / 1024:11.1f} {moved['command']:10.0f}"
+                f"{dtype:>8} {name:>12} {one * 1e3:8.1f} {two * 1e3:8.1f} {two / one:8.2f} {gloo * 1e3:8.1f}"
+                f" {gloo / one:9.2f} {moved['all_reduce'] / 1024:15.1f} {moved['gather'] / 1024:11.1f}"
+                f" {moved['command']:10.0f}"
             )
 
 

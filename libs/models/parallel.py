@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from libs.kernels.linear import linear
+from libs.models.shm_all_reduce import ShmAllReduce
 
 
 class TPGroup:
@@ -36,12 +37,18 @@ class TPGroup:
         self.group = group
         # Bytes this rank handed to each kind of collective, for bench/parallel.py.
         self.num_bytes = {"all_reduce": 0, "gather": 0}
+        # Ranks on one CPU node: all-reduces that fit go through shared memory (shm_all_reduce.py).
+        self.shm: ShmAllReduce | None = None
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """The sum over ranks of ``x`` (in place), on every rank."""
-        if self.size > 1:
+        if self.size == 1:
+            return x
+        if self.shm is not None and self.shm.fits(x):
+            self.shm(x)
+        else:
             dist.all_reduce(x, group=self.group)
-            self.num_bytes["all_reduce"] += x.numel() * x.element_size()
+        self.num_bytes["all_reduce"] += x.numel() * x.element_size()
         return x
 
     def gather_columns(self, x: Tensor, widths: Sequence[int]) -> Tensor:

@@ -19,6 +19,7 @@ import logging
 import os
 import subprocess
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from libs.kvstore.kv_spec import KVSpec
 from libs.modelfiles.deepseek_config import DeepseekV3Config
 from libs.modelfiles.llama_config import LlamaConfig
+from libs.models import shm_all_reduce
 from libs.models.parallel import TPGroup
 from libs.models.sharding import RankLayout, Shard
 from services.worker.config import Config
@@ -44,6 +46,7 @@ from services.worker.parallel_group import (
     free_address,
     gather_kv,
     join_group,
+    open_shm,
     scatter_kv,
     spawn_ranks,
 )
@@ -202,6 +205,10 @@ def start_rank_group(config: Config, cache_dir: str, path: Path, fmt: str) -> Ra
     if device.type == "cpu":
         torch.set_num_threads(threads)
     tp, channel = join_group(address, 0, world, device.type, config.max_step_s)
+    shm = device.type == "cpu" and config.nnodes == 1 and shm_all_reduce.supported()
+    shm_name = f"deepinfer-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if shm else ""
+    if shm:
+        shm_all_reduce.create_segment(shm_name, world)
     setup = RankSetup(
         model_path=str(path),
         cache_dir=cache_dir,
@@ -211,7 +218,12 @@ def start_rank_group(config: Config, cache_dir: str, path: Path, fmt: str) -> Ra
         num_threads=threads,
         block_size=config.block_size,
         one_thread_max_tokens=config.one_thread_max_tokens,
+        shm_name=shm_name,
     )
     channel.send(setup)
+    if shm:  # every rank has it open after the barrier: the name can go (no file outlives the group)
+        open_shm(tp, shm_name, config.max_step_s)
+        channel.barrier()
+        (shm_all_reduce.SHM_DIR / shm_name).unlink()
     log.info("tensor parallel: %d ranks met at %s (%d on this node)", world, address, ranks_per_node)
     return RankGroup(tp, channel, procs)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from libs.kvstore.kv_spec import MHA
 from libs.models.parallel import TPGroup
 from libs.models.sharding import RankLayout
+from libs.models.shm_all_reduce import SHM_DIR, ShmAllReduce
 from libs.runtime.children import child_setup
 from services.worker.config import Config
 from services.worker.forward_executor import ForwardBatch
@@ -50,6 +51,7 @@ class RankSetup:
     num_threads: int  # per rank
     block_size: int
     one_thread_max_tokens: int
+    shm_name: str  # the shared-memory all-reduce's segment under /dev/shm ('': gloo's only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,9 @@ class RankChannel:
     def send(self, command: Command) -> None:
         dist.broadcast_object_list([command], src=0, group=self.control)
 
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
+
     def receive(self) -> Command:
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
@@ -106,6 +111,11 @@ def join_group(
     )
     control = dist.new_group(backend="gloo", timeout=NO_TIMEOUT)
     return TPGroup(rank, world_size, dist.group.WORLD), RankChannel(control)
+
+
+def open_shm(tp: TPGroup, name: str, timeout_s: float) -> None:
+    """Route ``tp``'s all-reduces that fit through the segment ``name`` (made by rank 0)."""
+    tp.shm = ShmAllReduce(SHM_DIR / name, tp.rank, tp.size, timeout_s)
 
 
 def free_address() -> str:

@@ -33,6 +33,7 @@ from services.worker.parallel_group import (
     Stop,
     gather_kv,
     join_group,
+    open_shm,
     scatter_kv,
     spawn_ranks,
 )
@@ -55,6 +56,9 @@ def follow(address: str, rank: int, world_size: int, device: torch.device, timeo
     tp, channel = join_group(address, rank, world_size, device.type, timeout_s)
     setup = channel.receive()
     assert isinstance(setup, RankSetup), f"expected the setup first, got {type(setup).__name__}"
+    if setup.shm_name:
+        open_shm(tp, setup.shm_name, timeout_s)
+        channel.barrier()
     if device.type == "cpu":
         cpu_ext.configure(setup.cpu_kernels, Path(setup.cache_dir) / "kernels")
         torch.set_num_threads(setup.num_threads)
