@@ -62,7 +62,7 @@ from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.spec_policy import VerifyPolicy
 from services.scheduler.worker_scheduler import Limits
-from services.worker.main import load_llama_model, resolve_dtype, resolve_format
+from services.worker.model_loading import load_llama_model, resolve_dtype, resolve_format
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.step_profile import profile_steps
 

@@ -47,7 +47,7 @@ from libs.models.quant import Int4Linear, Int8Linear, quantize_model
 from libs.recipe.chat_template import render_chat
 from libs.recipe.tokenizer import Tokenizer
 from libs.runtime.settings import resolve_cache_dir
-from services.worker.main import load_llama_model
+from services.worker.model_loading import load_llama_model
 
 # label -> the worker's --dtype; int8's activations are what the worker runs it with here (fp32
 # on a CPU without bf16 math), int8/bf16 is the other choice, bf16 activations.

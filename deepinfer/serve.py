@@ -335,6 +335,10 @@ def main(args: argparse.Namespace) -> None:
     check_security(configs["gateway"], nats_url)
     setup_logging(config.log_level, "serve", config.log_format)
     roles = config.worker_roles(configs["worker"].role)
+    if len(roles) > 1 and configs["worker"].dist_init_addr:
+        raise ValueError(
+            "dist_init_addr names one tensor-parallel group's address: give it to one worker only"
+        )
     handoff = shared_memory_handoff(configs["worker"], roles)
     if handoff is not None:
         configs["worker"] = dataclasses.replace(configs["worker"], handoff_dir=handoff.name)

@@ -8,6 +8,7 @@ new scheduler knows no sequences, so neither may pass for the process it replace
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -22,7 +23,6 @@ from prometheus_client import CollectorRegistry, Counter
 
 from deepinfer.restart_policy import RestartPolicy
 from libs.bus.nats_server import EmbeddedNatsServer
-from libs.runtime.children import child_setup
 from libs.runtime.settings import secret_env, to_argv
 
 log = logging.getLogger("deepinfer.serve")
@@ -36,6 +36,18 @@ RESTARTS = Counter(
     ["service"],
     registry=REGISTRY,
 )
+
+
+def _child_setup() -> None:
+    """In a service child before exec: SIGKILL from the kernel when serve goes away (Linux), and
+    Ctrl-C ignored until the service's event loop takes SIGINT over: a Ctrl-C that lands while it
+    is still importing must not become a KeyboardInterrupt traceback (serve stops it with SIGTERM)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: a clean stop still ends every child
 
 
 def renamed(config: object, incarnation: int) -> object:
@@ -75,7 +87,7 @@ class ServiceChild:
 
     def start(self) -> None:
         argv = to_argv(renamed(self.config, self.incarnation))
-        preexec = child_setup if sys.platform.startswith("linux") else None
+        preexec = _child_setup if sys.platform.startswith("linux") else None
         env = {**os.environ, **secret_env(self.config)}  # secrets stay out of the argv ps shows
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deepinfer", self.command, *argv], preexec_fn=preexec, env=env

@@ -119,14 +119,14 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class TiedHead(nn.Module):
-    """The LM head that reads the embedding table (a tied head)."""
+    """The LM head that reads the embedding table (a tied head); moves with it."""
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
-        self.weight = weight
+        self.embedding = embedding
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return linear(hidden, self.weight)
+        return linear(hidden, self.embedding.weight)
 
 
 class VocabParallelHead(nn.Module):

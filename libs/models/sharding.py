@@ -12,7 +12,8 @@ data-parallel attention instead). kv_b (per head) and o are split by head. MoE l
 every expert by intermediate channel (tensor parallel), or whole experts over ranks
 (``expert_parallel``): every rank routes every token (the router is replicated and its input is
 the same everywhere), runs the pairs that chose its own experts, and the all-reduce that ends the
-block combines them; the shared expert is replicated and added by rank 0 alone.
+block combines them; there the shared expert is replicated and added by rank 0 alone (tensor
+parallel, it is split like a dense MLP).
 
 Both: the embedding and the LM head split the vocabulary. The norms and the rotary table are
 replicated. ``model.config`` stays the whole model's; the attention modules' head counts become
@@ -246,6 +247,6 @@ def parallelize(model: Model, tp: TPGroup) -> None:
         # The decoder layer calls these as it calls the unsharded parts (same arguments).
         layer.self_attn = RowParallel(layer.self_attn, tp)  # type: ignore[assignment]
         layer.mlp = RowParallel(layer.mlp, tp)
-    head = model.lm_head if model.lm_head is not None else TiedHead(model.embed_tokens.weight)
+    head = model.lm_head if model.lm_head is not None else TiedHead(model.embed_tokens)
     widths = [len(r) for r in split_evenly(model.config.vocab_size, tp.size)]
     model.lm_head = VocabParallelHead(head, widths, tp)

@@ -13,8 +13,10 @@ The segment (a file in /dev/shm, mapped by every rank) holds, per rank, an ``arr
 Correct where stores become visible in program order (x86-64's total store order): the data's
 stores before the flag's, the flag's loads before the data's. A copy may use non-temporal stores,
 which that order does not cover, so a locked instruction (a lock's acquire) fences the data
-before the flag is set. ``supported()`` says where this holds; elsewhere the group keeps gloo. A rank that does not arrive within ``timeout_s`` fails the
-call (RuntimeError), as a collective's timeout does.
+before the flag is set; a copy torch splits over OpenMP threads ends at the team's barrier, where
+each thread's own locked instruction fences its stores. ``supported()`` says where this holds;
+elsewhere the group keeps gloo. A rank that does not arrive within ``timeout_s`` fails the call
+(RuntimeError), as a collective's timeout does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from torch import Tensor
 SHM_DIR = Path("/dev/shm")
 MAX_BYTES = 8 << 20  # per slot: a step's hidden up to 2048 tokens x 1024 fp32 (larger ones take gloo)
 _FLAG_BYTES = 8
+SPIN_YIELDS = 2000  # checks before sleeping, each ~2 us: most waits end within them
+SLEEP_S = 50e-6
 
 
 def supported() -> bool:
@@ -43,10 +47,18 @@ def segment_bytes(size: int, max_bytes: int = MAX_BYTES) -> int:
 
 
 def create_segment(name: str, size: int, max_bytes: int = MAX_BYTES) -> Path:
-    """The zeroed file of a ``size``-rank segment (rank 0 makes it before the others open it)."""
+    """The zeroed file of a ``size``-rank segment (rank 0 makes it before the others open it),
+    its pages reserved now: a /dev/shm too small for it (a container's default 64 MB) is an
+    OSError here, not a SIGBUS in the middle of a forward."""
     path = SHM_DIR / name
-    with path.open("xb") as f:
-        f.truncate(segment_bytes(size, max_bytes))
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, segment_bytes(size, max_bytes))
+    except OSError:
+        path.unlink()
+        raise
+    finally:
+        os.close(fd)
     return path
 
 
@@ -92,8 +104,13 @@ class ShmAllReduce:
         return x
 
     def _wait(self, flags: Tensor, seq: int, what: str) -> None:
-        if int(flags.min()) >= seq:
-            return
+        """Until every rank's ``flags`` reach ``seq``: yields first (the others are usually a few
+        microseconds behind), then short sleeps, so a rank waiting out another's layer does not
+        spin beside it."""
+        for _ in range(SPIN_YIELDS):
+            if int(flags.min()) >= seq:
+                return
+            os.sched_yield()
         deadline = time.monotonic() + self.timeout_s
         while int(flags.min()) < seq:
             if time.monotonic() > deadline:
@@ -101,4 +118,4 @@ class ShmAllReduce:
                 raise RuntimeError(
                     f"shared-memory all-reduce: ranks {late} did not {what} in {self.timeout_s:.0f} s"
                 )
-            os.sched_yield()  # a core shared with the rank being waited for
+            time.sleep(SLEEP_S)

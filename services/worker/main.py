@@ -16,13 +16,10 @@ from libs.grammar import resolve_backend
 from libs.kernels import cpu_ext
 from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.kv_spec import KVSpec
-from libs.modelfiles.registry import model_architecture, resolve_model_path
-from libs.models.deepseek_loader import load_deepseek_v3
+from libs.modelfiles.registry import resolve_model_path
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
-from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
-from libs.models.quant import quantize_model
-from libs.models.sharding import Shard, parallelize, shard_model
+from libs.models.sharding import Shard
 from libs.protocol.member_messages import StepSample
 from libs.recipe.grammar_markup import grammar_vocab_of
 from libs.recipe.tokenizer import Tokenizer
@@ -32,138 +29,24 @@ from libs.runtime.process import run_service
 from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
 from services.worker import determinism, metrics
 from services.worker.config import Config
-from services.worker.forward_executor import ForwardExecutor, ModelShape
+from services.worker.forward_executor import ModelShape
 from services.worker.grammar_compilers import DEFAULT_BACKEND, Grammars
 from services.worker.handoff_area import HANDOFF_DIR_NAME, HandoffArea
 from services.worker.host_cache import HostCache
 from services.worker.kv_cache import element_size
 from services.worker.kv_store import KVStore, dtype_name, kv_fingerprint
 from services.worker.kv_tiers import KVTiers
+from services.worker.model_loading import load_model, resolve_device, resolve_dtype, resolve_format
 from services.worker.model_runner import ModelRunner
 from services.worker.mtp_drafter import MTPDrafter
-from services.worker.parallel_executor import ParallelExecutor, shard_shape, start_rank_group
+from services.worker.parallel_executor import ParallelExecutor, start_ranks
+from services.worker.parallel_group import shard_executor, shard_shape
+from services.worker.rank import follow_node
 from services.worker.service import WorkerService
 from services.worker.step_profile import profile_steps
 from services.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
-CPU = torch.device("cpu")
-
-
-def resolve_device(name: str) -> torch.device:
-    """The worker's device, refused at start when this torch cannot use it (naming what is missing)."""
-    if name.startswith("npu"):
-        try:
-            import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (registers the npu device)
-        except ImportError:
-            raise ValueError(f"--device {name}: needs torch_npu (Ascend), which is not installed") from None
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this torch sees no CUDA device (torch {torch.__version__})")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device = CPU) -> torch.dtype:
-    """The activation and KV dtype. auto: bf16 on an accelerator, and on a CPU with native bf16 math
-    (AVX-512 BF16 / AMX), else fp32. int8 weights run with the same activations as auto (fp32 ones
-    through the CPU extension's kernel); int4 weights with bf16 (torch's int4 kernel wants them).
-    Both are CPU kernels."""
-    if name in ("int8", "int4") and device.type != "cpu":
-        raise ValueError(f"--dtype {name}: weight-only int8/int4 are CPU kernels; use bfloat16 on {device}")
-    if name == "auto":
-        bf16_math = device.type != "cpu" or torch.cpu._is_avx512_bf16_supported()
-        return torch.bfloat16 if bf16_math else torch.float32
-    if name == "int8":
-        # fp32 int8 needs the extension's kernel: without it, torch's bf16 one is the faster route
-        return torch.float32 if cpu_ext.ops() is not None else torch.bfloat16
-    if name == "int4":
-        return torch.bfloat16
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-
-
-def resolve_format(
-    name: str, device: torch.device = CPU, dense_only: bool = False, deterministic: bool = False
-) -> str:
-    """The weight format ``--dtype name`` loads: auto is int8 (with fp32 activations) on a CPU
-    where the CPU kernels are built. Decode at a few rows reads every weight once a step, and int8
-    halves bf16's bytes: at one row it decodes 3.7x as fast as fp32 on an AVX2 CPU and 1.7x as
-    fast as bf16 on an AVX-512 BF16 one, and agrees with fp32's top-1 wherever fp32's top-2 margin
-    is >= 0.5, as bf16 does (bench/weight_formats.py, bench/vs_llama_server.py). Elsewhere, and for
-    models the int8 layers do not cover (``dense_only``: DeepSeek checkpoints, MTP drafting), auto
-    is the activation dtype; with ``deterministic``, bf16 (batch invariance holds there only:
-    determinism.py)."""
-    if name != "auto":
-        return name
-    if deterministic:
-        return "bfloat16"
-    if device.type == "cpu" and not dense_only and cpu_ext.ops() is not None:
-        return "int8"
-    return dtype_name(resolve_dtype("auto", device))
-
-
-# HF config.json architectures served from a checkpoint directory (GGUF files: llama).
-# (V3.2 is the same model plus a sparse-attention indexer, which is not implemented here.)
-DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-
-
-def load_model(
-    path: Path,
-    cache_dir: Path,
-    fmt: str,
-    device: torch.device = CPU,
-    with_mtp: bool = False,
-    shard: Shard | None = None,
-) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
-    """The model in weight format ``fmt`` (a --dtype value) on ``device``; activations in
-    ``resolve_dtype(fmt, device)``. Found by architecture; one this worker cannot run is refused,
-    naming the file and field. ``with_mtp``: with its MTP module, to draft with (DeepSeek-V3
-    family); otherwise that stays on disk (V3's is 11.5B parameters). ``shard``: this rank's
-    part of a tensor-parallel model (each rank reads the whole file, then keeps its part)."""
-    model = _load_whole(path, cache_dir, fmt, device, with_mtp, shard)
-    if shard is not None:
-        parallelize(model, shard.tp)
-    return model
-
-
-def _load_whole(
-    path: Path, cache_dir: Path, fmt: str, device: torch.device, with_mtp: bool, shard: Shard | None
-) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
-    dtype = resolve_dtype(fmt, device)
-    architecture = model_architecture(path)
-    if path.is_dir():
-        if architecture not in DEEPSEEK_ARCHITECTURES:
-            raise ValueError(
-                f"{path / 'config.json'}: architectures {architecture!r} is not served from a checkpoint "
-                f"directory (supported: {', '.join(DEEPSEEK_ARCHITECTURES)}; llama as GGUF)"
-            )
-        if fmt in ("int8", "int4"):
-            raise ValueError(f"--dtype {fmt}: weight-only int8/int4 is implemented for llama only")
-        deepseek = load_deepseek_v3(path, dtype, device, with_mtp=with_mtp)
-        if shard is not None:
-            shard_model(deepseek, shard)
-        return deepseek
-    if with_mtp:
-        raise ValueError(f"{path}: --speculative-method mtp needs a DeepSeek-V3-family checkpoint")
-    if architecture != "llama":
-        raise ValueError(f"{path}: general.architecture {architecture!r} is not supported (llama)")
-    return load_llama_model(path, cache_dir, fmt, device, shard)
-
-
-def load_llama_model(
-    path: Path, cache_dir: Path, fmt: str, device: torch.device = CPU, shard: Shard | None = None
-) -> LlamaForCausalLM:
-    """A llama GGUF in weight format ``fmt`` on ``device`` (``shard``: this rank's part, quantized
-    after it is cut, before its collectives are installed)."""
-    dtype = resolve_dtype(fmt, device)
-    model = load_llama(path, cache_dir, dtype=dtype, device=device)
-    if shard is not None:
-        shard_model(model, shard)
-    if fmt in ("int8", "int4"):
-        quantize_model(model, fmt)  # weight-only: projections and LM head stay packed
-        log.info("weights quantized to %s (activations %s)", fmt, dtype)
-    return model
 
 
 def grammar_vocab(path: Path, cache_dir: Path, vocab_size: int) -> list[bytes]:
@@ -242,19 +125,13 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     dtype = resolve_dtype(fmt, device)
     if fmt == "int8" and dtype == torch.float32 and cpu_ext.ops() is None:
         log.warning("--dtype int8 with fp32 activations and no CPU kernels: its matmuls dequantize, slowly")
-    group = start_rank_group(config, cache_dir, path, fmt) if config.tensor_parallel_size > 1 else None
-    shard = Shard(group.tp, config.expert_parallel) if group is not None else None
+    ranks = start_ranks(config, cache_dir, path, fmt, dtype) if config.tensor_parallel_size > 1 else None
+    shard = Shard(ranks.tp, config.expert_parallel) if ranks is not None else None
     model = load_model(path, Path(cache_dir), fmt, device, with_mtp, shard)
     if config.deterministic:
         check_deterministic(model, device, dtype, config.speculative_method)
-    num_positions = model.config.max_position_embeddings
-    max_model_len = min(config.max_model_len or num_positions, num_positions)
-    if config.max_model_len > num_positions:
-        log.warning(
-            "--max-model-len %d: the model has %d positions; using that", config.max_model_len, num_positions
-        )
     shape = ModelShape.of(model.config)
-    # Rank 0 holds the most KV heads of any rank (split_evenly): its pages set the pool's size.
+    # Rank 0 holds the most KV heads of any rank (split_evenly): its pages size every rank's pool.
     local_shape = shard_shape(shape, model.config, shard) if shard is not None else shape
     num_blocks = kv_pool_blocks(config, local_shape.kv_spec, dtype, with_mtp)
     log.info(
@@ -264,7 +141,7 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
         dtype,
         num_blocks,
         config.block_size,
-        f", tensor parallel over {config.tensor_parallel_size} ranks" if shard is not None else "",
+        f" per rank, over {config.tensor_parallel_size} ranks" if shard is not None else "",
     )
     grammars = Grammars(
         grammar_vocab(path, Path(cache_dir), model.config.vocab_size), limits=config.grammar_limits()
@@ -273,28 +150,16 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     # other one starts on its first request. Neither importing: a broken install, no start.
     grammars.warm(resolve_backend(DEFAULT_BACKEND))
     weights = fmt if fmt in ("int8", "int4") else dtype_name(dtype)
-    layout = shard.layout(model.config).describe() if shard is not None else ""
-    fingerprint = kv_fingerprint(path, weights, dtype, shape.kv_spec, layout)
-    kv_tiers = build_kv_tiers(config, cache_dir, fingerprint, shape.kv_spec, dtype)
-    handoff = build_handoff_area(config, cache_dir, fingerprint, shape.kv_spec, dtype)
-    drafter = None
-    if with_mtp:
-        assert isinstance(model, DeepseekV3ForCausalLM)  # load_model refused anything else
-        drafter = MTPDrafter(model, num_blocks, config.block_size, dtype, device)
-        log.info("drafting with the model's MTP module (its own latent pages, same block ids)")
+    rank_layout = shard.layout(model.config) if shard is not None else None
+    fingerprint = kv_fingerprint(
+        path, weights, dtype, shape.kv_spec, rank_layout.describe() if rank_layout else ""
+    )
     executor = None
-    if group is not None and shard is not None:
-        local = ForwardExecutor(
-            model,
-            local_shape,
-            num_blocks,
-            config.block_size,
-            dtype,
-            device,
-            fuse_blocks=False,
-            one_thread_max_tokens=config.one_thread_max_tokens if device.type == "cpu" else 0,
+    if ranks is not None and rank_layout is not None:
+        local = shard_executor(
+            model, local_shape, num_blocks, config.block_size, dtype, device, config.one_thread_max_tokens
         )
-        executor = group.executor(local, shape.kv_spec, shard.layout(model.config))
+        executor = ranks.drive(local, shape.kv_spec, rank_layout)
     runner = ModelRunner(
         model,
         shape,
@@ -303,9 +168,9 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
         dtype,
         device,
         grammars=grammars,
-        kv_tiers=kv_tiers,
-        handoff=handoff,
-        drafter=drafter,
+        kv_tiers=build_kv_tiers(config, cache_dir, fingerprint, shape.kv_spec, dtype),
+        handoff=build_handoff_area(config, cache_dir, fingerprint, shape.kv_spec, dtype),
+        drafter=mtp_drafter(model, num_blocks, config.block_size, dtype, device) if with_mtp else None,
         batch_invariant=config.deterministic,
         one_thread_max_tokens=config.one_thread_max_tokens if device.type == "cpu" else 0,
         executor=executor,
@@ -313,7 +178,29 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     # Before the worker announces itself: its owner's speculative policy starts from these
     # times. (The warm-up runs later, on the thread that will run the forwards: serve.)
     step_profile = profile_steps(runner, config.max_num_seqs) if profile else ()
-    return Worker(runner, max_model_len, path.name.split(".")[0], fingerprint, step_profile)
+    return Worker(runner, max_model_len(config, model), path.name.split(".")[0], fingerprint, step_profile)
+
+
+def max_model_len(config: Config, model: LlamaForCausalLM | DeepseekV3ForCausalLM) -> int:
+    """--max-model-len, or the model's positions if it has fewer (or none was given)."""
+    num_positions = model.config.max_position_embeddings
+    if config.max_model_len > num_positions:
+        log.warning(
+            "--max-model-len %d: the model has %d positions; using that", config.max_model_len, num_positions
+        )
+    return min(config.max_model_len or num_positions, num_positions)
+
+
+def mtp_drafter(
+    model: LlamaForCausalLM | DeepseekV3ForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> MTPDrafter:
+    assert isinstance(model, DeepseekV3ForCausalLM)  # load_model refused anything else
+    log.info("drafting with the model's MTP module (its own latent pages, same block ids)")
+    return MTPDrafter(model, num_blocks, block_size, dtype, device)
 
 
 def kv_pool_blocks(config: Config, kv_spec: KVSpec, dtype: torch.dtype, with_mtp: bool) -> int:
@@ -336,6 +223,7 @@ def build_runner(config: Config, cache_dir: str) -> tuple[ModelRunner, int, str]
 async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
     worker = await asyncio.to_thread(build_worker, config, cache_dir)
     bus = await NatsBus.connect(config.nats_url, name=config.worker_id, auth=config.nats_auth)
+    service: WorkerService | None = None
     try:
         service = WorkerService(
             config,
@@ -366,8 +254,16 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
         if worker.runner.transfer.handoff is not None:
             await asyncio.to_thread(worker.runner.transfer.handoff.close)
         worker.runner.grammars.close()  # kills the grammar compiler processes
-        if isinstance(worker.runner.executor, ParallelExecutor):
-            worker.runner.executor.stop()  # the other ranks exit
+        if isinstance(worker.runner.executor, ParallelExecutor):  # the other ranks exit
+            if service is not None:  # after any forward still running there
+                await service.on_step_thread(stop_ranks)
+            else:
+                worker.runner.executor.stop()
+
+
+def stop_ranks(runner: ModelRunner) -> None:
+    assert isinstance(runner.executor, ParallelExecutor)
+    runner.executor.stop()
 
 
 def main(args: argparse.Namespace) -> None:
@@ -375,8 +271,6 @@ def main(args: argparse.Namespace) -> None:
     cache_dir = resolve_cache_dir(config.cache_dir, os.environ)
     setup_logging(config.log_level, "worker", config.log_format)
     if config.node_rank > 0:  # only ranks here: rank 0, the worker the bus sees, is on node 0
-        from services.worker.rank import follow_node  # (imports this module)
-
         follow_node(config)
         return
     if config.num_threads:

@@ -14,11 +14,11 @@ and its sequences move to other workers as a dead worker's do.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,14 +28,13 @@ import torch
 import torch.distributed as dist
 
 from libs.kvstore.kv_spec import KVSpec
-from libs.modelfiles.deepseek_config import DeepseekV3Config
-from libs.modelfiles.llama_config import LlamaConfig
 from libs.models import shm_all_reduce
 from libs.models.parallel import TPGroup
-from libs.models.sharding import RankLayout, Shard
+from libs.models.sharding import RankLayout
 from services.worker.config import Config
-from services.worker.forward_executor import ForwardBatch, ForwardExecutor, ModelShape
+from services.worker.forward_executor import ForwardBatch, ForwardExecutor
 from services.worker.kv_cache import KVCache, element_size
+from services.worker.kv_store import dtype_name
 from services.worker.parallel_group import (
     Allocate,
     GatherBlocks,
@@ -47,6 +46,7 @@ from services.worker.parallel_group import (
     gather_kv,
     join_group,
     open_shm,
+    release,
     scatter_kv,
     spawn_ranks,
 )
@@ -88,21 +88,22 @@ class ShardedKVCache:
         return self.kv_spec.block_shape(self.block_size)
 
     def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        if self.local.kv_spec != self.kv_spec:  # split heads: every rank sends its own
-            self._send(GatherBlocks(tuple(block_ids)))
-        return gather_kv(self.tp, self.layout, self.local, block_ids)
+        try:
+            if self.local.kv_spec != self.kv_spec:  # split heads: every rank sends its own
+                self.channel.send(GatherBlocks(tuple(block_ids)))
+            return gather_kv(self.tp, self.layout, self.local, block_ids)
+        except Exception as e:  # the ranks may be inside the move: nothing can pair with them now
+            leave(f"a KV gather failed: {e}")
+            raise  # (not reached)
 
     def scatter_blocks(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
         if payload.shape != (len(block_ids), *self.block_shape) or payload.dtype != self.dtype:
             raise ValueError(f"payload {tuple(payload.shape)} {payload.dtype} does not fit these pages")
-        self._send(ScatterBlocks(tuple(block_ids)))
-        scatter_kv(self.tp, self.layout, self.local, block_ids, payload)
-
-    def _send(self, command: GatherBlocks | ScatterBlocks) -> None:
         try:
-            self.channel.send(command)
+            self.channel.send(ScatterBlocks(tuple(block_ids)))
+            scatter_kv(self.tp, self.layout, self.local, block_ids, payload)
         except Exception as e:
-            leave(f"a command could not reach the other ranks: {e}")
+            leave(f"a KV scatter failed: {e}")
 
 
 class ParallelExecutor:
@@ -142,33 +143,28 @@ class ParallelExecutor:
             raise  # (not reached)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Tell the other ranks to exit, wait for this node's, and leave the group (the worker is
-        stopping; a later group in this process starts afresh)."""
+        """Tell the other ranks to exit, wait for this node's (``timeout_s`` in all, then they
+        are killed), and leave the group: the worker is stopping, and a later group in this
+        process starts afresh. Runs where the forwards run (the step thread), after the last."""
         self._stopping = True
         try:
-            self.channel.send(Stop())
+            self.channel.send(Stop())  # (a small broadcast: sent, not waited on)
         except Exception:
             log.warning("the other ranks could not be told to stop (this node's are killed)")
+        deadline = time.monotonic() + timeout_s
         for proc in self._ranks:
             try:
-                proc.wait(timeout_s)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            release(proc)
         dist.destroy_process_group()
 
     def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         if not self._stopping:
             leave(f"rank {rank} (pid {proc.pid}) exited with code {code}")
-
-
-def shard_shape(shape: ModelShape, config: LlamaConfig | DeepseekV3Config, shard: Shard) -> ModelShape:
-    """The model's shape as rank ``shard.tp.rank`` holds it: its query heads and its KV."""
-    layout, rank = shard.layout(config), shard.tp.rank
-    return dataclasses.replace(
-        shape, num_heads=layout.num_heads(config, rank), kv_spec=layout.kv_spec(shape.kv_spec, rank)
-    )
 
 
 def threads_per_rank(config: Config) -> int:
@@ -178,20 +174,20 @@ def threads_per_rank(config: Config) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class RankGroup:
+class Ranks:
     """Rank 0's end of a started group: the other ranks are loading what ``RankSetup`` said."""
 
     tp: TPGroup
     channel: RankChannel
     procs: list[subprocess.Popen[bytes]]  # this node's other ranks
 
-    def executor(self, local: ForwardExecutor, full_spec: KVSpec, layout: RankLayout) -> ParallelExecutor:
+    def drive(self, local: ForwardExecutor, full_spec: KVSpec, layout: RankLayout) -> ParallelExecutor:
         """Tell every rank the pool's size, and drive them through ``local``."""
         self.channel.send(Allocate(local.kv_cache.num_blocks))
         return ParallelExecutor(local, full_spec, self.channel, self.tp, layout, self.procs)
 
 
-def start_rank_group(config: Config, cache_dir: str, path: Path, fmt: str) -> RankGroup:
+def start_ranks(config: Config, cache_dir: str, path: Path, fmt: str, dtype: torch.dtype) -> Ranks:
     """Start this node's ranks 1..k-1 (other nodes start theirs: ``--node-rank``), join them as
     rank 0, and tell every rank what to load."""
     world = config.tensor_parallel_size
@@ -205,25 +201,39 @@ def start_rank_group(config: Config, cache_dir: str, path: Path, fmt: str) -> Ra
     if device.type == "cpu":
         torch.set_num_threads(threads)
     tp, channel = join_group(address, 0, world, device.type, config.max_step_s)
-    shm = device.type == "cpu" and config.nnodes == 1 and shm_all_reduce.supported()
-    shm_name = f"deepinfer-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if shm else ""
-    if shm:
-        shm_all_reduce.create_segment(shm_name, world)
+    shm_path = _shm_segment(device, config.nnodes, world)
     setup = RankSetup(
         model_path=str(path),
         cache_dir=cache_dir,
         fmt=fmt,
+        dtype=dtype_name(dtype),
         expert_parallel=config.expert_parallel,
         cpu_kernels=config.cpu_kernels,
         num_threads=threads,
         block_size=config.block_size,
         one_thread_max_tokens=config.one_thread_max_tokens,
-        shm_name=shm_name,
+        shm_name=shm_path.name if shm_path is not None else "",
     )
-    channel.send(setup)
-    if shm:  # every rank has it open after the barrier: the name can go (no file outlives the group)
-        open_shm(tp, shm_name, config.max_step_s)
-        channel.barrier()
-        (shm_all_reduce.SHM_DIR / shm_name).unlink()
+    try:
+        channel.send(setup)
+        if shm_path is not None:  # every rank has it open after the barrier: the name can go
+            open_shm(tp, shm_path.name, config.max_step_s)
+            channel.barrier()
+    finally:
+        if shm_path is not None:
+            shm_path.unlink()  # (no file outlives the group, however it ends)
     log.info("tensor parallel: %d ranks met at %s (%d on this node)", world, address, ranks_per_node)
-    return RankGroup(tp, channel, procs)
+    return Ranks(tp, channel, procs)
+
+
+def _shm_segment(device: torch.device, nnodes: int, world: int) -> Path | None:
+    """The shared-memory all-reduce's segment, for ranks of one CPU node; None where it does not
+    apply or /dev/shm cannot hold it (gloo's all-reduce then runs alone)."""
+    if device.type != "cpu" or nnodes != 1 or not shm_all_reduce.supported():
+        return None
+    name = f"deepinfer-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        return shm_all_reduce.create_segment(name, world)
+    except OSError as e:
+        log.warning("no shared-memory all-reduce (%s): the ranks all-reduce through gloo", e)
+        return None

@@ -15,10 +15,13 @@ A rank that dies closes its sockets, so the others' next collective or command f
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,12 +30,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from libs.kvstore.kv_spec import MHA
+from libs.modelfiles.deepseek_config import DeepseekV3Config
+from libs.modelfiles.llama_config import LlamaConfig
 from libs.models.parallel import TPGroup
-from libs.models.sharding import RankLayout
+from libs.models.sharding import RankLayout, Shard
 from libs.models.shm_all_reduce import SHM_DIR, ShmAllReduce
-from libs.runtime.children import child_setup
 from services.worker.config import Config
-from services.worker.forward_executor import ForwardBatch
+from services.worker.forward_executor import CausalLM, ForwardBatch, ForwardExecutor, ModelShape
 from services.worker.kv_cache import KVCache
 
 NO_TIMEOUT = datetime.timedelta(days=3650)
@@ -46,6 +50,7 @@ class RankSetup:
     model_path: str
     cache_dir: str
     fmt: str  # the weight format (a resolved --dtype)
+    dtype: str  # the activations' (rank 0's resolve_dtype: every rank must use the same)
     expert_parallel: bool
     cpu_kernels: bool
     num_threads: int  # per rank
@@ -93,7 +98,7 @@ class RankChannel:
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         command = box[0]
-        assert isinstance(command, RankSetup | Allocate | ForwardBatch | GatherBlocks | ScatterBlocks | Stop)
+        assert isinstance(command, Command), f"not a command: {type(command).__name__}"
         return command
 
 
@@ -129,15 +134,74 @@ def spawn_ranks(
     address: str, ranks: Sequence[int], world_size: int, config: Config, first_local_rank: int
 ) -> list[subprocess.Popen[bytes]]:
     """Start ``ranks`` as child processes (``python -m services.worker.rank``), local ranks
-    ``first_local_rank``, ...; each dies with its parent (Linux PR_SET_PDEATHSIG)."""
+    ``first_local_rank``, ... Each holds the read end of a pipe whose write end only this process
+    holds: when this process is gone, however it went, the child reads EOF and exits
+    (``exit_with_parent``). Each runs in a session of its own, so a terminal's Ctrl-C or a
+    signal to this process group reaches rank 0 alone, which stops the ranks itself."""
     procs = []
     for local_rank, rank in enumerate(ranks, start=first_local_rank):
+        read_end, write_end = os.pipe()
         argv = [sys.executable, "-m", "services.worker.rank", "--dist-init-addr", address]
         argv += ["--rank", str(rank), "--local-rank", str(local_rank), "--world-size", str(world_size)]
         argv += ["--device", config.device, "--timeout-s", str(config.max_step_s)]
         argv += ["--log-level", config.log_level, "--log-format", config.log_format]
-        procs.append(subprocess.Popen(argv, preexec_fn=child_setup))
+        argv += ["--parent-fd", str(read_end)]
+        procs.append(subprocess.Popen(argv, pass_fds=(read_end,), start_new_session=True))
+        os.close(read_end)
+        _parent_ends[procs[-1].pid] = write_end  # (os.pipe's ends are not inherited by other children)
     return procs
+
+
+_parent_ends: dict[int, int] = {}  # a started rank's pid -> this process's end of its pipe
+
+
+def release(proc: subprocess.Popen[bytes]) -> None:
+    """Close this process's end of an exited rank's pipe."""
+    fd = _parent_ends.pop(proc.pid, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def exit_with_parent(fd: int) -> None:
+    """In a rank: exit at once when the process that started it is gone (EOF on ``fd``)."""
+
+    def watch() -> None:
+        while os.read(fd, 1):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def shard_shape(shape: ModelShape, config: LlamaConfig | DeepseekV3Config, shard: Shard) -> ModelShape:
+    """The model's shape as rank ``shard.tp.rank`` holds it: its query heads and its KV."""
+    layout, rank = shard.layout(config), shard.tp.rank
+    return dataclasses.replace(
+        shape, num_heads=layout.num_heads(config, rank), kv_spec=layout.kv_spec(shape.kv_spec, rank)
+    )
+
+
+def shard_executor(
+    model: CausalLM,
+    shape: ModelShape,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    one_thread_max_tokens: int,
+) -> ForwardExecutor:
+    """A rank's executor over its shard (``shape`` from ``shard_shape``). Op by op: the fused
+    decoder blocks run every layer in one op, with no point between layers for an all-reduce."""
+    return ForwardExecutor(
+        model,
+        shape,
+        num_blocks,
+        block_size,
+        dtype,
+        device,
+        fuse_blocks=False,
+        one_thread_max_tokens=one_thread_max_tokens if device.type == "cpu" else 0,
+    )
 
 
 def gather_kv(tp: TPGroup, layout: RankLayout, kv_cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -22,8 +23,8 @@ from libs.models.sharding import RankLayout, Shard
 from libs.runtime.logs import setup_logging
 from services.worker.config import Config
 from services.worker.forward_executor import ForwardBatch, ForwardExecutor, ModelShape
-from services.worker.main import load_model, resolve_dtype
-from services.worker.parallel_executor import shard_shape
+from services.worker.kv_store import dtype_name
+from services.worker.model_loading import load_model, resolve_dtype
 from services.worker.parallel_group import (
     Allocate,
     GatherBlocks,
@@ -31,10 +32,13 @@ from services.worker.parallel_group import (
     RankSetup,
     ScatterBlocks,
     Stop,
+    exit_with_parent,
     gather_kv,
     join_group,
     open_shm,
     scatter_kv,
+    shard_executor,
+    shard_shape,
     spawn_ranks,
 )
 
@@ -64,17 +68,14 @@ def follow(address: str, rank: int, world_size: int, device: torch.device, timeo
         torch.set_num_threads(setup.num_threads)
     shard = Shard(tp, setup.expert_parallel)
     model = load_model(Path(setup.model_path), Path(setup.cache_dir), setup.fmt, device, shard=shard)
+    dtype = resolve_dtype(setup.fmt, device)
+    if dtype_name(dtype) != setup.dtype:  # e.g. int8 where this rank's CPU kernels did not build
+        raise RuntimeError(f"--dtype {setup.fmt} means {dtype_name(dtype)} here, {setup.dtype} on rank 0")
     allocate = channel.receive()
     assert isinstance(allocate, Allocate), f"expected the pool's size, got {type(allocate).__name__}"
-    executor = ForwardExecutor(
-        model,
-        shard_shape(ModelShape.of(model.config), model.config, shard),
-        allocate.num_blocks,
-        setup.block_size,
-        resolve_dtype(setup.fmt, device),
-        device,
-        fuse_blocks=False,
-        one_thread_max_tokens=setup.one_thread_max_tokens if device.type == "cpu" else 0,
+    shape = shard_shape(ModelShape.of(model.config), model.config, shard)
+    executor = shard_executor(
+        model, shape, allocate.num_blocks, setup.block_size, dtype, device, setup.one_thread_max_tokens
     )
     log.info("rank %d of %d: shard loaded on %s, %d KV blocks", rank, world_size, device, allocate.num_blocks)
     with torch.inference_mode():
@@ -119,7 +120,14 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=60.0, help="of a collective")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", default="text")
+    parser.add_argument("--parent-fd", type=int, default=-1, help="EOF on it: the parent is gone")
     args = parser.parse_args()
+    # Rank 0 stops this process (a Stop command) or, gone, ends it through the pipe; signals that
+    # reach the whole process group or cgroup are rank 0's to act on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.parent_fd >= 0:
+        exit_with_parent(args.parent_fd)
     setup_logging(args.log_level, f"worker-rank{args.rank}", args.log_format)
     code = 0
     try:

@@ -120,3 +120,12 @@ def test_scheduler_replicas_get_ids_of_their_own_and_bad_counts_are_config_error
     assert serve.extra_schedulers(first, 1) == {}
     with pytest.raises(ValueError, match="num_schedulers must be >= 1, got 0"):
         serve.Config(num_schedulers=0)
+
+
+def test_one_dist_init_addr_is_not_shared_by_several_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", "--num-workers", "2", "--tensor-parallel-size", "2"]
+    argv += ["--dist-init-addr", "127.0.0.1:29500"]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)  # fails before anything starts
+    assert exited.value.code == 2
+    assert "dist_init_addr names one tensor-parallel group's address" in capsys.readouterr().err

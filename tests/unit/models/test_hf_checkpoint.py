@@ -14,7 +14,7 @@ from libs.modelfiles.registry import model_architecture, model_fingerprint, reso
 from libs.models.deepseek_loader import load_deepseek_v3
 from libs.models.hf_checkpoint import INDEX_FILE, CheckpointError
 from libs.models.tiny_deepseek import write_tiny_checkpoint
-from services.worker.main import load_model
+from services.worker.model_loading import load_model
 
 
 @pytest.fixture

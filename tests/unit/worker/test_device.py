@@ -7,7 +7,7 @@ import torch
 
 from libs.kernels import cpu_ext
 from services.worker.config import Config
-from services.worker.main import resolve_device, resolve_dtype, resolve_format
+from services.worker.model_loading import resolve_device, resolve_dtype, resolve_format
 
 
 def test_the_flag_takes_three_kinds_of_device() -> None:

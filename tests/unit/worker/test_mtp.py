@@ -23,7 +23,7 @@ from libs.models.tiny_deepseek import lookahead_deepseek, write_tiny_checkpoint
 from libs.protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from services.scheduler.limits import Limits
 from services.worker.config import Config as WorkerConfig
-from services.worker.main import load_model
+from services.worker.model_loading import load_model
 from services.worker.model_runner import ModelRunner, ModelShape
 from services.worker.mtp_drafter import MTPDrafter
 from services.worker.step_profile import DRAFT_LENGTHS, profile_steps
