@@ -53,9 +53,7 @@ def worker(model: str, dtype: str, tp: int, expert_parallel: bool, cache_dir: st
     try:
         yield built
     finally:
-        if isinstance(built.runner.executor, ParallelExecutor):
-            built.runner.executor.stop()
-        built.runner.grammars.close()
+        built.close()
         torch.set_num_threads(threads)
 
 

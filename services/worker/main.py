@@ -112,6 +112,13 @@ class Worker:
     fingerprint: str  # identity of the KV it computes, for block hashes and G3 paths
     step_profile: tuple[StepSample, ...]  # steps timed at start (its owner's speculative policy)
 
+    def close(self) -> None:
+        """The other ranks (tensor parallel) and the grammar compiler processes stopped, for a
+        worker built in a process that goes on (tests, benches)."""
+        if isinstance(self.runner.executor, ParallelExecutor):
+            self.runner.executor.stop()
+        self.runner.grammars.close()
+
 
 def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker:
     """Load the model (this rank's shard of it, with --tensor-parallel-size; the other ranks start

@@ -1,7 +1,8 @@
 """``deepinfer serve --tensor-parallel-size 2 --num-workers 2``: each worker is a group of two
 rank processes (gloo). Greedy completions through the stack equal one rank's (a TP=1 worker in
 this process, fp32), and kill -9 of a rank mid-stream takes its worker out: the stream moves to
-the other worker and ends with every token once, and the lost worker is restarted."""
+the other worker and ends with every token once, and the lost worker is restarted. The tiny
+DeepSeek-V3 over two expert-parallel ranks answers as transformers does."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import psutil
 
 from deepinfer.local_engine import LocalEngine
 from libs.modelfiles.registry import resolve_model_path
+from libs.models.tiny_deepseek import deepseek_v4_tokenizer_dir, write_tiny_checkpoint
 from libs.protocol.messages import SamplingParams
 from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.limits import Limits
 from services.worker.config import Config
 from services.worker.main import build_worker
+from tests.deepseek_reference import hf_from_dir, hf_logits
 from tests.system.serve_proc import MODEL, Serve, free_ports, scrape, serving
 from tests.system.test_serve_cli import HEAL_S, READY_S
 
@@ -45,7 +48,7 @@ def _one_rank_greedy(prompts: list[list[int]], cache_dir: Path) -> list[list[int
         outputs = engine.run()
         return [outputs[str(i)] for i in range(len(prompts))]
     finally:
-        worker.runner.grammars.close()
+        worker.close()
 
 
 def _complete(serve: Serve, prompt: list[int], max_tokens: int) -> str:
@@ -111,3 +114,25 @@ def test_tensor_parallel_stack(model_cache_dir: Path, tmp_path: Path) -> None:
             HEAL_S,
         )
         assert time.monotonic() - killed_at < HEAL_S
+
+
+def test_expert_parallel_deepseek_stack(model_cache_dir: Path, tmp_path: Path) -> None:
+    """The tiny DeepSeek-V3 over two expert-parallel ranks through the stack: greedy tokens equal
+    transformers' on the same checkpoint (as one rank's do: tests/system/test_deepseek_stack.py)."""
+    checkpoint = tmp_path / "tiny-deepseek"
+    write_tiny_checkpoint(checkpoint, seed=7, tokenizer_dir=deepseek_v4_tokenizer_dir())
+    flags = ("--model", str(checkpoint), "--chat-format", "deepseek-v4.1")
+    flags += ("--tensor-parallel-size", "2", "--expert-parallel", "true")
+    with serving(model_cache_dir, tmp_path, *flags, ready_s=READY_S) as serve:
+        assert len(serve.children("services.worker.rank")) == 1
+        prompt = [100, 2000, 30000, 77, 128000, 5]
+        body = {"model": "tiny-deepseek", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        resp = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+    reference, tokens = hf_from_dir(checkpoint), list(prompt)
+    tokenizer = Tokenizer.from_hf_dir(checkpoint)
+    while len(tokens) < len(prompt) + 8:
+        tokens.append(int(hf_logits(reference, tokens)[-1].argmax()))
+        if tokens[-1] == tokenizer.eos_token_id:
+            break
+    assert resp.json()["choices"][0]["text"] == tokenizer.decode(tokens[len(prompt) :])

@@ -50,9 +50,7 @@ def running(config: Config, cache_dir: Path) -> Iterator[Worker]:
     try:
         yield worker
     finally:
-        if isinstance(worker.runner.executor, ParallelExecutor):
-            worker.runner.executor.stop()
-        worker.runner.grammars.close()
+        worker.close()
         torch.set_num_threads(threads)
 
 
