@@ -201,3 +201,14 @@ def test_ranks_on_two_nodes(smollm2_tp1, cache_dir: Path) -> None:  # type: igno
         assert node1.wait(30) == 0
     finally:
         node1.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_smollm2_two_gpus_equal_one(cache_dir: Path) -> None:
+    """The NCCL path: TP=2 over cuda:0 and cuda:1 against TP=1 on cuda:0, fp32 (TF32 off)."""
+    results = []
+    for tp in (1, 2):
+        with running(dataclasses.replace(_config("smollm2", tp), device="cuda"), cache_dir) as worker:
+            results.append(_run(worker))
+    _assert_close(results[0], results[1])
