@@ -262,15 +262,9 @@ async def serve(config: Config, cache_dir: str, stop: asyncio.Event) -> None:
             await asyncio.to_thread(worker.runner.transfer.handoff.close)
         worker.runner.grammars.close()  # kills the grammar compiler processes
         if isinstance(worker.runner.executor, ParallelExecutor):  # the other ranks exit
-            if service is not None:  # after any forward still running there
-                await service.on_step_thread(stop_ranks)
-            else:
-                worker.runner.executor.stop()
-
-
-def stop_ranks(runner: ModelRunner) -> None:
-    assert isinstance(runner.executor, ParallelExecutor)
-    runner.executor.stop()
+            if service is not None:
+                await service.close_step_thread()  # after the last forward
+            await asyncio.to_thread(worker.runner.executor.stop)
 
 
 def main(args: argparse.Namespace) -> None:

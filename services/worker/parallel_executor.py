@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from libs.kvstore.kv_spec import KVSpec
+from libs.modelfiles.gguf_metadata import read_gguf_config
 from libs.models import shm_all_reduce
+from libs.models.deepseek_loader import config_of
 from libs.models.parallel import TPGroup
 from libs.models.sharding import RankLayout
 from services.worker.config import Config
@@ -106,6 +108,22 @@ class ShardedKVCache:
             leave(f"a KV scatter failed: {e}")
 
 
+class RankWatch:
+    """Rank 0's watch on this node's other ranks, from their start: one that exits while the group
+    is up (loading, serving) takes the worker out."""
+
+    def __init__(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        self.procs = list(procs)
+        self.stopping = False
+        for rank, proc in enumerate(self.procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"rank-{rank}").start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        if not self.stopping:
+            leave(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+
+
 class ParallelExecutor:
     """The ForwardExecutor of rank 0 (``local``, over rank 0's shard) that first tells every
     other rank to run the same forward."""
@@ -117,17 +135,14 @@ class ParallelExecutor:
         channel: RankChannel,
         tp: TPGroup,
         layout: RankLayout,
-        ranks: Sequence[subprocess.Popen[bytes]] = (),
+        watch: RankWatch,
     ) -> None:
         self.local = local
         self.device = local.device
         self.channel = channel
         self.tp = tp
         self.kv_cache = ShardedKVCache(local.kv_cache, full_spec, channel, tp, layout)
-        self._stopping = False
-        self._ranks = list(ranks)
-        for rank, proc in enumerate(ranks, start=1):  # a local rank that exits takes the worker down
-            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"rank-{rank}").start()
+        self.watch = watch
 
     @property
     def last_hidden(self) -> torch.Tensor | None:
@@ -146,13 +161,13 @@ class ParallelExecutor:
         """Tell the other ranks to exit, wait for this node's (``timeout_s`` in all, then they
         are killed), and leave the group: the worker is stopping, and a later group in this
         process starts afresh. Runs where the forwards run (the step thread), after the last."""
-        self._stopping = True
+        self.watch.stopping = True
         try:
             self.channel.send(Stop())  # (a small broadcast: sent, not waited on)
         except Exception:
             log.warning("the other ranks could not be told to stop (this node's are killed)")
         deadline = time.monotonic() + timeout_s
-        for proc in self._ranks:
+        for proc in self.watch.procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -160,11 +175,6 @@ class ParallelExecutor:
                 proc.wait()
             release(proc)
         dist.destroy_process_group()
-
-    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        code = proc.wait()
-        if not self._stopping:
-            leave(f"rank {rank} (pid {proc.pid}) exited with code {code}")
 
 
 def threads_per_rank(config: Config) -> int:
@@ -179,21 +189,23 @@ class Ranks:
 
     tp: TPGroup
     channel: RankChannel
-    procs: list[subprocess.Popen[bytes]]  # this node's other ranks
+    watch: RankWatch  # this node's other ranks
 
     def drive(self, local: ForwardExecutor, full_spec: KVSpec, layout: RankLayout) -> ParallelExecutor:
         """Tell every rank the pool's size, and drive them through ``local``."""
         self.channel.send(Allocate(local.kv_cache.num_blocks))
-        return ParallelExecutor(local, full_spec, self.channel, self.tp, layout, self.procs)
+        return ParallelExecutor(local, full_spec, self.channel, self.tp, layout, self.watch)
 
 
 def start_ranks(config: Config, cache_dir: str, path: Path, fmt: str, dtype: torch.dtype) -> Ranks:
     """Start this node's ranks 1..k-1 (other nodes start theirs: ``--node-rank``), join them as
     rank 0, and tell every rank what to load."""
     world = config.tensor_parallel_size
+    # A split the model's shape does not allow is refused here, before any rank starts.
+    RankLayout.of(config_of(path) if path.is_dir() else read_gguf_config(path), world, config.expert_parallel)
     address = config.dist_init_addr or free_address()
     ranks_per_node = world // config.nnodes
-    procs = spawn_ranks(address, range(1, ranks_per_node), world, config, first_local_rank=1)
+    watch = RankWatch(spawn_ranks(address, range(1, ranks_per_node), world, config, first_local_rank=1))
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -223,7 +235,7 @@ def start_ranks(config: Config, cache_dir: str, path: Path, fmt: str, dtype: tor
         if shm_path is not None:
             shm_path.unlink()  # (no file outlives the group, however it ends)
     log.info("tensor parallel: %d ranks met at %s (%d on this node)", world, address, ranks_per_node)
-    return Ranks(tp, channel, procs)
+    return Ranks(tp, channel, watch)
 
 
 def _shm_segment(device: torch.device, nnodes: int, world: int) -> Path | None:

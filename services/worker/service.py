@@ -95,6 +95,10 @@ class WorkerService:
         # cores the running one needed (measured: 4 threads busy for a 2-thread forward).
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
 
+    async def close_step_thread(self) -> None:
+        """Once any step still on the step thread has ended: nothing runs there after this."""
+        await asyncio.to_thread(self._step_thread.shutdown, True)
+
     async def on_step_thread(self, fn: Callable[[ModelRunner], None]) -> None:
         """``fn(runner)`` on the thread every forward runs on (warm-up, before ``run``)."""
         await asyncio.get_running_loop().run_in_executor(self._step_thread, fn, self.runner)

@@ -7,6 +7,8 @@ DeepSeek-V3 over two expert-parallel ranks answers as transformers does."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -136,3 +138,20 @@ def test_expert_parallel_deepseek_stack(model_cache_dir: Path, tmp_path: Path) -
         if tokens[-1] == tokenizer.eos_token_id:
             break
     assert resp.json()["choices"][0]["text"] == tokenizer.decode(tokens[len(prompt) :])
+
+
+def test_a_rank_lost_while_loading_takes_its_worker_out(model_cache_dir: Path) -> None:
+    """A rank killed before the worker has joined the bus: the worker exits 71 (the group is
+    broken) at once, not after a timeout, and leaves no rank behind."""
+    argv = [sys.executable, "-m", "deepinfer", "worker", "--tensor-parallel-size", "2"]
+    argv += ["--dtype", "float32", "--cache-dir", str(model_cache_dir), "--nats-url", "nats://127.0.0.1:9"]
+    worker = subprocess.Popen(argv)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ranks := _ranks_of(psutil.Process(worker.pid))):
+            assert time.monotonic() < deadline and worker.poll() is None
+            time.sleep(0.1)
+        ranks[0].kill()
+        assert worker.wait(30) == 71
+    finally:
+        worker.kill()

@@ -66,6 +66,8 @@ def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
             "several prompts in one request are not supported: send one request per prompt",
             param="prompt",
         )
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int | float) for i in prompt):
+        raise ApiError(400, "'prompt': token ids are integers in [0, 2**32)", param="prompt")
     raise ApiError(400, "'prompt' is required: a string or a non-empty list of token ids", param="prompt")
 
 

@@ -196,7 +196,7 @@ def test_ranks_on_two_nodes(smollm2_tp1, cache_dir: Path) -> None:  # type: igno
         config = dataclasses.replace(_config("smollm2", 2), nnodes=2, dist_init_addr=address)
         with running(config, cache_dir) as worker:
             executor = worker.runner.executor
-            assert isinstance(executor, ParallelExecutor) and not executor._ranks  # none started here
+            assert isinstance(executor, ParallelExecutor) and not executor.watch.procs  # none started here
             _assert_close(smollm2_tp1[0], _run(worker))
         assert node1.wait(30) == 0
     finally:
