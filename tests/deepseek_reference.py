@@ -48,3 +48,15 @@ def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> torc
     out = model(torch.tensor([token_ids])).logits[0]
     assert isinstance(out, torch.Tensor)
     return out.float()
+
+
+def hf_greedy(
+    model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int, eos_token_id: int | None
+) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: up to ``max_tokens`` tokens, ending at EOS."""
+    tokens = list(prompt)
+    while len(tokens) < len(prompt) + max_tokens:
+        tokens.append(int(hf_logits(model, tokens)[-1].argmax()))
+        if tokens[-1] == eos_token_id:
+            break
+    return tokens[len(prompt) :]

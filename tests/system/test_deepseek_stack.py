@@ -17,7 +17,7 @@ import pytest
 
 from libs.models.tiny_deepseek import deepseek_v4_tokenizer_dir, write_tiny_checkpoint
 from libs.recipe.tokenizer import Tokenizer
-from tests.deepseek_reference import hf_from_dir, hf_logits
+from tests.deepseek_reference import hf_from_dir, hf_greedy
 from tests.system.serve_proc import Serve, free_ports, scrape, serving
 
 READY_S = 240.0
@@ -59,14 +59,10 @@ def test_greedy_completion_equals_transformers(serve: Serve, checkpoint: Path, m
     resp = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
-    reference, tokens = hf_from_dir(checkpoint), list(prompt)
     tokenizer = Tokenizer.from_hf_dir(checkpoint)
-    while len(tokens) < len(prompt) + 6:
-        tokens.append(int(hf_logits(reference, tokens)[-1].argmax()))
-        if tokens[-1] == tokenizer.eos_token_id:
-            break
-    assert choice["text"] == tokenizer.decode(tokens[len(prompt) :])
-    assert resp.json()["usage"]["completion_tokens"] == len(tokens) - len(prompt)
+    tokens = hf_greedy(hf_from_dir(checkpoint), prompt, 6, tokenizer.eos_token_id)
+    assert choice["text"] == tokenizer.decode(tokens)
+    assert resp.json()["usage"]["completion_tokens"] == len(tokens)
     drafted = scrape(metrics_port + 1)
     mtp = [
         v

@@ -24,7 +24,7 @@ from libs.recipe.tokenizer import Tokenizer
 from services.scheduler.limits import Limits
 from services.worker.config import Config
 from services.worker.main import build_worker
-from tests.deepseek_reference import hf_from_dir, hf_logits
+from tests.deepseek_reference import hf_from_dir, hf_greedy
 from tests.system.serve_proc import MODEL, Serve, free_ports, scrape, serving
 from tests.system.test_serve_cli import HEAL_S, READY_S
 
@@ -131,13 +131,9 @@ def test_expert_parallel_deepseek_stack(model_cache_dir: Path, tmp_path: Path) -
         body = {"model": "tiny-deepseek", "prompt": prompt, "max_tokens": 8, "temperature": 0}
         resp = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200, resp.text
-    reference, tokens = hf_from_dir(checkpoint), list(prompt)
     tokenizer = Tokenizer.from_hf_dir(checkpoint)
-    while len(tokens) < len(prompt) + 8:
-        tokens.append(int(hf_logits(reference, tokens)[-1].argmax()))
-        if tokens[-1] == tokenizer.eos_token_id:
-            break
-    assert resp.json()["choices"][0]["text"] == tokenizer.decode(tokens[len(prompt) :])
+    tokens = hf_greedy(hf_from_dir(checkpoint), prompt, 8, tokenizer.eos_token_id)
+    assert resp.json()["choices"][0]["text"] == tokenizer.decode(tokens)
 
 
 def test_a_rank_lost_while_loading_takes_its_worker_out(model_cache_dir: Path) -> None:
