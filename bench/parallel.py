@@ -17,6 +17,7 @@ all-reduces of one hidden vector per layer, which NVLink moves in microseconds.
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import statistics
 import time
@@ -127,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     if not SUPPORTED():
         raise SystemExit("the shared-memory all-reduce needs x86-64 and /dev/shm")
-    cache_dir = str(resolve_cache_dir("", {}))
+    cache_dir = resolve_cache_dir("", os.environ)
     print(f"# step time, 1 rank vs 2 ranks ({args.model}; {torch.get_num_threads()} CPU threads in all)")
     print(
         f"{'format':>8} {'step':>12} {'TP=1 ms':>8} {'TP=2 ms':>8} {'TP2/TP1':>8} {'gloo ms':>8}"
