@@ -9,13 +9,10 @@ A request with n > 1 is one submit; the scheduler runs choice i as sequence
 ``seq_id_of(request_id, i)`` and tags its outputs with ``index`` i. The request is over when every
 choice is: finished by the scheduler, or stopped here (a stop string cancels just that sequence).
 
-Liveness: a watcher keeps a view of the members bucket. The requests of a scheduler process gone
-from it (heartbeat stopped, a clean leave, or a restart under its id) move, and so do those a
-scheduler hands back (its worker died, with no other): each is resubmitted to another scheduler
-with the tokens received so far (``migration``), and fails, naming why, only when none takes it
-or after ``migration_limit`` moves. A lost bus connection fails every request in flight, naming
-NATS (outputs published meanwhile never arrive). ``ready()`` (/health) reads only that view and
-the connection state, never the bus.
+Liveness: a watcher keeps a view of the members bucket. The requests of a scheduler gone from it
+(``scheduler_watch``), and those a scheduler hands back, move to another with the tokens received
+so far (``migration``). A lost bus connection fails every request in flight, naming NATS.
+``ready()`` (/health) reads only that view and the connection state, never the bus.
 
 Resume: at admission a ``StreamRecord`` goes into the streams bucket (where the outputs will be in
 the out stream, how to render them, and what it takes to move the request). A client that went
@@ -61,6 +58,7 @@ from services.gateway.migration import Migrations
 from services.gateway.out_numbering import OutNumbering
 from services.gateway.request_stream import Pending, RequestStream
 from services.gateway.routing import RouterFeed
+from services.gateway.scheduler_watch import SchedulerWatch
 from services.gateway.submit_path import send_submit
 
 log = logging.getLogger(__name__)
@@ -97,7 +95,7 @@ class GatewayService:
         self.migrations = Migrations(
             bus,
             subjects,
-            self._live_schedulers,
+            lambda: self.schedulers.live(),
             submit_timeout_s,
             migration_limit,
             resubmit_window_s,
@@ -116,11 +114,10 @@ class GatewayService:
         # Kept current by a background watcher: /health and the failing of requests whose
         # scheduler died read it without a round trip.
         self.members = MembershipView(bus, subjects.members_bucket)
-        # Failing a scheduler's requests wants a surer verdict than readiness (/health goes 503 at
-        # the view's own silence): twice the TTL, and its streams still end well inside 30 s.
-        self.scheduler_loss_s = 2 * MEMBER_TTL_S
-        self._schedulers_seen: set[SchedulerRef] = set()  # ever live in the view
         self._replays: set[Pending] = set()
+        self.schedulers = SchedulerWatch(
+            self.members, self.numbering, self.migrations, self._pending, self._replays
+        )
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
@@ -349,7 +346,7 @@ class GatewayService:
         self._out_seq_seen = max(self._out_seq_seen, msg.seq)
         gap = self.numbering.arrived(step.scheduler, step.seq)
         if gap:
-            self._fail_scheduler(step.scheduler, gap)
+            self.schedulers.fail(step.scheduler, gap)
         # (a request not pending: cancelled here already, or another gateway's with our id)
         outputs = [
             (self._pending[out.request_id], out) for out in step.outputs if out.request_id in self._pending
@@ -367,44 +364,17 @@ class GatewayService:
         for pending, out in handed_back.values():
             self.migrations.start(pending, out.error, avoid=scheduler)
 
-    def _fail_scheduler(self, scheduler: SchedulerRef, why: str) -> None:
-        log.error("scheduler %s: %s", scheduler.scheduler_id, why)
-        for pending in self._pending.values():
-            if pending.scheduler == scheduler and scheduler not in pending.lost_schedulers:
-                pending.fail(why)  # (one being moved off it has lost nothing more)
-
     def _on_members(self) -> None:
-        """After each read of the members: move the requests of schedulers that are gone.
-
-        Gone: not live in a current view, and either seen live before or silent since it took
-        the request (a scheduler answers submits a moment before its first heartbeat)."""
+        """After each read of the members: the device clock, then the lost schedulers' requests."""
         self.observe_devices()
-        if not self.members.current:
-            return  # cut off from the bus: the connection listener acts
-        infos = self.members.live(MemberKind.SCHEDULER, silence_s=self.scheduler_loss_s)
-        live = {SchedulerRef(m.member_id, m.incarnation) for m in infos}
-        self._schedulers_seen |= live
-        now = time.monotonic()
-        self._check_arrivals(now)
-
-        def gone(pending: Pending) -> bool:
-            # (a scheduler restarted under its id is another process: the old one is gone)
-            scheduler = pending.scheduler
-            if scheduler is None or scheduler in live:
-                return False
-            return scheduler in self._schedulers_seen or now - pending.accepted_at > self.scheduler_loss_s
-
-        self.migrations.on_schedulers([*self._pending.values(), *self._replays], gone, now)
+        if self.members.current:  # (cut off from the bus: the connection listener acts)
+            self.schedulers.on_members()
 
     def observe_devices(self) -> None:
         """Bring the device clock up to now (every members read, and every scrape)."""
         live = self.members.live(MemberKind.WORKER) if self.members.current else None
         workers = None if live is None else {m.member_id: m.device or "unknown" for m in live}
         self.device_clock.observe(time.monotonic(), workers)
-
-    def _live_schedulers(self) -> list[SchedulerRef]:
-        live = self.members.live(MemberKind.SCHEDULER)
-        return sorted((SchedulerRef(m.member_id, m.incarnation) for m in live), key=lambda s: s.scheduler_id)
 
     def _moved(self, pending: Pending, reply: SubmitReply) -> None:
         """A scheduler took a moved request (its record says so, whoever reads it now)."""
@@ -416,20 +386,6 @@ class GatewayService:
             self.cancel_soon(request_id)
         elif pending.reader_left and pending.on_leave == "grace":
             self.pause_soon(request_id, resume=False)
-
-    def _check_arrivals(self, now: float) -> None:
-        """Fail the requests of a scheduler whose last outputs never came (see ``OutNumbering``)."""
-        for scheduler, sent, since in self.numbering.behind(self.members.live(MemberKind.SCHEDULER), now):
-            scheduler_id = scheduler.scheduler_id
-            lost = [
-                p
-                for p in self._pending.values()
-                if p.accepted_at < since and p.scheduler == scheduler and not (p.moving or p.failed)
-            ]
-            if lost:  # those taken later had nothing in the missing outputs
-                log.error("scheduler %s: step outputs up to %d never arrived", scheduler_id, sent)
-            for pending in lost:
-                pending.fail(f"lost step outputs of scheduler {scheduler_id} (up to {sent})")
 
     def _on_connection(self, connected: bool) -> None:
         """Step outputs published while this gateway was cut off never arrive: every request in

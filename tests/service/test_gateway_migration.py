@@ -60,7 +60,7 @@ def make_gateway(bus: InMemoryBus, gateway_id: str) -> GatewayService:
     """A gateway with short liveness bounds (a scheduler counts as lost after 2 s)."""
     service = GatewayService(bus, SUBJECTS, gateway_id, submit_timeout_s=1, resubmit_window_s=2.0)
     service.members.silence_s = 1.5
-    service.scheduler_loss_s = 2.0
+    service.schedulers.loss_s = 2.0
     return service
 
 

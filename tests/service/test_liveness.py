@@ -270,7 +270,7 @@ async def test_the_gateway_fails_the_requests_of_a_scheduler_that_is_gone(
 ) -> None:
     service, bus, _scheduler = gateway
     service.members.silence_s = 3.0
-    service.scheduler_loss_s = 4.0
+    service.schedulers.loss_s = 4.0
     service.migrations.migration_limit = 0  # not moved (see test_gateway_migration)
     sched = await heartbeat(bus, lambda: MemberInfo(MemberKind.SCHEDULER, "s1"))
     work = await heartbeat(bus, lambda: MemberInfo(MemberKind.WORKER, "w1", owner="s1"))
