@@ -60,7 +60,7 @@ RANK_LOST_EXIT_CODE = 71  # the worker left because its group broke (a rank died
 
 def leave(reason: str) -> None:
     """Exit the worker now: its ranks are out of step, so nothing more can run (no cleanup: a
-    drain would run forwards). Local ranks die with it (PR_SET_PDEATHSIG)."""
+    drain would run forwards). Local ranks exit with it (their pipe from it closes)."""
     log.critical("tensor-parallel group broken (%s): the worker exits; its sequences move elsewhere", reason)
     logging.shutdown()
     os._exit(RANK_LOST_EXIT_CODE)
@@ -80,7 +80,6 @@ class ShardedKVCache:
         self.num_blocks = local.num_blocks
         self.block_size = local.block_size
         self.dtype = local.dtype
-        self.device = local.device
         # What every rank's pages cost per token together (MLA: each rank caches the whole latent).
         copies = tp.size if local.kv_spec == full_spec else 1
         self.bytes_per_token = full_spec.bytes_per_token(element_size(local.dtype)) * copies
