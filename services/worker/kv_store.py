@@ -295,9 +295,10 @@ class KVStore:
         self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
-        """Finish the queued writes, drop pending reads."""
+        """Finish the queued writes, drop pending reads and wait out the running ones (no read
+        of a closed store logs or touches files after it)."""
         self._writer.shutdown(wait=True)
-        self._readers.shutdown(wait=False, cancel_futures=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
 
     # --- reads ------------------------------------------------------------------------------
 
