@@ -131,9 +131,26 @@ class LlamaForCausalLM(CausalLMBase):
         cache = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, torch.float32)
         return cache.to(device) if device is not None else cache
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
-        """input_ids, positions: [num_tokens] int64 -> final-normed hidden [num_tokens, hidden_size]."""
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attention: AttentionFn,
+        image_rows: Tensor | None = None,
+        image_embeds: Tensor | None = None,
+    ) -> Tensor:
+        """input_ids, positions: [num_tokens] int64 -> final-normed hidden [num_tokens, hidden_size].
+
+        image_rows: [M] int64 indices into the flat batch whose token embeddings are replaced by
+        image_embeds [M, hidden_size] (cast to the model dtype): a vision-language model's image
+        placeholder tokens, overwritten as transformers' masked_scatter does. Both or neither.
+        """
         hidden: Tensor = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if (image_rows is None) != (image_embeds is None):
+            raise ValueError("image_rows and image_embeds go together")
+        if image_rows is not None and image_embeds is not None:
+            # Fresh from the embedding lookup, so overwriting in place touches no weights.
+            hidden.index_copy_(0, image_rows, image_embeds.to(hidden.dtype))
         residual: Tensor | None = None
         # Rotary's per-position rotation depends on positions only: built once for all layers.
         rotation = prepare_rotation(positions, self.cos_sin_cache, hidden.dtype)
