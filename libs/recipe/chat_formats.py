@@ -1,15 +1,17 @@
 """Which chat format a served model speaks: its own Jinja template, or DeepSeek V4 / V4.1. Pure.
 
 Every format turns a ``Conversation`` into a ``Prompt``: the token ids, and how the output parser
-must read what the model writes (syntax, the stage the prompt leaves the model in).
+must read what the model writes (syntax, the stage the prompt leaves the model in). Only a
+template format renders images; the DeepSeek formats refuse a conversation that has any.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Protocol
 
+from libs.recipe.api.common import UNSUPPORTED_INPUT
 from libs.recipe.chat_template import ChatTemplate
-from libs.recipe.conversation import Conversation
+from libs.recipe.conversation import Conversation, RecipeError
 from libs.recipe.deepseek_v4 import DeepSeekV4Format, encode_prompt
 from libs.recipe.template_format import Prompt, TemplateFormat
 from libs.recipe.tokenizer import Tokenizer
@@ -29,6 +31,9 @@ class DeepSeekChatFormat:
         self.tokenizer = tokenizer
 
     def prompt(self, conv: Conversation) -> Prompt:
+        image = next((image for message in conv.messages for image in message.images), None)
+        if image is not None:  # DeepSeek V4 reads no images
+            raise RecipeError(UNSUPPORTED_INPUT.format(kind="image"), param=image.param)
         layout = self.renderer.layout(conv)  # one rendering: the prompt and how to read the output
         token_ids = encode_prompt(layout.prompt, self.tokenizer)
         dialect = self.renderer.dialect

@@ -3,7 +3,8 @@
 Chat Completions, Responses and Messages requests all become a ``Conversation``; a chat format
 (DeepSeek V4 / V4.1, or a model's own Jinja template) renders it to prompt text and tokens. The
 fields mirror what the formats need, nothing API-specific: an API's own extras (``store``,
-``metadata``, ...) stay in its request model.
+``metadata``, ...) stay in its request model. A user turn's images stay undecoded ``ImageInput``s;
+its text holds an ``IMAGE_MARK`` where each sits, which a format renders as one ``IMAGE_SLOT`` id.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "latest_remin
 ToolChoice = Literal["auto", "none", "required"]
 Effort = Literal["low", "high", "xhigh", "max"]
 ResponseFormat = Literal["text", "json_object", "json_schema", "regex"]
+
+IMAGE_MARK = "\x00image\x00"  # where an image sits in a message's text; client text never holds it
+IMAGE_SLOT = -1  # the token id a chat format writes where an image goes (the gateway expands it)
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 class RecipeError(ValueError):
@@ -49,9 +54,21 @@ class ToolDefinition:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a message as the client sent it: bytes (base64 / data URL) or a URL. Not yet decoded."""
+
+    param: str  # where it sits in the request, for 400s: "messages[1].content[0]"
+    data: bytes = b""  # the file's bytes, base64-decoded
+    media_type: str = ""  # as declared ("image/png"...); "" for a URL until fetched
+    url: str = ""  # an http(s) URL; the gateway fetches it only from allowed hosts
+    detail: str = "auto"  # OpenAI's "auto" | "low" | "high"
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """One turn. Only an assistant turn has reasoning, tool calls or ``prefix`` (continue it);
-    only a tool turn has ``tool_call_id``."""
+    only a tool turn has ``tool_call_id``; only a user turn has ``images``, one ``IMAGE_MARK``
+    in ``content`` for each, in order."""
 
     role: Role
     content: str
@@ -59,6 +76,7 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     prefix: bool = False
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -274,7 +274,8 @@ class DeepSeekV4Format:
             if message.role == "user" and items and items[-1][1].role == "user":
                 # This merge (unlike joining parts of a user turn below) skips empty texts.
                 merged = "\n\n".join(text for text in (items[-1][1].content, message.content) if text)
-                items[-1] = (index, Message(role="user", content=merged))
+                images = items[-1][1].images + message.images
+                items[-1] = (index, Message(role="user", content=merged, images=images))
             else:
                 items.append((index, message))
         # After an assistant with N calls, the N positions that follow it (only if there are N) are stably

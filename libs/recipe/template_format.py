@@ -8,7 +8,10 @@ as ``<tool_response>...</tool_response>``; the output parser reads the same synt
 
 User-supplied text never becomes a special token: when some message spells one (``<|im_end|>``),
 the template is rendered with placeholders for the messages' text, and that text is encoded
-with the added vocabulary disabled (``Tokenizer.encode_plain``).
+with the added vocabulary disabled (``Tokenizer.encode_plain``). A conversation with images is
+rendered the same way, and each ``IMAGE_MARK`` in a message's text becomes one ``IMAGE_SLOT`` id
+(the gateway expands it into the model's image tokens); ``Prompt.images`` lists the images in the
+order of their slots.
 """
 
 from __future__ import annotations
@@ -16,12 +19,21 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from libs.protocol.messages import StructuredOutput
+from libs.protocol.messages import ImageSpan, StructuredOutput
 from libs.recipe.chat_template import ChatTemplate
-from libs.recipe.conversation import Conversation, Message, RecipeError, ToolCall, ToolDefinition
+from libs.recipe.conversation import (
+    IMAGE_MARK,
+    IMAGE_SLOT,
+    Conversation,
+    ImageInput,
+    Message,
+    RecipeError,
+    ToolCall,
+    ToolDefinition,
+)
 from libs.recipe.dsml import Dialect
 from libs.recipe.output_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Stage, Syntax
 from libs.recipe.tokenizer import Tokenizer
@@ -40,6 +52,10 @@ class Prompt:
     thinking: bool  # reasoning is expected in the output
     structured_output: StructuredOutput | None = None  # the output constraint (set by the gateway)
     dsml: Dialect | None = None  # a DeepSeek format's DSML spelling (syntax "deepseek")
+    images: tuple[ImageInput, ...] = ()  # one per IMAGE_SLOT id in token_ids, in that order
+    # Once the gateway expanded the slots (services/gateway/image_admission.py): where each image's
+    # placeholder tokens sit, by content hash (``images`` is then empty)
+    image_spans: tuple[ImageSpan, ...] = ()
 
 
 def _tools_section(tools: Sequence[ToolDefinition]) -> str:
@@ -102,20 +118,22 @@ class TemplateFormat:
     def prompt(self, conv: Conversation) -> Prompt:
         tools = () if conv.tool_choice == "none" else conv.tools
         forced = conv.tool_choice == "required" and bool(tools)
-        messages = [self._message(m, tools) for m in self._turns(conv, tools)]
+        turns = self._turns(conv, tools)
+        messages = [self._message(m, tools) for m in turns]
         prefix = bool(conv.messages) and conv.messages[-1].prefix
         extra: dict[str, Any] = dict(conv.extra)
         if self.tool_mode == "native" and tools:
             extra["tools"] = [_tool_json(t) for t in tools]
         if conv.thinking is not None:
             extra.setdefault("enable_thinking", conv.thinking)
-        token_ids = self._encode(messages, prefix, forced, extra)
+        token_ids, images = self._encode(messages, [m.images for m in turns], prefix, forced, extra)
         return Prompt(
             token_ids,
             syntax="hermes" if tools or conv.thinking else "plain",
             start="tool_calls" if forced else "content",
             parse_tool_calls=bool(tools),
             thinking=bool(conv.thinking),
+            images=images,
         )
 
     def _turns(self, conv: Conversation, tools: Sequence[ToolDefinition]) -> list[Message]:
@@ -133,13 +151,13 @@ class TemplateFormat:
             if msg.role == "tool" and self.tool_mode == "convention":
                 result = f"<tool_response>\n{msg.content}\n</tool_response>"
                 if turns and turns[-1].role == "user" and turns[-1].content.startswith("<tool_response>"):
-                    turns[-1] = Message("user", turns[-1].content + "\n" + result)
+                    turns[-1] = replace(turns[-1], content=turns[-1].content + "\n" + result)
                 else:
                     turns.append(Message("user", result))
             elif msg.role == "latest_reminder":
-                turns.append(Message("user", msg.content))
+                turns.append(replace(msg, role="user"))
             elif msg.role == "developer":
-                turns.append(Message("system", msg.content))  # templates know system, rarely developer
+                turns.append(replace(msg, role="system"))  # templates know system, rarely developer
             else:
                 turns.append(msg)
         if preamble:
@@ -178,23 +196,47 @@ class TemplateFormat:
         return text[: text.index(marker)]
 
     def _encode(
-        self, messages: list[dict[str, Any]], prefix: bool, forced: bool, extra: dict[str, Any]
-    ) -> list[int]:
+        self,
+        messages: list[dict[str, Any]],
+        images: list[tuple[ImageInput, ...]],
+        prefix: bool,
+        forced: bool,
+        extra: dict[str, Any],
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The token ids, and the images in the order of their slots; ``images``: each message's."""
         suffix = TOOL_CALL_OPEN + "\n" if forced else ""
         texts = [m["content"] for m in messages]
-        if not any(self._special.search(t) for t in texts):
-            return self.tokenizer.encode(self._render(messages, prefix, extra) + suffix)
-        # Some message spells a special token: keep that text out of special-token matching.
+        if not any(images) and not any(self._special.search(t) for t in texts):
+            return self.tokenizer.encode(self._render(messages, prefix, extra) + suffix), ()
+        # Some message spells a special token, or holds images: keep each message's text apart.
         held = [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
         rendered = self._render(held, prefix, extra) + suffix
         ids: list[int] = []
+        slotted: list[ImageInput] = []
         for i, part in enumerate(rendered.split("\x00")):
             if i % 2 == 0:  # the template's own text: its special tokens are real
                 ids += self.tokenizer.encode(part, add_bos=i == 0)
                 continue
-            if not part.isdigit():  # the template transformed the text: no safe split
+            if not (part.isdecimal() and int(part) < len(texts)):  # the template transformed the text
                 raise RecipeError("a message spells a special token this chat template cannot keep apart")
-            ids += self.tokenizer.encode_plain(texts[int(part)])
+            ids += self._text_ids(texts[int(part)], images[int(part)])
+            slotted += images[int(part)]
+        if len(slotted) != sum(map(len, images)):  # a message dropped, or written twice
+            raise RecipeError("this model's chat template does not keep each image of the conversation once")
+        return ids, tuple(slotted)
+
+    def _text_ids(self, text: str, images: tuple[ImageInput, ...]) -> list[int]:
+        """A message's text as plain text, one IMAGE_SLOT where each of its ``images`` sits."""
+        if not images:
+            return self.tokenizer.encode_plain(text)
+        pieces = text.split(IMAGE_MARK)
+        if len(pieces) != len(images) + 1:
+            raise RecipeError(
+                "a message's text does not hold one image mark per image", param=images[0].param
+            )
+        ids = self.tokenizer.encode_plain(pieces[0])
+        for piece in pieces[1:]:
+            ids += [IMAGE_SLOT, *self.tokenizer.encode_plain(piece)]
         return ids
 
 

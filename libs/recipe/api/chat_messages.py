@@ -1,7 +1,8 @@
 """Chat Completions ``messages`` -> Conversation messages, with OpenAI's tool-history rules. Pure.
 
 Roles: system, developer (a system turn: OpenAI's newer name for it), user, assistant, tool, and
-DeepSeek's latest_reminder. Content is a string or text parts joined with "\\n\\n"; media parts are
+DeepSeek's latest_reminder. Content is a string or text parts joined with "\\n\\n"; a user turn's
+``image_url`` parts are its images (each an ``IMAGE_MARK`` in the text), other media parts are
 refused cleanly. Assistant turns carry DeepSeek's ``reasoning_content`` and ``prefix`` extensions.
 """
 
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.recipe.api.common import ToolTurnWording, check_tool_turns
-from libs.recipe.api.openai_content import content_text, message_role
-from libs.recipe.conversation import Message, Role, ToolCall
+from libs.recipe.api.common import ToolTurnWording, check_tool_turns, one_of
+from libs.recipe.api.openai_content import DETAILS, PartTypes, image_input, message_content, message_role
+from libs.recipe.conversation import ImageInput, Message, Role, ToolCall
 from libs.recipe.fields import ApiError, optional_bool
 
 ROLES: dict[str, Role] = {
@@ -22,8 +23,27 @@ ROLES: dict[str, Role] = {
     "tool": "tool",
     "latest_reminder": "latest_reminder",
 }
-_TEXT_PARTS = ("text",)
-_MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
+
+
+def _image(part: dict[str, Any], where: str) -> ImageInput:
+    """``{"type": "image_url", "image_url": {"url", "detail"}}``; a bare URL string too, as vLLM takes."""
+    spec = part.get("image_url")
+    if isinstance(spec, str):
+        return image_input(spec, where, f"{where}.image_url", None)
+    if not isinstance(spec, dict):
+        message = f"'{where}.image_url' must be an object with a 'url' (or a URL string)"
+        raise ApiError(400, message, param=f"{where}.image_url")
+    if not isinstance(spec.get("url"), str):
+        raise ApiError(
+            400, f"'{where}.image_url.url' is required and must be a string", param=f"{where}.image_url.url"
+        )
+    detail = one_of(spec, "detail", DETAILS, f"{where}.image_url.detail")
+    return image_input(spec["url"], where, f"{where}.image_url.url", detail)
+
+
+PARTS = PartTypes(
+    text=("text",), image="image_url", read_image=_image, media={"input_audio": "audio", "file": "file"}
+)
 
 WORDING = ToolTurnWording(
     unanswered=lambda ids: (
@@ -94,7 +114,9 @@ def _message(msg: Any, i: int, last: bool) -> Message:
     role = message_role(msg, ROLES, where)
     raw = msg.get("content")
     # None stays None here: an assistant turn may carry only tool calls; the others refuse it below.
-    content = None if raw is None else content_text(raw, f"{where}.content", _TEXT_PARTS, _MEDIA)
+    content, images = (
+        (None, ()) if raw is None else message_content(raw, f"{where}.content", PARTS, role == "user")
+    )
     if role == "assistant":
         return _assistant(msg, where, content, last)
     if content is None:
@@ -102,7 +124,7 @@ def _message(msg: Any, i: int, last: bool) -> Message:
             400, f"'{where}.content' is required for role '{msg['role']}'", param=f"{where}.content"
         )
     if role != "tool":
-        return Message(role, content)
+        return Message(role, content, images=images)
     call_id = msg.get("tool_call_id")
     if not isinstance(call_id, str):
         raise ApiError(

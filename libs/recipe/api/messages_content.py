@@ -3,20 +3,25 @@
 A user turn's ``tool_result`` blocks (which must come first, as Anthropic requires) become tool
 messages, its text blocks one following user message; an assistant turn's ``thinking`` blocks
 become its reasoning (signatures are not checked), ``tool_use`` blocks its tool calls. The final
-assistant turn is a prefill: ``prefix`` is set and the model continues it.
+assistant turn is a prefill: ``prefix`` is set and the model continues it. A user turn's ``image``
+blocks (base64 data, decoded here, or an http(s) URL) sit among its text blocks, each an
+``IMAGE_MARK`` in the text; anywhere else (system, tool results, assistant turns) they are a 400.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 from libs.recipe.api.common import UNSUPPORTED_INPUT, ToolTurnWording, check_tool_turns, join_text
-from libs.recipe.conversation import Message, ToolCall
+from libs.recipe.conversation import IMAGE_MARK, IMAGE_MEDIA_TYPES, ImageInput, Message, ToolCall
 from libs.recipe.fields import ApiError, check_depth, lookup, optional_bool, shown
 
-_MEDIA = {"image": "image", "document": "document", "search_result": "search result"}
+_MEDIA = {"document": "document", "search_result": "search result"}
 
 WORDING = ToolTurnWording(
     unanswered=lambda ids: (
@@ -48,20 +53,86 @@ def _string(block: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
+def _checked(text: str, where: str) -> str:
+    """Client text as sent, refused when it holds the image mark: no client forges an image slot."""
+    if IMAGE_MARK in text:
+        raise ApiError(
+            400, f"{where}: Input should not contain the reserved text {IMAGE_MARK!r}", param=where
+        )
+    return text
+
+
+def _text(block: dict[str, Any], where: str) -> str:
+    return _checked(_string(block, "text", where), f"{where}.text")
+
+
+def _misplaced_image(where: str) -> ApiError:
+    return ApiError(
+        400, f"{where}: image blocks are only allowed in the content of user messages", param=where
+    )
+
+
 def _texts(content: Any, where: str) -> str:
     """A string, or text blocks joined (system prompts and tool_result contents)."""
     if isinstance(content, str):
-        return content
+        return _checked(content, where)
     if not isinstance(content, list):
         raise ApiError(400, f"{where}: Input should be a valid string or list of blocks", param=where)
     texts = []
     for j, block in enumerate(content):
-        if _block_type(block, f"{where}[{j}]") != "text":
+        kind = _block_type(block, f"{where}[{j}]")
+        if kind == "image":
+            raise _misplaced_image(f"{where}[{j}]")
+        if kind != "text":
             raise ApiError(
                 400, f"{where}[{j}]: only text blocks are supported here", param=f"{where}[{j}].type"
             )
-        texts.append(_string(block, "text", f"{where}[{j}]"))
+        texts.append(_text(block, f"{where}[{j}]"))
     return join_text(texts)
+
+
+def _base64_image(source: dict[str, Any], where: str, at: str) -> ImageInput:
+    media_type = source.get("media_type")
+    if not isinstance(media_type, str) or media_type not in IMAGE_MEDIA_TYPES:
+        *head, last = [f"'{t}'" for t in IMAGE_MEDIA_TYPES]
+        types = f"{', '.join(head)} or {last}"
+        raise ApiError(400, f"{where}.media_type: Input should be {types}", param=f"{where}.media_type")
+    text = _string(source, "data", where)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):  # ValueError: a non-ASCII character
+        data = b""
+    if not data:
+        raise ApiError(
+            400, f"{where}.data: Input should be non-empty, valid base64 data", param=f"{where}.data"
+        )
+    return ImageInput(at, data=data, media_type=media_type)
+
+
+def _web_url(url: str) -> bool:
+    """An http(s) URL with a host."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a malformed host ("http://[x")
+        return False
+    return parts.scheme.lower() in ("http", "https") and bool(parts.netloc)
+
+
+def _image(block: dict[str, Any], at: str) -> ImageInput:
+    """An image block: ``source`` is base64 data with its media type, or an http(s) URL."""
+    source = block.get("source")
+    where = f"{at}.source"
+    if not isinstance(source, dict):
+        raise ApiError(400, f"{where}: Input should be a valid dictionary", param=where)
+    kind = source.get("type")
+    if kind == "base64":
+        return _base64_image(source, where, at)
+    if kind != "url":
+        raise ApiError(400, f"{where}.type: Input should be 'base64' or 'url'", param=f"{where}.type")
+    url = _string(source, "url", where)
+    if not _web_url(url):
+        raise ApiError(400, f"{where}.url: Input should be an http or https URL", param=f"{where}.url")
+    return ImageInput(at, url=url)
 
 
 def system_text(system: Any) -> str | None:
@@ -78,10 +149,14 @@ def _blocks(content: list[Any], where: str) -> Iterator[tuple[str, str, dict[str
 
 def _user(content: list[Any], where: str) -> list[Message]:
     results: list[Message] = []
-    texts: list[str] = []
+    texts: list[str] = []  # text blocks, and an IMAGE_MARK for each image
+    images: list[ImageInput] = []
     for at, kind, block in _blocks(content, where):
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(_text(block, at))
+        elif kind == "image":
+            texts.append(IMAGE_MARK)
+            images.append(_image(block, at))
         elif kind == "tool_result":
             if texts:
                 raise ApiError(400, f"{at}: tool_result blocks must come before any other content", param=at)
@@ -97,7 +172,7 @@ def _user(content: list[Any], where: str) -> list[Message]:
                 f"{at}: blocks of type {shown(kind)} are not supported in user messages",
                 param=f"{at}.type",
             )
-    return results + ([Message("user", join_text(texts))] if texts else [])
+    return results + ([Message("user", join_text(texts), images=tuple(images))] if texts else [])
 
 
 def _assistant(content: list[Any], where: str, last: bool) -> Message:
@@ -106,7 +181,9 @@ def _assistant(content: list[Any], where: str, last: bool) -> Message:
     calls: list[ToolCall] = []
     for at, kind, block in _blocks(content, where):
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(_text(block, at))
+        elif kind == "image":
+            raise _misplaced_image(at)
         elif kind == "thinking":
             reasoning = [*(reasoning or []), _string(block, "thinking", at)]
         elif kind == "tool_use":

@@ -37,6 +37,7 @@ from libs.recipe.api.inert import (
     prompt_cache_options,
     responses_stream_options,
 )
+from libs.recipe.api.openai_content import client_text
 from libs.recipe.api.responses_input import WORDING, parse_input
 from libs.recipe.api.tools import ToolChoiceSpec, parse_tools, resolve_tool_choice, tool_definition
 from libs.recipe.conversation import Conversation, Effort, Message, ToolChoice, ToolDefinition
@@ -218,8 +219,9 @@ def _check_unused(body: dict[str, Any]) -> None:
 def _settings(body: dict[str, Any]) -> dict[str, Any]:
     """The top-level settings a Response repeats back, each validated once, with OpenAI's defaults
     filled in."""
+    instructions = optional_str(body, "instructions")
     return {
-        "instructions": optional_str(body, "instructions"),
+        "instructions": None if instructions is None else client_text(instructions, "instructions"),
         "parallel_tool_calls": optional_bool(body, "parallel_tool_calls") is not False,
         "store": optional_bool(body, "store") is not False,  # OpenAI stores responses unless told not to
         "metadata": metadata(body),

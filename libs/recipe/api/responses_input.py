@@ -4,7 +4,9 @@ Consecutive assistant-side items form one assistant turn, as the wheel groups th
 item with ``reasoning_text`` parts opens a turn (they become its reasoning; summary-only items
 are skipped), assistant messages
 add text, function calls add tool calls; a user/system message, a function_call_output, a new
-reasoning item after text or calls, or assistant text after a call closes the turn.
+reasoning item after text or calls, or assistant text after a call closes the turn. A user
+message's ``input_image`` parts are its images (a data URL or an http(s) URL; no ``file_id``: there
+is no file store); files and audio are refused.
 """
 
 from __future__ import annotations
@@ -12,17 +14,42 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from libs.recipe.api.common import ToolTurnWording, join_text
-from libs.recipe.api.openai_content import content_text, message_role
-from libs.recipe.conversation import Message, Role, ToolCall
+from libs.recipe.api.common import ToolTurnWording, join_text, one_of, refuse
+from libs.recipe.api.openai_content import (
+    DETAILS,
+    PartTypes,
+    client_text,
+    image_input,
+    message_content,
+    message_role,
+)
+from libs.recipe.conversation import ImageInput, Message, Role, ToolCall
 from libs.recipe.fields import ApiError, shown
 
 # A developer message stays one: where it goes is the format's choice (the wheel: V4 user, V4.1 system).
 ROLES: dict[str, Role] = {
     "user": "user", "system": "system", "developer": "developer", "assistant": "assistant"
 }  # fmt: skip
-_TEXT_PARTS = ("input_text", "output_text")
-_MEDIA_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+
+def _image(part: dict[str, Any], where: str) -> ImageInput:
+    """``{"type": "input_image", "image_url": <data or http(s) URL>, "detail"}``."""
+    if part.get("file_id") is not None:
+        refuse(f"{where}.file_id", "there is no file store here: send the image as 'image_url'")
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise ApiError(
+            400, f"'{where}.image_url' is required and must be a string", param=f"{where}.image_url"
+        )
+    return image_input(url, where, f"{where}.image_url", one_of(part, "detail", DETAILS, f"{where}.detail"))
+
+
+PARTS = PartTypes(
+    text=("input_text", "output_text"),
+    image="input_image",
+    read_image=_image,
+    media={"input_file": "file", "input_audio": "audio"},
+)
 
 WORDING = ToolTurnWording(
     unanswered=lambda ids: f"No tool output found for function call {', '.join(ids)}.",
@@ -50,8 +77,8 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _content(content: Any, where: str) -> str:
-    return content_text(content, where, _TEXT_PARTS, _MEDIA_PARTS)
+def _content(content: Any, where: str, user: bool = False) -> tuple[str, tuple[ImageInput, ...]]:
+    return message_content(content, where, PARTS, user)
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> list[str]:
@@ -97,13 +124,13 @@ class _Builder:
 
     def message(self, item: dict[str, Any], i: int, where: str) -> None:
         role = message_role(item, ROLES, where)
-        text = _content(item.get("content"), f"{where}.content")
+        text, images = _content(item.get("content"), f"{where}.content", user=role == "user")
         if role == "assistant":
             turn = self.open(i, fresh=bool(self.turn and self.turn.calls))
             turn.texts.append(text)
         else:
             self.close()
-            self.emit(Message(role, text), i)
+            self.emit(Message(role, text, images=images), i)
 
     def reasoning(self, item: dict[str, Any], i: int, where: str) -> None:
         texts = _reasoning_text(item, where)
@@ -122,7 +149,7 @@ class _Builder:
 
     def function_call_output(self, item: dict[str, Any], i: int, where: str) -> None:
         call_id = _string(item, "call_id", where)
-        output = _content(item.get("output"), f"{where}.output")
+        output, _ = _content(item.get("output"), f"{where}.output")  # no images: not a user message
         self.close()
         self.emit(Message("tool", output, tool_call_id=call_id), i)
 
@@ -130,7 +157,7 @@ class _Builder:
 def parse_input(raw: Any) -> tuple[tuple[Message, ...], tuple[int, ...]]:
     """The input's messages, and for each the index of the item it came from."""
     if isinstance(raw, str):
-        return (Message("user", raw),), (0,)
+        return (Message("user", client_text(raw, "input")),), (0,)
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'input' is required: a string or a non-empty array of items", param="input")
     builder = _Builder()

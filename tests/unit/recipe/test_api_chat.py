@@ -131,12 +131,17 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
     "body": ({}, "model", "'model' is required"),
     "role": (body(messages=[{"role": "bot", "content": "x"}]), "messages[0].role", "must be one of"),
     "empty": (body(messages=[]), "messages", "must not be empty"),
-    "image": (
+    "image_url_scheme": (
         body(
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///x"}}]}]
         ),
+        "messages[0].content[0].image_url.url",
+        "http(s) URL",
+    ),
+    "image_in_system": (
+        body(messages=[{"role": "system", "content": [{"type": "image_url", "image_url": "http://x"}]}]),
         "messages[0].content[0]",
-        "image input is not supported by this model",
+        "only allowed in messages with role 'user'",
     ),
     "audio": (
         body(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),

@@ -103,12 +103,17 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
         "messages[0].content",
         "non-empty content",
     ),
-    "image": (
+    "image_url": (
         body(
             messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]
         ),
+        "messages[0].content[0].source.url",
+        "http or https URL",
+    ),
+    "document": (
+        body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]),
         "messages[0].content[0]",
-        "image input is not supported by this model",
+        "document input is not supported by this model",
     ),
     "redacted": (
         body(
@@ -192,7 +197,7 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
     "thinking_type": (body(thinking={"type": "maybe"}), "thinking.type", "must be one of"),
     "stop_sequences": (body(stop_sequences="x"), "stop_sequences", "list of strings"),
     "output_config": (body(output_config={"task_budget": 1}), "output_config.task_budget", "Extra inputs"),
-    "system_image": (body(system=[{"type": "image", "source": {}}]), "system[0]", "image input"),
+    "system_image": (body(system=[{"type": "image", "source": {}}]), "system[0]", "only allowed in"),
 }
 
 

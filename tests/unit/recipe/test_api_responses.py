@@ -111,10 +111,15 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
     "unknown": (body(foo=1), "foo", "Unknown parameter: 'foo'."),
     "input_missing": ({"model": MODEL}, "input", "'input' is required"),
     "role": (body(input=[{"role": "tool", "content": "x"}]), "input[0].role", "must be one of"),
-    "image": (
+    "image_url": (
         body(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]),
-        "input[0].content[0]",
-        "image input",
+        "input[0].content[0].image_url",
+        "http(s) URL",
+    ),
+    "image_file_id": (
+        body(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]),
+        "input[0].content[0].file_id",
+        "no file store",
     ),
     "file": (
         body(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]),
