@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from deepinfer import api_key, bench, health, serve
 from libs.runtime.settings import add_config_args
+from services.encoder.config import Config as EncoderConfig
 from services.gateway.config import Config as GatewayConfig
 from services.kvcache.config import Config as KVCacheConfig
 from services.scheduler.config import Config as SchedulerConfig
@@ -23,6 +24,7 @@ SERVICES: dict[str, tuple[str, type]] = {
     "scheduler": ("admission, batching and routing", SchedulerConfig),
     "worker": ("the model on one device", WorkerConfig),
     "kvcache": ("the index of stored KV blocks: retention, eviction, lookups", KVCacheConfig),
+    "encoder": ("a vision model's image encoder: images in, embeddings out (media store)", EncoderConfig),
 }
 
 

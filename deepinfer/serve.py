@@ -47,9 +47,11 @@ from deepinfer.supervisor import (
     wait_exited,
 )
 from libs.bus.nats_server import EmbeddedNatsServer
+from libs.modelfiles.registry import VISION_ARCHITECTURES, model_architecture, resolve_model_path
 from libs.runtime.logs import setup_logging
 from libs.runtime.metrics_server import start_metrics_server
 from libs.runtime.settings import add_config_args, build_config
+from services.encoder.config import Config as EncoderConfig
 from services.gateway.api_keys import read_keys_file
 from services.gateway.config import Config as GatewayConfig
 from services.kvcache.config import Config as KVCacheConfig
@@ -65,8 +67,15 @@ SERVICE_CONFIGS: dict[str, type] = {
     "worker": WorkerConfig,
     "scheduler": SchedulerConfig,
     "kvcache": KVCacheConfig,
+    "encoder": EncoderConfig,  # a vision-language model's only (``vision_model``)
     "gateway": GatewayConfig,  # last: it serves once the others are up, and stops first
 }
+
+
+def vision_model(spec: str) -> bool:
+    """Whether the model takes images (then serve starts an encoder for it)."""
+    path = resolve_model_path(spec)
+    return path.is_dir() and model_architecture(path) in VISION_ARCHITECTURES
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +342,8 @@ def main(args: argparse.Namespace) -> None:
     }
     nats_url = args.nats_url or os.environ.get("DEEPINFER_NATS_URL", "")
     check_security(configs["gateway"], nats_url)
+    if not vision_model(configs["worker"].model):
+        del configs["encoder"]
     setup_logging(config.log_level, "serve", config.log_format)
     roles = config.worker_roles(configs["worker"].role)
     if len(roles) > 1 and configs["worker"].dist_init_addr:

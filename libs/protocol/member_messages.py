@@ -13,6 +13,7 @@ class MemberKind(enum.IntEnum):
     SCHEDULER = 2
     WORKER = 3
     KVCACHE = 4
+    ENCODER = 5
 
 
 @dataclass(frozen=True, slots=True)

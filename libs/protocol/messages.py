@@ -138,6 +138,21 @@ class Logprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """Where one image's tokens sit in a prompt, and which image it is. The tokens themselves are
+    the model's image placeholder id, alike for every image: the content hash is what tells two
+    images apart, in the prefix-cache keys of the blocks they touch and in the encoder's cache."""
+
+    mm_hash: bytes  # sha256 of the image file's bytes (32 bytes)
+    offset: int  # the prompt position of its first token
+    length: int  # its number of tokens (the encoder's output rows)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True)
 class SubmitRequest:
     request_id: str  # with n > 1, choice i runs as sequence ``seq_id_of(request_id, i)``
     gateway_id: str  # where the outputs go: subject out.<gateway_id>
@@ -159,6 +174,7 @@ class SubmitRequest:
     # OpenAI Predicted Outputs: packed uint32, the output the client expects (drafted from)
     prediction_token_ids: bytes = b""
     traceparent: str = ""  # W3C trace context of the gateway's span (libs/runtime/tracing.py); "": none
+    image_spans: tuple[ImageSpan, ...] = ()  # the prompt's images, in prompt order (encoded already)
 
 
 class SubmitStatus(enum.IntEnum):
@@ -258,6 +274,7 @@ class NewSequence:
     num_computed_tokens: int  # tokens whose KV already sits in those blocks (a shared prefix)
     num_scheduled_tokens: int  # tokens to compute in this step, from num_computed_tokens on
     kv_load: KVLoad | None = None  # blocks among the computed ones to fill from G2 / G3 first
+    image_spans: tuple[ImageSpan, ...] = ()  # the prompt's images (their embeddings: the media store)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,10 @@ class Subjects:
         """JetStream KV bucket for membership and liveness."""
         return f"{self.prefix.replace('.', '-')}-members"
 
+    def encode(self, model_fingerprint: str) -> str:
+        """EncodeRequest, to one encoder of that model (queue group ``QUEUE_ENCODERS``)."""
+        return f"{self.prefix}.encode.{model_fingerprint}"
+
     @property
     def pause(self) -> str:
         """PauseRequest: a stream's client left (pause its request), or it is resumed (go on)."""
@@ -99,3 +103,5 @@ class Subjects:
 
 # Queue group of the schedulers: each submit goes to exactly one of them.
 QUEUE_SCHEDULERS = "schedulers"
+# Queue group of the encoders: each encode request goes to one of a model's encoders.
+QUEUE_ENCODERS = "encoders"

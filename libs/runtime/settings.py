@@ -21,6 +21,7 @@ T = TypeVar("T")
 ENV_PREFIX = "DEEPINFER_"
 KV_STORE_OFF = "none"  # the kv_store_path that turns G3 off (any case)
 KV_STORE_DIR_NAME = "kv-store"  # under the cache dir when kv_store_path is not set
+MEDIA_DIR_NAME = "media"  # under the cache dir when media_path is not set
 
 
 def env_name(field_name: str) -> str:
@@ -113,3 +114,10 @@ def kv_store_root(kv_store_path: str, cache_dir: str) -> Path | None:
     if kv_store_path.strip().lower() == KV_STORE_OFF:
         return None
     return Path(kv_store_path).expanduser() if kv_store_path else Path(cache_dir) / KV_STORE_DIR_NAME
+
+
+def media_root(media_path: str, cache_dir: str) -> Path:
+    """The media store directory (images and encoder outputs, ``libs/kvstore/media_store.py``):
+    "" -> ``<cache_dir>/media``. Gateways, encoders and workers read the shared flag through this;
+    on several hosts it is a directory all of them mount, as the G3 store is."""
+    return Path(media_path).expanduser() if media_path else Path(cache_dir) / MEDIA_DIR_NAME

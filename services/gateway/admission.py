@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from libs.protocol.messages import SamplingParams, SubmitStatus
 from libs.protocol.stream_messages import StreamRecord
+from libs.recipe.api.common import UNSUPPORTED_INPUT
 from libs.recipe.conversation import Conversation
 from libs.recipe.fields import ApiError
 from libs.recipe.sampling import Sampling
@@ -18,6 +19,7 @@ from libs.runtime.logs import set_request_id
 from libs.runtime.tracing import current_traceparent
 from services.gateway.cache_scope import UNSCOPED, CacheScope, CacheScoping, KeyStyle
 from services.gateway.caller import ANONYMOUS, Caller, caller_of
+from services.gateway.image_admission import ImageAdmission
 from services.gateway.request_stream import RequestStream
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService, SubmitRejected
@@ -38,11 +40,17 @@ class Admitted:
 
 class Admission:
     def __init__(
-        self, service: GatewayService, served: ServedModel, scoping: CacheScoping | None = None
+        self,
+        service: GatewayService,
+        served: ServedModel,
+        scoping: CacheScoping | None = None,
+        images: ImageAdmission | None = None,
     ) -> None:
+        """``images``: how a prompt's images are checked and encoded (None: images are refused)."""
         self.service = service
         self.served = served
         self.scoping = scoping or CacheScoping()
+        self.images = images
 
     def scope(self, request: Request, style: KeyStyle, requested: str | None = None) -> CacheScope:
         """The request's tenant and retention class (``requested``: the body's retention, if any)."""
@@ -51,10 +59,19 @@ class Admission:
     def tenant(self, request: Request, style: KeyStyle) -> str:
         return self.scoping.tenant(request.headers, style, caller_of(request).tenant)
 
-    async def prompt(self, conversation: Conversation, format_param: str = "response_format") -> Prompt:
+    async def prompt(
+        self, conversation: Conversation, format_param: str = "response_format", encode_images: bool = True
+    ) -> Prompt:
+        """The prompt's tokens, its images expanded into their placeholder runs and (unless
+        ``encode_images`` is off: count_tokens) encoded."""
         # Rendering and tokenizing a long prompt, and checking its output constraint, are CPU
         # work: keep them off the event loop.
-        return await asyncio.to_thread(self.served.prompt, conversation, format_param)
+        prompt = await asyncio.to_thread(self.served.prompt, conversation, format_param)
+        if not prompt.images:
+            return prompt
+        if self.images is None:
+            raise ApiError(400, UNSUPPORTED_INPUT.format(kind="image"), param=prompt.images[0].param)
+        return await self.images.prepare(prompt, encode_images)
 
     async def admit(
         self,
@@ -113,6 +130,7 @@ class Admission:
                 priority=caller.priority,
                 tenant_weight=caller.weight,
                 traceparent=current_traceparent(),
+                image_spans=prompt.image_spans,
             )
         except SubmitRejected as exc:
             status, type_, code = _REJECTED[exc.status]

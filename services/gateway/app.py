@@ -16,6 +16,7 @@ from services.gateway.auth import KeyCheck, KeyFile
 from services.gateway.cache_scope import CacheScoping
 from services.gateway.dashboard import dashboard
 from services.gateway.economics import PriceList
+from services.gateway.image_admission import ImageAdmission
 from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.response_store import ResponseStore
 from services.gateway.routes_messages import MessagesRoutes
@@ -35,15 +36,17 @@ def build_app(
     scoping: CacheScoping | None = None,
     keys: KeyFile | None = None,
     prices: PriceList | None = None,
+    images: ImageAdmission | None = None,
 ) -> Starlette:
     """``retry_after_s``: the Retry-After of a 429 (the scheduler's queue is full);
     ``keepalive_s``: the longest silence on an SSE stream before a keep-alive comment;
     ``scoping``: how a request's tenant and retention class are read (default classes, no tenant header);
     ``keys``: the API keys every /v1 route checks (None: no check);
-    ``prices``: the price list and rental the serving economics use (default: ``PriceList()``)."""
+    ``prices``: the price list and rental the serving economics use (default: ``PriceList()``);
+    ``images``: how requests' images are checked and encoded (None: every image is refused)."""
     gateway_metrics = GatewayMetrics(service, prices, per_tenant=keys is not None)
     server = Server(service, served, retry_after_s, keepalive_s, gateway_metrics.served)
-    admission = Admission(service, served, scoping)
+    admission = Admission(service, served, scoping, images)
 
     async def health(request: Request) -> Response:
         """Readiness: a live scheduler and worker can serve (from state a watcher keeps current)."""

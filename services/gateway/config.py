@@ -16,6 +16,18 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
 
 
 @dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """What one request's images may be (``services/gateway/image_admission.py``)."""
+
+    max_images: int = 8  # per request
+    max_image_bytes: int = 20 << 20  # per image file
+    max_image_pixels: int = 1 << 25  # per image, width x height (a decompression bomb is refused)
+    url_hosts: frozenset[str] = frozenset()  # hosts images may be fetched from (none: no URLs)
+    url_timeout_s: float = 10.0
+    encode_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
 class Config(NatsConfig):
     subject_prefix: str = field(default="deepinfer", metadata={"help": "prefix of every subject"})
     gateway_id: str = field(
@@ -49,6 +61,28 @@ class Config(NatsConfig):
     )
     submit_timeout_s: float = field(
         default=5.0, metadata={"help": "how long a submit may wait for a scheduler"}
+    )
+    media_path: str = field(
+        default="",
+        metadata={
+            "help": "the media store (images and their encoder outputs), a directory the gateways,"
+            " encoders and workers share: '' = <cache dir>/media"
+        },
+    )
+    max_images_per_request: int = field(default=8, metadata={"help": "images one request may carry"})
+    max_image_mb: float = field(default=20.0, metadata={"help": "size of one image file, MiB, at most"})
+    max_image_pixels: int = field(
+        default=1 << 25, metadata={"help": "width x height of one image, at most (decompression bombs)"}
+    )
+    image_url_hosts: str = field(
+        default="",
+        metadata={
+            "help": "hosts image URLs may be fetched from, comma-separated ('': none, only inline"
+            " images; fetching any URL a client names lets it probe this network)"
+        },
+    )
+    encode_timeout_s: float = field(
+        default=60.0, metadata={"help": "how long a request's images may wait for an encoder"}
     )
     routing: str = field(
         default="kv",
@@ -165,6 +199,10 @@ class Config(NatsConfig):
             raise ValueError("grammar_compile_timeout_s and grammar_compile_max_mb must be > 0")
         if self.submit_timeout_s <= 0:
             raise ValueError(f"submit_timeout_s must be > 0, got {self.submit_timeout_s}")
+        if self.max_images_per_request < 0 or min(self.max_image_mb, self.max_image_pixels) <= 0:
+            raise ValueError("max_images_per_request must be >= 0, max_image_mb and max_image_pixels > 0")
+        if self.encode_timeout_s <= 0:
+            raise ValueError(f"encode_timeout_s must be > 0, got {self.encode_timeout_s}")
         if self.routing not in ("kv", "round_robin"):
             raise ValueError(f"routing must be kv or round_robin, got {self.routing!r}")
         if min(self.router_cache_weight, self.router_load_weight, self.router_temperature) < 0:
@@ -193,6 +231,17 @@ class Config(NatsConfig):
             self.price_cached_input_per_million,
             self.price_output_per_million,
             self.rental_per_device_hour,
+        )
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        hosts = frozenset(h.strip().lower() for h in self.image_url_hosts.split(",") if h.strip())
+        return ImageLimits(
+            self.max_images_per_request,
+            int(self.max_image_mb * (1 << 20)),
+            self.max_image_pixels,
+            hosts,
+            encode_timeout_s=self.encode_timeout_s,
         )
 
     @property

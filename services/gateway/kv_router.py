@@ -34,6 +34,7 @@ from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, hash_blocks
 from libs.kvstore.event_cursor import EventCursor, EventVerdict
 from libs.protocol.kv_messages import CacheTier, KVDump, KVEvents, RemovalReason, split_hashes
 from libs.protocol.member_messages import WorkerLoad
+from libs.protocol.messages import ImageSpan
 
 StreamKey = tuple[str, str]  # (publisher id, worker id; "" for a worker's own stream)
 ChainKind = tuple[int, str]  # (block size, model fingerprint): what a worker's block hashes depend on
@@ -158,6 +159,7 @@ class KVRouter:
         now: float,
         chains: Mapping[ChainKind, list[bytes]] = {},
         owners: Container[str] | None = None,
+        spans: Sequence[ImageSpan] = (),
     ) -> Route | None:
         """The worker (and its owner) for a new request, or None when no worker can be named
         (none known, silent, unowned, draining or prefill-only; or, with ``owners``, owned by a
@@ -168,7 +170,7 @@ class KVRouter:
             self.stats.num_unrouted += 1
             return None
         missing = {_kind(v.load) for v in candidates} - set(chains)
-        chains = {**chains, **hash_chains(prompt, tenant, missing)}
+        chains = {**chains, **hash_chains(prompt, tenant, missing, spans)}
         scored: list[tuple[float, WorkerView, int, int]] = []
         for view in candidates:
             chain = chains[_kind(view.load)]
@@ -221,14 +223,15 @@ class KVRouter:
 
 
 def hash_chains(
-    prompt: Sequence[int], tenant: str, kinds: Iterable[ChainKind]
+    prompt: Sequence[int], tenant: str, kinds: Iterable[ChainKind], spans: Sequence[ImageSpan] = ()
 ) -> dict[ChainKind, list[bytes]]:
-    """The chain of the prompt blocks a hit could skip (all but the last token's), per kind."""
+    """The chain of the prompt blocks a hit could skip (all but the last token's), per kind;
+    ``spans``: the prompt's images, in the hashes of the blocks they touch."""
     chains = {}
     for block_size, fingerprint in kinds:
         num_blocks = max(0, len(prompt) - 1) // block_size
         chains[block_size, fingerprint] = hash_blocks(
-            prompt[: num_blocks * block_size], block_size, fingerprint, tenant
+            prompt[: num_blocks * block_size], block_size, fingerprint, tenant, spans=spans
         )
     return chains
 

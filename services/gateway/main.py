@@ -19,16 +19,18 @@ import uvicorn
 from libs.bus.membership import announce
 from libs.bus.nats_bus import NatsBus
 from libs.grammar import resolve_backend
+from libs.kvstore.media_store import MediaStore
 from libs.protocol.member_messages import MemberInfo, MemberKind
 from libs.protocol.subjects import Subjects
 from libs.runtime.logs import setup_logging
 from libs.runtime.process import StopEvent, run_service
-from libs.runtime.settings import build_config, resolve_cache_dir
+from libs.runtime.settings import build_config, media_root, resolve_cache_dir
 from libs.runtime.tracing import otel_endpoint, setup_tracing
 from services.gateway.app import build_app
 from services.gateway.auth import KeyFile
 from services.gateway.cache_scope import CacheScoping
 from services.gateway.config import Config
+from services.gateway.image_admission import ImageAdmission
 from services.gateway.kv_router import KVRouter
 from services.gateway.response_store import ResponseStore
 from services.gateway.served_model import ServedModel
@@ -96,6 +98,15 @@ def reload_on_sighup(keys: KeyFile | None) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
 
 
+def image_admission(
+    config: Config, cache_dir: str, bus: NatsBus, subjects: Subjects, served: ServedModel
+) -> ImageAdmission:
+    store = MediaStore(media_root(config.media_path, cache_dir))
+    if served.vision is not None:
+        log.info("images: %d tokens each, media store %s", served.vision.num_image_tokens, store.root)
+    return ImageAdmission(bus, subjects, store, served.vision, config.image_limits)
+
+
 async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile | None = None) -> None:
     # A configured backend that does not import here is replaced by the other one, with a warning.
     grammar_backend = await asyncio.to_thread(resolve_backend, config.grammar_backend)
@@ -138,6 +149,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile |
                     CacheScoping(config.retention_policy, config.tenant_header),
                     keys,
                     config.prices,
+                    image_admission(config, cache_dir, bus, subjects, served),
                 ),
                 host=config.host,
                 port=config.port,

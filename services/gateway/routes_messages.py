@@ -44,7 +44,9 @@ class MessagesRoutes:
         try:
             req = parse_count_tokens_request(await json_body(request))
             self.server.served.check_model(req.model)
-            prompt = await self.admission.prompt(req.conversation, "output_config.format")
+            prompt = await self.admission.prompt(
+                req.conversation, "output_config.format", encode_images=False
+            )
         except ApiError as err:
             return error_response(err, "anthropic")
         return JSONResponse({"input_tokens": len(prompt.token_ids)})

@@ -19,6 +19,7 @@ from libs.bus.base import Bus, Message, NoResponders, RequestTimeout
 from libs.protocol.codec import DecodeError, decode, decode_or_warn, encode
 from libs.protocol.kv_messages import KVDump, KVDumpRequest, KVEvents
 from libs.protocol.member_messages import WorkerLoad
+from libs.protocol.messages import ImageSpan
 from libs.protocol.subjects import Subjects
 from services.gateway.kv_router import KVRouter, Route, StreamKey, hash_chains
 
@@ -50,14 +51,18 @@ class RouterFeed:
         await self.bus.subscribe(self.subjects.kv_device_events, self.on_events)  # the schedulers' G1
 
     async def route(
-        self, prompt: Sequence[int], tenant: str, owners: Container[str] | None = None
+        self,
+        prompt: Sequence[int],
+        tenant: str,
+        owners: Container[str] | None = None,
+        spans: Sequence[ImageSpan] = (),
     ) -> Route | None:
         """The router's pick (among the workers of ``owners``, when given); the prompt is hashed
         in a thread (a long one takes a while), so the event loop goes on serving streams."""
         try:
             kinds = self.router.chain_kinds(self.clock(), owners)
-            chains = await asyncio.to_thread(hash_chains, prompt, tenant, kinds) if kinds else {}
-            return self.router.route(prompt, tenant, self.clock(), chains, owners)
+            chains = await asyncio.to_thread(hash_chains, prompt, tenant, kinds, spans) if kinds else {}
+            return self.router.route(prompt, tenant, self.clock(), chains, owners, spans)
         except Exception:  # a routing bug must not fail the submit: any scheduler places it
             log.exception("routing failed")
             return None

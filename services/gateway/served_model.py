@@ -10,7 +10,14 @@ from typing import Any
 
 from libs.grammar.sandbox import CompileLimits
 from libs.modelfiles.gguf_metadata import read_gguf_config
-from libs.modelfiles.registry import read_hf_shape, resolve_model_path
+from libs.modelfiles.llava_config import read_llava_config
+from libs.modelfiles.registry import (
+    VISION_ARCHITECTURES,
+    model_architecture,
+    model_fingerprint,
+    read_hf_shape,
+    resolve_model_path,
+)
 from libs.protocol.messages import SamplingParams
 from libs.recipe.chat_formats import ChatFormat, make_chat_format
 from libs.recipe.chat_template import ChatTemplate
@@ -23,6 +30,24 @@ from libs.recipe.output_parser import MARKER_SPELLINGS
 from libs.recipe.template_format import Prompt
 from libs.recipe.tokenizer import Tokenizer
 from services.gateway.grammar_check import GrammarCheck
+
+
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """What the gateway must know of a vision-language model's images: the placeholder token, how
+    many of it an image becomes, and whose encoders to ask (the checkpoint's fingerprint)."""
+
+    image_token_id: int
+    num_image_tokens: int
+    fingerprint: str
+
+    @classmethod
+    def of(cls, path: Path) -> VisionSpec | None:
+        """A LLaVA-style checkpoint's, or None for a model that takes no images."""
+        if not path.is_dir() or model_architecture(path) not in VISION_ARCHITECTURES:
+            return None
+        config = read_llava_config(path)
+        return cls(config.image_token_id, config.num_image_tokens, model_fingerprint(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +69,7 @@ class ServedModel:
     grammar: GrammarCheck | None = None
     # The parser's markers that are one (added) token each, by spelling: grammars name them by id
     markup_ids: Mapping[str, int] = field(default_factory=dict)
+    vision: VisionSpec | None = None  # None: the model takes no images
 
     @classmethod
     def load(
@@ -94,6 +120,7 @@ class ServedModel:
             vocab_size,
             GrammarCheck(grammar_vocab_of(tokenizer, vocab_size or tokenizer.vocab_size), grammar_limits),
             markup_token_ids(tokenizer),
+            VisionSpec.of(path),
         )
 
     @property

@@ -39,6 +39,7 @@ from libs.protocol.kv_messages import KVCacheStats
 from libs.protocol.member_messages import MemberInfo, MemberKind
 from libs.protocol.messages import (
     CancelRequest,
+    ImageSpan,
     PauseRequest,
     RequestOutput,
     SamplingParams,
@@ -172,6 +173,7 @@ class GatewayService:
         priority: int = 0,
         tenant_weight: float = 1.0,
         traceparent: str = "",
+        image_spans: tuple[ImageSpan, ...] = (),
     ) -> RequestStream:
         """Admit the request (raises SubmitRejected) and return the stream of its deltas.
 
@@ -180,7 +182,8 @@ class GatewayService:
         ``tenant`` and ``retention_class``: whose cached KV it may use, and how long its own is kept.
         ``prediction_token_ids``: the output the client predicts (drafted from; Predicted Outputs).
         ``priority``: its place among waiting requests (lower runs first; the API key's);
-        ``tenant_weight``: its tenant's share of admissions (the key's); ``traceparent``: its trace.
+        ``tenant_weight``: its tenant's share of admissions (the key's); ``traceparent``: its trace;
+        ``image_spans``: where the prompt's images sit (encoded already).
         """
         req = SubmitRequest(
             request_id,
@@ -194,6 +197,7 @@ class GatewayService:
             retention_class=retention_class,
             prediction_token_ids=pack_tokens(prediction_token_ids or []),
             traceparent=traceparent,
+            image_spans=image_spans,
         )
         schedulers = functools.partial(self.members.live, MemberKind.SCHEDULER)
         submit = send_submit(

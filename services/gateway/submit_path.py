@@ -39,7 +39,7 @@ async def send_submit(
     if router is not None:
         live = {m.member_id for m in schedulers()}
         for _ in range(MAX_ROUTED_TRIES):
-            route = await router.route(prompt, req.tenant, owners=live - tried)
+            route = await router.route(prompt, req.tenant, live - tried, req.image_spans)
             if route is None:
                 break
             tried.add(route.scheduler_id)

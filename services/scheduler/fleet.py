@@ -245,7 +245,7 @@ class Fleet:
                 continue
             kind = (core.limits.block_size, core.kv_tiers.model_fingerprint)
             if kind not in chains:
-                chains[kind] = core.kv_tiers.prompt_chain(tokens, head.tenant)
+                chains[kind] = core.kv_tiers.prompt_chain(tokens, head.tenant, head.image_spans)
             chain = chains[kind]
             num_cached = core.kv_tiers.num_reusable_blocks(chain)
             states.append(

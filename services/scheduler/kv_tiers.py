@@ -55,6 +55,7 @@ from libs.protocol.kv_messages import (
     join_hashes,
     split_hashes,
 )
+from libs.protocol.messages import ImageSpan
 from services.scheduler.limits import Limits
 from services.scheduler.prefix_cache import BlockHasher, PrefixCache, PrefixCacheStats
 from services.scheduler.sequence import Sequence
@@ -163,13 +164,13 @@ class TierPlanner:
 
     # --- admission -------------------------------------------------------------------------
 
-    def prompt_chain(self, prompt: Seq[int], tenant: str) -> list[bytes]:
+    def prompt_chain(self, prompt: Seq[int], tenant: str, spans: Seq[ImageSpan] = ()) -> list[bytes]:
         """The hashes of the prompt blocks admission may reuse (never the last token's block);
-        empty with prefix caching off."""
+        empty with prefix caching off. ``spans``: the prompt's images."""
         if not self._use_prefix_cache:
             return []
         num_blocks = max(0, len(prompt) - 1) // self.block_size
-        return self._hasher.chain(prompt[: num_blocks * self.block_size], tenant)
+        return self._hasher.chain(prompt[: num_blocks * self.block_size], tenant, spans)
 
     def num_reusable_blocks(self, block_hashes: Seq[bytes]) -> int:
         """Leading blocks of a chain this worker holds in G1 or G2 (routing; no side effects)."""

@@ -15,9 +15,10 @@ import itertools
 import time
 from typing import NamedTuple
 
+from libs.kvstore.media_store import MM_HASH_NUM_BYTES
 from libs.protocol.codec import unpack_tokens
 from libs.protocol.errors import QueueFull
-from libs.protocol.messages import SubmitReply, SubmitRequest, SubmitStatus
+from libs.protocol.messages import ImageSpan, SubmitReply, SubmitRequest, SubmitStatus
 from services.scheduler.config import Config
 from services.scheduler.fleet import Fleet
 from services.scheduler.kv_sync import KVSync
@@ -61,12 +62,15 @@ class Placement:
         if len(req.prediction_token_ids) % 4:
             return SubmitReply(SubmitStatus.INVALID, "prediction_token_ids is not packed uint32")
         # Hashing a long prompt takes a while: in a thread, so heartbeats and steps keep going.
-        chains = await asyncio.to_thread(self._hash_chains, prompt, req.tenant, self._worker_tiers())
-        kinds = self._chain_kinds(prompt, req.tenant, chains)
+        why = bad_image_spans(req.image_spans, len(prompt))
+        if why:
+            return SubmitReply(SubmitStatus.INVALID, why)
+        chains = await asyncio.to_thread(self._hash_chains, req, prompt, self._worker_tiers())
+        kinds = self._chain_kinds(req, prompt, chains)
         stored = await self._lookup_stored(kinds, chains, req.retention_class)
         # NOTE: no await from here to core.add. Submits run as concurrent tasks: a worker picked
         # before the lookup would be picked by every submit arriving during it, on the same load.
-        kinds = self._chain_kinds(prompt, req.tenant, chains)  # workers may have come or gone since
+        kinds = self._chain_kinds(req, prompt, chains)  # workers may have come or gone since
         states = [
             WorkerState(
                 wid,
@@ -115,6 +119,7 @@ class Placement:
             prediction_token_ids=unpack_tokens(req.prediction_token_ids),
             queued_at=time.monotonic(),  # its queue time ends at its first admission (metrics)
             traceparent=req.traceparent,
+            image_spans=req.image_spans,
         )
         if req.request_id in self.fleet.table:
             return self._again(req)
@@ -202,13 +207,13 @@ class Placement:
 
     @staticmethod
     def _hash_chains(
-        prompt: list[int], tenant: str, tiers: dict[ChainKind, TierPlanner]
+        req: SubmitRequest, prompt: list[int], tiers: dict[ChainKind, TierPlanner]
     ) -> dict[ChainKind, list[bytes]]:
         """Each kind's chain of the prompt; pure, so it may run off the loop."""
-        return {kind: t.prompt_chain(prompt, tenant) for kind, t in tiers.items()}
+        return {kind: t.prompt_chain(prompt, req.tenant, req.image_spans) for kind, t in tiers.items()}
 
     def _chain_kinds(
-        self, prompt: list[int], tenant: str, chains: dict[ChainKind, list[bytes]]
+        self, req: SubmitRequest, prompt: list[int], chains: dict[ChainKind, list[bytes]]
     ) -> dict[str, ChainKind]:
         """Worker id -> how it hashes the prompt; ``chains`` gets, for each kind it lacks, the
         hashes of the prompt blocks a hit could skip (workers that hash alike share one list)."""
@@ -217,7 +222,7 @@ class Placement:
             tiers, limits = handle.core.kv_tiers, handle.core.limits
             kind = ChainKind(limits.block_size, tiers.model_fingerprint, limits.enable_prefix_caching)
             if kind not in chains:
-                chains[kind] = tiers.prompt_chain(prompt, tenant)
+                chains[kind] = tiers.prompt_chain(prompt, req.tenant, req.image_spans)
             kinds[worker_id] = kind
         return kinds
 
@@ -258,3 +263,16 @@ def resumed_outputs(req: SubmitRequest) -> list[list[int] | None] | None:
 def _reads_store(handle: WorkerHandle) -> bool:
     """G3 lookups are for workers that plan lower tiers and can read the shared store."""
     return handle.core.kv_tiers.enabled and handle.load.has_kv_store
+
+
+def bad_image_spans(spans: tuple[ImageSpan, ...], num_prompt_tokens: int) -> str:
+    """Why a submit's image spans cannot be right ("": they can): each a 32-byte hash over a
+    non-empty run of prompt positions, in order, none overlapping."""
+    end = 0
+    for i, span in enumerate(spans):
+        if len(span.mm_hash) != MM_HASH_NUM_BYTES or span.length <= 0 or span.offset < end:
+            return f"image span {i} is malformed or out of order"
+        end = span.end
+    if end > num_prompt_tokens:
+        return f"image spans reach position {end}, past the prompt's {num_prompt_tokens} tokens"
+    return ""

@@ -53,6 +53,7 @@ class Plan:
                         num_computed_tokens=self.num_computed_before[seq_id],
                         num_scheduled_tokens=num_tokens,
                         kv_load=self.kv_loads.get(seq_id),
+                        image_spans=seq.image_spans,
                     )
                 )
             else:

@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES, hash_blocks
+from libs.protocol.messages import ImageSpan
 from services.scheduler.sequence import Sequence
 
 
@@ -164,19 +165,25 @@ class BlockHasher:
             tokens = seq.token_ids(have * self.block_size, num_blocks * self.block_size)
             parent = seq.block_hashes[-1] if have else None
             seq.block_hashes += hash_blocks(
-                tokens, self.block_size, self.model_fingerprint, seq.tenant, parent
+                tokens,
+                self.block_size,
+                self.model_fingerprint,
+                seq.tenant,
+                parent,
+                seq.image_spans,
+                have * self.block_size,
             )
         return seq.block_hashes
 
-    def chain(self, token_ids: Seq[int], tenant: str) -> list[bytes]:
-        """The hashes of the full blocks of ``token_ids`` under ``tenant`` (a prompt not yet a
-        Sequence: routing and G3 lookups hash it before it is queued)."""
-        return hash_blocks(token_ids, self.block_size, self.model_fingerprint, tenant)
+    def chain(self, token_ids: Seq[int], tenant: str, spans: Seq[ImageSpan] = ()) -> list[bytes]:
+        """The hashes of the full blocks of ``token_ids`` under ``tenant``, with the prompt's
+        images (a prompt not yet a Sequence: routing and G3 lookups hash it before it is queued)."""
+        return hash_blocks(token_ids, self.block_size, self.model_fingerprint, tenant, spans=spans)
 
     def check(self, seq: Sequence) -> None:
         """The chain is the hash of the sequence's tokens (integrity checks; rehashes everything)."""
         if not seq.block_hashes:
             return
         tokens = seq.token_ids(0, len(seq.block_hashes) * self.block_size)
-        want = hash_blocks(tokens, self.block_size, self.model_fingerprint, seq.tenant)
+        want = hash_blocks(tokens, self.block_size, self.model_fingerprint, seq.tenant, spans=seq.image_spans)
         assert seq.block_hashes == want, f"{seq.seq_id}: block hashes disagree with its tokens"

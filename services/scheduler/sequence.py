@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from libs.protocol.messages import FinishReason, Handback, Logprobs, SamplingParams, seq_id_of
+from libs.protocol.messages import FinishReason, Handback, ImageSpan, Logprobs, SamplingParams, seq_id_of
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +40,7 @@ class Sequence:
     arrival: int = 0  # admission order, the FCFS tie-break
     queued_at: float = 0.0  # when it was queued (monotonic, set by its placer); 0 once first admitted
     traceparent: str = ""  # the request's trace (libs/runtime/tracing.py): its spans' parent
+    image_spans: tuple[ImageSpan, ...] = ()  # its prompt's images (in its block hashes, to the worker)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -105,6 +106,7 @@ class Sequence:
             request_id=self.request_id,
             queued_at=self.queued_at,
             traceparent=self.traceparent,
+            image_spans=self.image_spans,
             index=index,
             num_stored_blocks=self.num_stored_blocks,
             prediction_token_ids=self.prediction_token_ids,

@@ -131,6 +131,13 @@ class Config(NatsConfig):
             "help": "shared KV block store directory (G3): '' = <cache dir>/kv-store, 'none' turns G3 off"
         },
     )
+    media_path: str = field(
+        default="",
+        metadata={
+            "help": "the media store (images and their encoder outputs), a directory the gateways,"
+            " encoders and workers share: '' = <cache dir>/media"
+        },
+    )
     handoff_dir: str = field(
         default="",
         metadata={

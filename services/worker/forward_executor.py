@@ -9,8 +9,8 @@ on more devices (compiled graphs, tensor parallel ranks) replaces this class, no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -32,7 +32,11 @@ from services.worker.kv_cache import KVBlocks, KVCache, StepAttention, StepMLAAt
 
 class CausalLM(Protocol):
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn | MLAAttentionFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn | MLAAttentionFn,
+        **image_inputs: Any,  # image_rows, image_embeds: a vision model's (LlamaForCausalLM)
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -77,6 +81,9 @@ class ForwardBatch:
     context_lens: list[int]  # per row: tokens already in its KV pages
     block_tables: list[list[int]]
     logits_index: list[int]  # the flat positions whose logits are wanted (rows that sample)
+    # flat positions whose token embeddings are replaced by image embeddings [len, hidden]
+    image_rows: list[int] = field(default_factory=list)
+    image_embeds: torch.Tensor | None = None
 
 
 class ForwardExecutor:
@@ -140,14 +147,20 @@ class ForwardExecutor:
             attention = StepMLAAttention(self.backend, self.kv_cache)
         else:
             attention = StepAttention(self.backend, self.kv_cache)
-        fused_step = self._fused_step(len(batch.input_ids))
+        # The fused blocks embed tokens themselves: a step with image rows runs op by op.
+        fused_step = None if batch.image_rows else self._fused_step(len(batch.input_ids))
         in_kernels = fused_step is not None or self._invariant_kernels(batch)
         self._set_threads(len(batch.input_ids), kernels=in_kernels)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         with batch_invariant_products(self.batch_invariant):
             hidden = None if fused_step is None else self._forward_blocks(input_ids, positions, fused_step)
-            if hidden is None:
+            if hidden is None and batch.image_embeds is not None:
+                image_rows = torch.tensor(batch.image_rows, dtype=torch.long, device=self.device)
+                hidden = self.model(
+                    input_ids, positions, attention, image_rows=image_rows, image_embeds=batch.image_embeds
+                )
+            elif hidden is None:
                 hidden = self.model(input_ids, positions, attention)
             self.last_hidden = hidden  # [num_tokens, hidden_size]: what a drafter reads after the step
             if not batch.logits_index:

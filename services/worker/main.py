@@ -16,7 +16,8 @@ from libs.grammar import resolve_backend
 from libs.kernels import cpu_ext
 from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.kv_spec import KVSpec
-from libs.modelfiles.registry import resolve_model_path
+from libs.kvstore.media_store import MediaStore
+from libs.modelfiles.registry import model_fingerprint, resolve_model_path
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.llama import LlamaForCausalLM
 from libs.models.sharding import Shard
@@ -26,17 +27,24 @@ from libs.recipe.tokenizer import Tokenizer
 from libs.runtime.logs import setup_logging
 from libs.runtime.metrics_server import start_metrics_server
 from libs.runtime.process import run_service
-from libs.runtime.settings import build_config, kv_store_root, resolve_cache_dir
+from libs.runtime.settings import build_config, kv_store_root, media_root, resolve_cache_dir
 from services.worker import determinism, metrics
 from services.worker.config import Config
 from services.worker.forward_executor import ModelShape
 from services.worker.grammar_compilers import DEFAULT_BACKEND, Grammars
 from services.worker.handoff_area import HANDOFF_DIR_NAME, HandoffArea
 from services.worker.host_cache import HostCache
+from services.worker.image_inputs import ImageInputs
 from services.worker.kv_cache import element_size
 from services.worker.kv_store import KVStore, dtype_name, kv_fingerprint
 from services.worker.kv_tiers import KVTiers
-from services.worker.model_loading import load_model, resolve_device, resolve_dtype, resolve_format
+from services.worker.model_loading import (
+    is_vision_model,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_format,
+)
 from services.worker.model_runner import ModelRunner
 from services.worker.mtp_drafter import MTPDrafter
 from services.worker.parallel_executor import ParallelExecutor, start_ranks
@@ -132,6 +140,9 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
     dtype = resolve_dtype(fmt, device)
     if fmt == "int8" and dtype == torch.float32 and cpu_ext.ops() is None:
         log.warning("--dtype int8 with fp32 activations and no CPU kernels: its matmuls dequantize, slowly")
+    vision = is_vision_model(path)
+    if vision and config.tensor_parallel_size > 1:
+        raise ValueError(f"{path}: a vision model runs on one rank (--tensor-parallel-size 1)")
     ranks = start_ranks(config, cache_dir, path, fmt, dtype) if config.tensor_parallel_size > 1 else None
     shard = Shard(ranks.tp, config.expert_parallel) if ranks is not None else None
     model = load_model(path, Path(cache_dir), fmt, device, with_mtp, shard)
@@ -181,11 +192,24 @@ def build_worker(config: Config, cache_dir: str, profile: bool = True) -> Worker
         batch_invariant=config.deterministic,
         one_thread_max_tokens=config.one_thread_max_tokens if device.type == "cpu" else 0,
         executor=executor,
+        images=image_inputs(config, cache_dir, path, model.config.hidden_size, dtype, device)
+        if vision
+        else None,
     )
     # Before the worker announces itself: its owner's speculative policy starts from these
     # times. (The warm-up runs later, on the thread that will run the forwards: serve.)
     step_profile = profile_steps(runner, config.max_num_seqs) if profile else ()
     return Worker(runner, max_model_len(config, model), path.name.split(".")[0], fingerprint, step_profile)
+
+
+def image_inputs(
+    config: Config, cache_dir: str, path: Path, hidden_size: int, dtype: torch.dtype, device: torch.device
+) -> ImageInputs:
+    """Where a vision model's image embeddings come from: the encoders' outputs in the media store,
+    under the checkpoint's fingerprint (the one the gateway asks the encoders for)."""
+    store = MediaStore(media_root(config.media_path, cache_dir))
+    log.info("images: encoder outputs from the media store %s", store.root)
+    return ImageInputs(store, model_fingerprint(path), hidden_size, dtype, device)
 
 
 def max_model_len(config: Config, model: LlamaForCausalLM | DeepseekV3ForCausalLM) -> int:

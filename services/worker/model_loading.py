@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 
 from libs.kernels import cpu_ext
-from libs.modelfiles.registry import model_architecture
+from libs.modelfiles.registry import VISION_ARCHITECTURES, model_architecture
 from libs.models.deepseek_loader import load_deepseek_v3
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.gguf_loader import load_llama
 from libs.models.llama import LlamaForCausalLM
+from libs.models.llava_loader import load_llava_language
 from libs.models.quant import quantize_model
 from libs.models.sharding import Shard, parallelize, shard_model
 from services.worker.kv_store import dtype_name
@@ -80,6 +81,10 @@ def resolve_format(
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
+def is_vision_model(path: Path) -> bool:
+    return path.is_dir() and model_architecture(path) in VISION_ARCHITECTURES
+
+
 def load_model(
     path: Path,
     cache_dir: Path,
@@ -115,13 +120,18 @@ def _load_whole(
 ) -> LlamaForCausalLM | DeepseekV3ForCausalLM:
     architecture = model_architecture(path)
     if path.is_dir():
-        if architecture not in DEEPSEEK_ARCHITECTURES:
+        supported = DEEPSEEK_ARCHITECTURES + VISION_ARCHITECTURES
+        if architecture not in supported:
             raise ValueError(
                 f"{path / 'config.json'}: architectures {architecture!r} is not served from a checkpoint "
-                f"directory (supported: {', '.join(DEEPSEEK_ARCHITECTURES)}; llama as GGUF)"
+                f"directory (supported: {', '.join(supported)}; llama as GGUF)"
             )
         if fmt in ("int8", "int4"):
-            raise ValueError(f"--dtype {fmt}: weight-only int8/int4 is implemented for llama only")
+            raise ValueError(f"--dtype {fmt}: weight-only int8/int4 is implemented for llama GGUF only")
+        if architecture in VISION_ARCHITECTURES:
+            if with_mtp or shard is not None:
+                raise ValueError(f"{path}: a vision model runs with no MTP and one rank (no tensor parallel)")
+            return load_llava_language(path, dtype, device)
         deepseek = load_deepseek_v3(path, dtype, device, with_mtp=with_mtp)
         if shard is not None:
             shard_model(deepseek, shard)

@@ -36,11 +36,12 @@ from libs.protocol.codec import pack_tokens, unpack_tokens
 from libs.protocol.kv_messages import KVLoad
 from libs.protocol.messages import Logprobs, ModelRunnerOutput, NewSequence, SchedulerOutput
 from services.worker.forward_executor import CausalLM as CausalLM  # re-exported: callers import it here
-from services.worker.forward_executor import Executor, ForwardBatch, ForwardExecutor
+from services.worker.forward_executor import Executor, ForwardExecutor
 from services.worker.forward_executor import ModelShape as ModelShape  # re-exported
 from services.worker.grammar import SequenceGrammar
 from services.worker.grammar_compilers import Grammars
 from services.worker.handoff_area import HandoffArea
+from services.worker.image_inputs import ImageInputs
 from services.worker.kv_cache import KVBlocks
 from services.worker.kv_tiers import KVTiers, LoadResult
 from services.worker.kv_transfer import KVTransfer
@@ -50,7 +51,15 @@ from services.worker.row_isolation import PlanError as PlanError  # re-exported:
 from services.worker.row_isolation import drop_non_finite, forward_isolating, kept_mask
 from services.worker.sampler import GrammarMask, Sampler, SamplingState
 from services.worker.sequence_state import SequenceState, input_error
-from services.worker.step_rows import NO_SAMPLES, Sampled, StepRow, drafter_rows, mask_requests, with_drafts
+from services.worker.step_rows import (
+    NO_SAMPLES,
+    Sampled,
+    StepRow,
+    drafter_rows,
+    forward_batch,
+    mask_requests,
+    with_drafts,
+)
 from services.worker.verify import num_accepted, positions
 
 log = logging.getLogger(__name__)
@@ -76,9 +85,10 @@ class ModelRunner:
         batch_invariant: bool = False,
         one_thread_max_tokens: int = 0,
         executor: Executor | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
         """``executor``: runs the forwards instead of a ForwardExecutor built here from the model
-        (a tensor-parallel worker's ParallelExecutor)."""
+        (a tensor-parallel worker's ParallelExecutor); ``images``: a vision model's image inputs."""
         self.executor: Executor = executor or ForwardExecutor(
             model,
             shape,
@@ -105,6 +115,7 @@ class ModelRunner:
         self._masks: MaskJob | None = None  # made on the first constrained step
         self.kv_tiers = kv_tiers  # None: no G2 / G3; a plan's loads are all recomputed
         self.transfer = KVTransfer(self.kv_cache, kv_tiers, handoff)
+        self.images = images
 
     @property
     def kv_cache(self) -> KVBlocks:
@@ -196,9 +207,10 @@ class ModelRunner:
             stop_token_ids=frozenset(new.stop_token_ids),
             block_table=block_table,
             num_computed_tokens=new.num_computed_tokens,
+            image_spans=new.image_spans,
         )
         self.failed_seq_ids.discard(new.seq_id)  # the scheduler sends it whole: it knows best
-        why = input_error(state, self.shape.vocab_size, self.shape.max_num_tokens)
+        why = input_error(state, self.shape.vocab_size, self.shape.max_num_tokens) or self._image_error(state)
         if why is not None:
             failed[new.seq_id] = why
             # What it shares (a prefix hit, choice 0's prompt) others computed; the rest is unwritten.
@@ -213,6 +225,11 @@ class ModelRunner:
                 state.grammar.accept(token_id)
         self.seqs[new.seq_id] = state
         return StepRow(state, new.num_scheduled_tokens)
+
+    def _image_error(self, state: SequenceState) -> str | None:
+        if not state.image_spans:
+            return None
+        return "this worker's model takes no images" if self.images is None else self.images.missing(state)
 
     def _recompute_unwritten(self, row: StepRow, unwritten: set[int]) -> StepRow:
         """A new row whose cached prefix holds a block a failed sequence never wrote (overlap: a
@@ -366,25 +383,8 @@ class ModelRunner:
     def _forward(self, rows: list[StepRow]) -> torch.Tensor | None:
         """One forward over ``rows``, writing their KV and advancing nothing: the logits of the
         rows that sample, [num_sampling, vocab] float32, or None when none does."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_index: list[int] = []
-        for row in rows:
-            start = row.state.num_computed_tokens
-            end = start + row.num_tokens
-            input_ids += row.state.token_ids[start:end]
-            positions += range(start, end)
-            logits_index += range(len(input_ids) - row.num_samples, len(input_ids))
-        return self.executor.forward(
-            ForwardBatch(
-                input_ids,
-                positions,
-                query_lens=[r.num_tokens for r in rows],
-                context_lens=[r.state.num_computed_tokens for r in rows],
-                block_tables=[r.state.block_table for r in rows],
-                logits_index=logits_index,
-            )
-        )
+        images = self.images.gather(rows) if self.images is not None else None
+        return self.executor.forward(forward_batch(rows, images))
 
     def _start_masks(self, sampling: list[StepRow]) -> Future[MaskResult] | None:
         """The masks of the sampled positions of ``sampling``'s constrained rows, being filled."""

@@ -3,12 +3,14 @@ and the check that a new one is something the model can take."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from libs.protocol.messages import SamplingParams
+from libs.protocol.messages import ImageSpan, SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from services.worker.grammar import SequenceGrammar
 
 
@@ -22,6 +24,9 @@ class SequenceState:
     block_table: list[int]  # KV page ids, assigned by the scheduler
     num_computed_tokens: int  # tokens whose KV is in the cache
     grammar: SequenceGrammar | None = None  # its structured-output constraint, if any
+    image_spans: tuple[ImageSpan, ...] = ()  # its prompt's images
+    # span index -> its embeddings [length, hidden], while a prefill chunk still needs them
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,10 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from libs.protocol.messages import Logprobs
+from services.worker.forward_executor import ForwardBatch
 from services.worker.mask_job import MaskRequest
 from services.worker.mtp_drafter import MTPRow
 from services.worker.row_isolation import PlanError
@@ -36,6 +39,38 @@ class StepRow:
     @property
     def seq_id(self) -> str:
         return self.state.seq_id
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRows:
+    """Flat batch positions whose embeddings are replaced, and the rows that replace them."""
+
+    positions: list[int]
+    embeds: torch.Tensor  # [len(positions), hidden]
+
+
+def forward_batch(rows: list[StepRow], images: ImageRows | None = None) -> ForwardBatch:
+    """The ForwardBatch of ``rows`` in order: each computes ``num_tokens`` tokens from its
+    ``num_computed_tokens``, and the rows that sample want the logits of their sampled positions."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    logits_index: list[int] = []
+    for row in rows:
+        start = row.state.num_computed_tokens
+        end = start + row.num_tokens
+        input_ids += row.state.token_ids[start:end]
+        positions += range(start, end)
+        logits_index += range(len(input_ids) - row.num_samples, len(input_ids))
+    return ForwardBatch(
+        input_ids,
+        positions,
+        query_lens=[r.num_tokens for r in rows],
+        context_lens=[r.state.num_computed_tokens for r in rows],
+        block_tables=[r.state.block_table for r in rows],
+        logits_index=logits_index,
+        image_rows=images.positions if images is not None else [],
+        image_embeds=images.embeds if images is not None else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,7 +93,7 @@ def test_an_unsupported_architecture_is_refused(single: Path) -> None:
     (single / "config.json").write_text(json.dumps({**config, "architectures": ["MixtralForCausalLM"]}))
     with pytest.raises(ValueError, match=r"config.json: architectures 'MixtralForCausalLM'"):
         load_model(single, single, "float32")
-    with pytest.raises(ValueError, match="int8/int4 is implemented for llama only"):
+    with pytest.raises(ValueError, match="int8/int4 is implemented for llama GGUF only"):
         (single / "config.json").write_text(json.dumps(config))
         load_model(single, single, "int8")
 

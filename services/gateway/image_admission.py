@@ -1,0 +1,178 @@
+"""A prompt's images, from the client's parts to encoded placeholder runs the scheduler can take.
+
+Per image: its bytes (inline, or fetched from an allowed host), checked whole (Pillow decodes it:
+a truncated or oversized file, or another format, is a 400 naming the part), stored in the media
+store under their sha256, then sent by hash to an encoder of the model, which writes the vision
+tower's output beside them. Each image slot the chat format wrote becomes the model's image
+token ``num_image_tokens`` times, and an ``ImageSpan`` says which image those positions hold.
+
+Remote URLs are fetched only from the hosts of ``--image-url-hosts`` (none by default): a gateway
+that fetches any URL a client names can be made to probe its own network (SSRF).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import warnings
+from dataclasses import replace
+from urllib.parse import urlsplit
+
+import httpx
+from PIL import Image
+
+from libs.bus.base import Bus, NoResponders, RequestTimeout
+from libs.kvstore.media_store import MediaStore, image_hash
+from libs.protocol.codec import DecodeError, decode, encode
+from libs.protocol.media_messages import EncodeReply, EncodeRequest
+from libs.protocol.messages import ImageSpan
+from libs.protocol.subjects import Subjects
+from libs.recipe.api.common import UNSUPPORTED_INPUT
+from libs.recipe.conversation import IMAGE_SLOT, ImageInput
+from libs.recipe.fields import ApiError
+from libs.recipe.template_format import Prompt
+from services.gateway.config import ImageLimits
+from services.gateway.served_model import VisionSpec
+
+# Pillow's format names of the media types every API accepts (IMAGE_MEDIA_TYPES)
+FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "GIF": "image/gif", "WEBP": "image/webp"}
+
+
+def check_image(data: bytes, param: str, limits: ImageLimits) -> str:
+    """The image's media type, after decoding all of it; a 400 naming ``param`` otherwise."""
+    if len(data) > limits.max_image_bytes:
+        raise ApiError(400, f"the image is {len(data)} bytes; at most {limits.max_image_bytes}", param=param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                media_type = FORMATS.get(image.format or "")
+                if media_type is None:
+                    raise ApiError(400, f"image format {image.format} is not supported", param=param)
+                if image.width * image.height > limits.max_image_pixels:
+                    why = (
+                        f"the image is {image.width}x{image.height} pixels; at most {limits.max_image_pixels}"
+                    )
+                    raise ApiError(400, why, param=param)
+                image.load()  # decodes every pixel: a truncated file fails here
+        except ApiError:
+            raise
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning) as exc:
+            raise ApiError(400, f"the image cannot be decoded: {exc}", param=param) from None
+    return media_type
+
+
+class ImageAdmission:
+    def __init__(
+        self, bus: Bus, subjects: Subjects, store: MediaStore, vision: VisionSpec | None, limits: ImageLimits
+    ) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.store = store
+        self.vision = vision
+        self.limits = limits
+        self.num_images = 0  # images admitted (encoded, or counted)
+        self.num_cached_images = 0  # of those encoded, found in the encoder cache
+
+    async def prepare(self, prompt: Prompt, encode_images: bool = True) -> Prompt:
+        """``prompt`` with its image slots expanded and its images encoded (``encode_images``
+        off: checked and counted only, as count_tokens wants)."""
+        images = prompt.images
+        if not images:
+            return prompt
+        vision = self.vision
+        if vision is None:
+            raise ApiError(400, UNSUPPORTED_INPUT.format(kind="image"), param=images[0].param)
+        if len(images) > self.limits.max_images:
+            why = f"{len(images)} images in one request; at most {self.limits.max_images}"
+            raise ApiError(400, why, param=images[self.limits.max_images].param)
+        files = await asyncio.gather(*(self._bytes(image) for image in images))
+        hashes = await asyncio.to_thread(self._store, images, files, encode_images)
+        if encode_images:
+            await self._encode(images, hashes, vision)
+        self.num_images += len(images)
+        return expand(prompt, hashes, vision)
+
+    def _store(self, images: tuple[ImageInput, ...], files: list[bytes], keep: bool) -> list[bytes]:
+        """Check each file whole; store it (``keep``) for the encoder. Their hashes. CPU work."""
+        hashes = []
+        for image, data in zip(images, files, strict=True):
+            check_image(data, image.param, self.limits)
+            mm_hash = image_hash(data)
+            if keep:
+                self.store.put_image(mm_hash, data)
+            hashes.append(mm_hash)
+        return hashes
+
+    async def _bytes(self, image: ImageInput) -> bytes:
+        if not image.url:
+            return image.data
+        host = urlsplit(image.url).hostname or ""
+        if host not in self.limits.url_hosts:
+            why = "image URLs are not fetched from this host (data URLs / base64 are always accepted)"
+            raise ApiError(400, why, param=image.param)
+        try:
+            return await self._fetch(image.url)
+        except ApiError as exc:
+            raise ApiError(400, exc.message, param=image.param) from None
+        except httpx.HTTPError as exc:
+            raise ApiError(400, f"the image URL could not be fetched: {exc!r}", param=image.param) from None
+
+    async def _fetch(self, url: str) -> bytes:
+        """The body, no redirects (one could lead off the allowed hosts), at most max_image_bytes."""
+        limit = self.limits.max_image_bytes
+        async with (
+            httpx.AsyncClient(timeout=self.limits.url_timeout_s, follow_redirects=False) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise ApiError(400, f"the image URL answered HTTP {response.status_code}")
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise ApiError(400, f"the image at the URL is over {limit} bytes")
+            return bytes(body)
+
+    async def _encode(self, images: tuple[ImageInput, ...], hashes: list[bytes], vision: VisionSpec) -> None:
+        request = EncodeRequest(vision.fingerprint, tuple(hashes))
+        subject = self.subjects.encode(vision.fingerprint)
+        try:
+            data = await self.bus.request(subject, encode(request), self.limits.encode_timeout_s)
+            reply = decode(EncodeReply, data)
+        except (NoResponders, RequestTimeout) as exc:
+            why = (
+                "no image encoder answered for this model"
+                if isinstance(exc, NoResponders)
+                else "the image encoder timed out"
+            )
+            raise ApiError(503, why, code="no_encoders", type_="server_error") from None
+        except DecodeError as exc:
+            raise ApiError(
+                502, f"the image encoder's reply is unreadable: {exc}", type_="server_error"
+            ) from None
+        if 0 <= reply.bad_image < len(images):
+            raise ApiError(
+                400, f"the image cannot be processed: {reply.error}", param=images[reply.bad_image].param
+            )
+        if reply.error:
+            raise ApiError(502, f"the image encoder failed: {reply.error}", type_="server_error")
+        if reply.num_tokens != (vision.num_image_tokens,) * len(images):
+            why = f"encoder outputs of {reply.num_tokens} rows; the model takes {vision.num_image_tokens}"
+            raise ApiError(502, why, type_="server_error")
+        self.num_cached_images += reply.num_cached
+
+
+def expand(prompt: Prompt, hashes: list[bytes], vision: VisionSpec) -> Prompt:
+    """Each image slot as the model's image token, ``num_image_tokens`` times; the spans."""
+    token_ids: list[int] = []
+    spans: list[ImageSpan] = []
+    n = vision.num_image_tokens
+    for token_id in prompt.token_ids:
+        if token_id != IMAGE_SLOT:
+            token_ids.append(token_id)
+            continue
+        spans.append(ImageSpan(hashes[len(spans)], len(token_ids), n))
+        token_ids += [vision.image_token_id] * n
+    assert len(spans) == len(hashes), "a chat format returned images without their slots"
+    return replace(prompt, token_ids=token_ids, images=(), image_spans=tuple(spans))
