@@ -14,6 +14,7 @@ another host (NFS, 3FS) sees a whole file or none. Temp names start with "." and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -83,6 +84,29 @@ class MediaStore:
 
     def has_embeds(self, fingerprint: str, mm_hash: bytes) -> bool:
         return self.embeds_path(fingerprint, mm_hash).is_file()
+
+    def embeds_used_at(self, fingerprint: str, mm_hash: bytes) -> float | None:
+        """When an output was last written or used (its file's mtime: every encoder touches it on a
+        hit), or None when it is gone."""
+        try:
+            return self.embeds_path(fingerprint, mm_hash).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def touch_embeds(self, fingerprint: str, mm_hash: bytes, now: float) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.embeds_path(fingerprint, mm_hash), (now, now))
+
+    def remove_stale_images(self, older_than: float) -> int:
+        """Remove image files (and temp files) last written before ``older_than``: those of requests
+        that never reached an encoder (a gateway died, a client left). How many went."""
+        removed = 0
+        for path in (self.root / "images").glob("*/*"):
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_mtime < older_than:
+                    path.unlink()
+                    removed += 1
+        return removed
 
     def read_embeds(self, fingerprint: str, mm_hash: bytes) -> bytes:
         """FileNotFoundError when the encoder cache no longer holds it."""

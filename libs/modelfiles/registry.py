@@ -56,8 +56,10 @@ def model_fingerprint(path: Path) -> str:
     model's KV to another. sha256 reads ~1.6 GB/s here (0.06 s for the embedded model); the result
     is kept per process for the file's (path, size, mtime).
     """
-    if path.is_dir():  # an HF checkpoint: its config and every tensor file, in name order
-        files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    if path.is_dir():  # an HF checkpoint: its configs and every tensor file, in name order
+        # (a vision model's image processing shapes its image embeddings, and so its KV)
+        configs = ("config.json", "preprocessor_config.json")
+        files = sorted(p for p in path.iterdir() if p.name in configs or p.suffix == ".safetensors")
         digest = hashlib.sha256()
         for file in files:
             digest.update(f"{file.name}:{model_fingerprint(file)}|".encode())

@@ -16,6 +16,7 @@ class EncodeRequest:
 
     model_fingerprint: str  # the checkpoint's content fingerprint: the embeddings' cache key
     mm_hashes: tuple[bytes, ...]  # each image's sha256, as stored in the media store
+    timeout_s: float = 0.0  # the gateway waits this long: a request queued longer is not run (0: no limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,9 @@ class EncodeReply:
     """Per image, its number of embedding rows (now in the media store); or why it failed.
 
     ``bad_image`` >= 0: that image cannot be decoded or processed (the client's mistake, a 400);
-    ``error``: what went wrong (with ``bad_image`` -1: the encoder's fault, a 5xx).
+    ``missing_image`` >= 0: that image's file is not in the media store (removed by a failed request
+    of the same image meanwhile: the gateway stores it again and asks once more); ``busy``: the
+    encoder's queue is full (a 503); else ``error``: what went wrong (the encoder's fault, a 5xx).
     """
 
     num_tokens: tuple[int, ...] = ()
@@ -31,3 +34,5 @@ class EncodeReply:
     encoder_id: str = ""
     error: str = ""
     bad_image: int = -1
+    missing_image: int = -1
+    busy: bool = False

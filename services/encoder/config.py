@@ -34,6 +34,16 @@ class Config(NatsConfig):
         default=4.0,
         metadata={"help": "the encoder cache's size limit (its outputs in the media store), GiB"},
     )
+    encoder_cache_min_age_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "an output used within this long is never evicted (its request may not be"
+            " prefilled yet), even over the budget"
+        },
+    )
+    max_queued_requests: int = field(
+        default=64, metadata={"help": "encode requests waiting at most; past it, busy (the client's 503)"}
+    )
     max_batch_images: int = field(
         default=16, metadata={"help": "images encoded in one forward of the vision tower, at most"}
     )

@@ -1,22 +1,34 @@
 """The encoder cache's bookkeeping: which images' outputs are stored, in least-recently-used
 order, within a byte budget. Pure: the service removes the files of what it evicts.
 
-An output is used when a request names its image (a hit touches it) and when it is written. The
-budget is in bytes of the stored outputs, as vLLM's encoder cache counts embedding tokens: an
-image costs its rows times the hidden size times the element size.
+An output is used when a request names its image (a hit) and when it is written. The budget is
+in bytes of the stored outputs, as vLLM's encoder cache counts embedding tokens: an image costs
+its rows times the hidden size times the element size. An output used within ``min_age_s`` is
+never a victim, even over budget: the request that asked for it may not have been prefilled yet
+(it waits in a queue, or is preempted or moved, and its worker reads the output then).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Entry:
+    num_tokens: int
+    num_bytes: int
+    used_at: float  # wall-clock seconds: comparable with the files' times, which other encoders touch
 
 
 class EncoderCache:
-    def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"encoder cache capacity {capacity_bytes} bytes: must be > 0")
+    def __init__(self, capacity_bytes: int, min_age_s: float = 600.0) -> None:
+        if capacity_bytes <= 0 or min_age_s < 0:
+            raise ValueError(f"encoder cache: capacity {capacity_bytes} bytes must be > 0, min age >= 0")
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # hash -> (tokens, bytes)
+        self.min_age_s = min_age_s
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self.num_bytes = 0
         self.num_hits = 0
         self.num_misses = 0
@@ -28,40 +40,54 @@ class EncoderCache:
     def __contains__(self, mm_hash: bytes) -> bool:
         return mm_hash in self._entries
 
-    def lookup(self, mm_hash: bytes) -> int | None:
-        """Its number of tokens (and it is now the most recently used), or None: not cached."""
+    def lookup(self, mm_hash: bytes, now: float) -> int | None:
+        """Its number of tokens (it is now the most recently used), or None: not cached."""
         entry = self._entries.get(mm_hash)
         if entry is None:
             self.num_misses += 1
             return None
-        self._entries.move_to_end(mm_hash)
+        self.touch(mm_hash, now)
         self.num_hits += 1
-        return entry[0]
+        return entry.num_tokens
 
-    def insert(self, mm_hash: bytes, num_tokens: int, num_bytes: int) -> list[bytes]:
-        """Record a stored output; returns the hashes evicted to stay within the budget (never the
-        one just inserted, even when it alone is over it: it is about to be read)."""
-        old = self._entries.pop(mm_hash, None)
-        if old is not None:
-            self.num_bytes -= old[1]
-        self._entries[mm_hash] = (num_tokens, num_bytes)
+    def insert(self, mm_hash: bytes, num_tokens: int, num_bytes: int, now: float) -> None:
+        """Record a stored output, used at ``now``."""
+        self.remove(mm_hash)
+        self._entries[mm_hash] = _Entry(num_tokens, num_bytes, now)
         self.num_bytes += num_bytes
-        evicted: list[bytes] = []
-        while self.num_bytes > self.capacity_bytes and len(self._entries) > 1:
-            victim, (_, size) = self._entries.popitem(last=False)
-            self.num_bytes -= size
-            evicted.append(victim)
-        self.num_evicted += len(evicted)
-        return evicted
 
-    def remove(self, mm_hash: bytes) -> None:
-        """Forget an entry whose file is gone (removed by another encoder sharing the store)."""
+    def touch(self, mm_hash: bytes, when: float) -> None:
+        """It was used at ``when`` (here, or by another encoder: its file's time); kept in order."""
+        entry = self._entries.pop(mm_hash)
+        entry.used_at = max(entry.used_at, when)
+        # reinserted before the first entry used later than it
+        later = [h for h, e in self._entries.items() if e.used_at > entry.used_at]
+        self._entries[mm_hash] = entry
+        for h in later:
+            self._entries.move_to_end(h)
+
+    def victims(self, now: float) -> list[bytes]:
+        """Least recently used first, the entries to evict to come back within the budget: only
+        those unused for ``min_age_s`` (none: over budget until they age). Not removed here."""
+        out: list[bytes] = []
+        excess = self.num_bytes - self.capacity_bytes
+        for mm_hash, entry in self._entries.items():
+            if excess <= 0 or now - entry.used_at < self.min_age_s:
+                break
+            out.append(mm_hash)
+            excess -= entry.num_bytes
+        return out
+
+    def remove(self, mm_hash: bytes, evicted: bool = False) -> None:
+        """Forget an entry (``evicted``: its file removed to keep the budget)."""
         entry = self._entries.pop(mm_hash, None)
         if entry is not None:
-            self.num_bytes -= entry[1]
+            self.num_bytes -= entry.num_bytes
+            self.num_evicted += evicted
 
     def check_integrity(self) -> None:
-        assert self.num_bytes == sum(size for _, size in self._entries.values()), "byte count drifted"
-        assert all(tokens > 0 and size > 0 for tokens, size in self._entries.values()), "empty entry"
-        assert self.num_bytes <= self.capacity_bytes or len(self._entries) <= 1, "over budget"
+        entries = list(self._entries.values())
+        assert self.num_bytes == sum(e.num_bytes for e in entries), "byte count drifted"
+        assert all(e.num_tokens > 0 and e.num_bytes > 0 for e in entries), "empty entry"
+        assert all(a.used_at <= b.used_at for a, b in itertools.pairwise(entries)), "not in LRU order"
         assert min(self.num_hits, self.num_misses, self.num_evicted) >= 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import logging
-import warnings
 
 import numpy as np
 import torch
@@ -16,6 +15,7 @@ from libs.models.image_processor import preprocess
 from libs.models.llava import VisionTower
 
 log = logging.getLogger(__name__)
+FORMATS = ("JPEG", "PNG", "GIF", "WEBP")  # Pillow's names of the media types every API accepts
 
 
 class BadImage(ValueError):
@@ -23,19 +23,18 @@ class BadImage(ValueError):
 
 
 def open_image(data: bytes, max_pixels: int) -> Image.Image:
-    """The decoded image (fully: a truncated file fails here, not later), in RGB."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            image = Image.open(io.BytesIO(data))
-            if image.width * image.height > max_pixels:
-                raise BadImage(f"{image.width}x{image.height} pixels: more than {max_pixels}")
-            image.load()
-            return image.convert("RGB")
-        except BadImage:
-            raise
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning) as exc:
-            raise BadImage(f"not a readable image ({exc})") from None
+    """The decoded image (fully: a truncated file fails here, not later), in RGB. Only the formats
+    every API accepts are probed: Pillow's other plugins (EPS runs Ghostscript) never see a byte."""
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+        if image.width * image.height > max_pixels:
+            raise BadImage(f"{image.width}x{image.height} pixels: more than {max_pixels}")
+        image.load()
+        return image.convert("RGB")
+    except BadImage:
+        raise
+    except Exception as exc:  # Pillow raises many kinds (OSError, SyntaxError, DecompressionBombError, ...)
+        raise BadImage(f"not a readable image ({exc})") from None
 
 
 class ImageEncoder:

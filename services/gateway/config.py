@@ -77,8 +77,9 @@ class Config(NatsConfig):
     image_url_hosts: str = field(
         default="",
         metadata={
-            "help": "hosts image URLs may be fetched from, comma-separated ('': none, only inline"
-            " images; fetching any URL a client names lets it probe this network)"
+            "help": "hosts image URLs may be fetched from, comma-separated, each host (any port) or"
+            " host:port ('': none, only inline images; fetching any URL a client names lets it probe"
+            " this network)"
         },
     )
     encode_timeout_s: float = field(

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-import warnings
 from dataclasses import replace
-from urllib.parse import urlsplit
 
 import httpx
 from PIL import Image
@@ -39,27 +37,33 @@ FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "GIF": "image/gif", "WEBP":
 
 
 def check_image(data: bytes, param: str, limits: ImageLimits) -> str:
-    """The image's media type, after decoding all of it; a 400 naming ``param`` otherwise."""
+    """The image's media type, after decoding all of it; a 400 naming ``param`` otherwise. Only
+    the accepted formats are probed (Pillow's other plugins never see the bytes)."""
     if len(data) > limits.max_image_bytes:
         raise ApiError(400, f"the image is {len(data)} bytes; at most {limits.max_image_bytes}", param=param)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            with Image.open(io.BytesIO(data)) as image:
-                media_type = FORMATS.get(image.format or "")
-                if media_type is None:
-                    raise ApiError(400, f"image format {image.format} is not supported", param=param)
-                if image.width * image.height > limits.max_image_pixels:
-                    why = (
-                        f"the image is {image.width}x{image.height} pixels; at most {limits.max_image_pixels}"
-                    )
-                    raise ApiError(400, why, param=param)
-                image.load()  # decodes every pixel: a truncated file fails here
-        except ApiError:
-            raise
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning) as exc:
-            raise ApiError(400, f"the image cannot be decoded: {exc}", param=param) from None
-    return media_type
+    try:
+        with Image.open(io.BytesIO(data), formats=tuple(FORMATS)) as image:
+            if image.width * image.height > limits.max_image_pixels:
+                why = f"the image is {image.width}x{image.height} pixels; at most {limits.max_image_pixels}"
+                raise ApiError(400, why, param=param)
+            image.load()  # decodes every pixel: a truncated file fails here
+            return FORMATS[str(image.format)]
+    except ApiError:
+        raise
+    except Exception as exc:  # Pillow raises many kinds (OSError, SyntaxError, DecompressionBombError, ...)
+        why = f"the image cannot be decoded as {', '.join(FORMATS.values())}: {exc}"
+        raise ApiError(400, why, param=param) from None
+
+
+def allowed_url(url: str, hosts: frozenset[str]) -> bool:
+    """Whether ``url`` is http(s) to a listed host: "host" allows any port, "host:port" that one."""
+    try:
+        parsed = httpx.URL(url)
+    except Exception:  # httpx.InvalidURL, and what its parser raises on odd input
+        return False
+    if parsed.scheme not in ("http", "https") or not parsed.host or parsed.userinfo:
+        return False
+    return parsed.host in hosts or f"{parsed.host}:{parsed.port}" in hosts
 
 
 class ImageAdmission:
@@ -73,6 +77,9 @@ class ImageAdmission:
         self.limits = limits
         self.num_images = 0  # images admitted (encoded, or counted)
         self.num_cached_images = 0  # of those encoded, found in the encoder cache
+        # Decoding checks a whole image (up to --max-image-pixels): two at a time, whatever the
+        # load, so they leave the thread pool to tokenizing and the cores to the rest.
+        self._decoding = asyncio.Semaphore(2)
 
     async def prepare(self, prompt: Prompt, encode_images: bool = True) -> Prompt:
         """``prompt`` with its image slots expanded and its images encoded (``encode_images``
@@ -87,35 +94,34 @@ class ImageAdmission:
             why = f"{len(images)} images in one request; at most {self.limits.max_images}"
             raise ApiError(400, why, param=images[self.limits.max_images].param)
         files = await asyncio.gather(*(self._bytes(image) for image in images))
-        hashes = await asyncio.to_thread(self._store, images, files, encode_images)
+        async with self._decoding:
+            hashes = await asyncio.to_thread(self._check, images, files)
         if encode_images:
-            await self._encode(images, hashes, vision)
+            await self._encode(images, files, hashes, vision)
         self.num_images += len(images)
         return expand(prompt, hashes, vision)
 
-    def _store(self, images: tuple[ImageInput, ...], files: list[bytes], keep: bool) -> list[bytes]:
-        """Check each file whole; store it (``keep``) for the encoder. Their hashes. CPU work."""
-        hashes = []
+    def _check(self, images: tuple[ImageInput, ...], files: list[bytes]) -> list[bytes]:
+        """Decode each file whole (a 400 for the first bad one); their hashes. CPU work."""
         for image, data in zip(images, files, strict=True):
             check_image(data, image.param, self.limits)
-            mm_hash = image_hash(data)
-            if keep:
-                self.store.put_image(mm_hash, data)
-            hashes.append(mm_hash)
-        return hashes
+        return [image_hash(data) for data in files]
+
+    def _put(self, files: list[bytes], hashes: list[bytes]) -> None:
+        for data, mm_hash in zip(files, hashes, strict=True):
+            self.store.put_image(mm_hash, data)
 
     async def _bytes(self, image: ImageInput) -> bytes:
         if not image.url:
             return image.data
-        host = urlsplit(image.url).hostname or ""
-        if host not in self.limits.url_hosts:
+        if not allowed_url(image.url, self.limits.url_hosts):
             why = "image URLs are not fetched from this host (data URLs / base64 are always accepted)"
             raise ApiError(400, why, param=image.param)
         try:
             return await self._fetch(image.url)
         except ApiError as exc:
             raise ApiError(400, exc.message, param=image.param) from None
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # httpx's errors, and what its URL and socket layers raise
             raise ApiError(400, f"the image URL could not be fetched: {exc!r}", param=image.param) from None
 
     async def _fetch(self, url: str) -> bytes:
@@ -134,33 +140,57 @@ class ImageAdmission:
                     raise ApiError(400, f"the image at the URL is over {limit} bytes")
             return bytes(body)
 
-    async def _encode(self, images: tuple[ImageInput, ...], hashes: list[bytes], vision: VisionSpec) -> None:
-        request = EncodeRequest(vision.fingerprint, tuple(hashes))
-        subject = self.subjects.encode(vision.fingerprint)
+    async def _encode(
+        self, images: tuple[ImageInput, ...], files: list[bytes], hashes: list[bytes], vision: VisionSpec
+    ) -> None:
+        """Store the files and have an encoder encode them (once more if one went missing: a
+        failed request of the same image removed it meanwhile). Files of a failure are removed."""
         try:
-            data = await self.bus.request(subject, encode(request), self.limits.encode_timeout_s)
-            reply = decode(EncodeReply, data)
-        except (NoResponders, RequestTimeout) as exc:
-            why = (
-                "no image encoder answered for this model"
-                if isinstance(exc, NoResponders)
-                else "the image encoder timed out"
+            for _ in range(2):
+                await asyncio.to_thread(self._put, files, hashes)
+                reply = await self._ask(hashes, vision)
+                if reply.missing_image < 0:
+                    break
+            self._check_reply(images, reply, vision)
+        except BaseException:
+            await asyncio.to_thread(self._remove, hashes)
+            raise
+        self.num_cached_images += reply.num_cached
+
+    def _remove(self, hashes: list[bytes]) -> None:
+        for mm_hash in hashes:
+            self.store.remove_image(mm_hash)
+
+    async def _ask(self, hashes: list[bytes], vision: VisionSpec) -> EncodeReply:
+        timeout_s = self.limits.encode_timeout_s
+        request = EncodeRequest(vision.fingerprint, tuple(hashes), timeout_s)
+        try:
+            data = await self.bus.request(
+                self.subjects.encode(vision.fingerprint), encode(request), timeout_s
             )
-            raise ApiError(503, why, code="no_encoders", type_="server_error") from None
+            return decode(EncodeReply, data)
+        except (NoResponders, RequestTimeout) as exc:
+            why = "no image encoder is serving this model" if isinstance(exc, NoResponders) else "timed out"
+            raise ApiError(503, f"images: {why}", code="no_encoders", type_="server_error") from None
         except DecodeError as exc:
             raise ApiError(
                 502, f"the image encoder's reply is unreadable: {exc}", type_="server_error"
             ) from None
+
+    @staticmethod
+    def _check_reply(images: tuple[ImageInput, ...], reply: EncodeReply, vision: VisionSpec) -> None:
         if 0 <= reply.bad_image < len(images):
+            why = f"the image cannot be processed: {reply.error}"
+            raise ApiError(400, why, param=images[reply.bad_image].param)
+        if reply.busy:
             raise ApiError(
-                400, f"the image cannot be processed: {reply.error}", param=images[reply.bad_image].param
+                503, f"the image encoders are busy: {reply.error}", code="encoders_busy", type_="server_error"
             )
         if reply.error:
             raise ApiError(502, f"the image encoder failed: {reply.error}", type_="server_error")
         if reply.num_tokens != (vision.num_image_tokens,) * len(images):
             why = f"encoder outputs of {reply.num_tokens} rows; the model takes {vision.num_image_tokens}"
             raise ApiError(502, why, type_="server_error")
-        self.num_cached_images += reply.num_cached
 
 
 def expand(prompt: Prompt, hashes: list[bytes], vision: VisionSpec) -> Prompt:

@@ -33,6 +33,9 @@ from services.gateway.serving import Server, error_response, is_issued_id, json_
 
 log = logging.getLogger(__name__)
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for the background task to store the final object
+# A stored response keeps its input items whole (images as their base64) in one bucket entry, which
+# a NATS message must carry: an input past this is refused up front, not lost after its answer.
+MAX_STORED_INPUT_BYTES = 6 << 20
 
 
 def _input_items(body: dict[str, Any]) -> list[Any]:
@@ -60,6 +63,12 @@ class ResponsesRoutes:
             scope = self.admission.scope(request, "openai", req.cache_retention)
             history = await self._history(req, scope.tenant)
             input_json = encode_items([*history, *_input_items(body)])
+            if (req.store or req.background) and len(input_json) > MAX_STORED_INPUT_BYTES:
+                why = (
+                    f"the input (with its history) is {len(input_json)} bytes, over the "
+                    f"{MAX_STORED_INPUT_BYTES} a stored response keeps: send 'store': false or smaller images"
+                )
+                raise ApiError(400, why, param="store")
             history_messages = parse_input(history)[0] if history else ()
             prompt = await self.admission.prompt(req.conversation(history_messages), "text.format")
             response_id = "resp_" + uuid.uuid4().hex

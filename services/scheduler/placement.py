@@ -59,12 +59,10 @@ class Placement:
             outputs = resumed_outputs(req)
         except ValueError as exc:
             return SubmitReply(SubmitStatus.INVALID, f"bad resubmit: {exc}")
-        if len(req.prediction_token_ids) % 4:
-            return SubmitReply(SubmitStatus.INVALID, "prediction_token_ids is not packed uint32")
-        # Hashing a long prompt takes a while: in a thread, so heartbeats and steps keep going.
-        why = bad_image_spans(req.image_spans, len(prompt))
+        why = malformed(req, len(prompt))
         if why:
             return SubmitReply(SubmitStatus.INVALID, why)
+        # Hashing a long prompt takes a while: in a thread, so heartbeats and steps keep going.
         chains = await asyncio.to_thread(self._hash_chains, req, prompt, self._worker_tiers())
         kinds = self._chain_kinds(req, prompt, chains)
         stored = await self._lookup_stored(kinds, chains, req.retention_class)
@@ -263,6 +261,13 @@ def resumed_outputs(req: SubmitRequest) -> list[list[int] | None] | None:
 def _reads_store(handle: WorkerHandle) -> bool:
     """G3 lookups are for workers that plan lower tiers and can read the shared store."""
     return handle.core.kv_tiers.enabled and handle.load.has_kv_store
+
+
+def malformed(req: SubmitRequest, num_prompt_tokens: int) -> str:
+    """Why a submit's packed fields cannot be right ("": they can)."""
+    if len(req.prediction_token_ids) % 4:
+        return "prediction_token_ids is not packed uint32"
+    return bad_image_spans(req.image_spans, num_prompt_tokens)
 
 
 def bad_image_spans(spans: tuple[ImageSpan, ...], num_prompt_tokens: int) -> str:

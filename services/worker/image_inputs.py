@@ -2,9 +2,10 @@
 
 An encoder wrote each image's vision-tower output (``[length, hidden]``, safetensors) under its
 hash before the request was submitted; a row whose chunk reaches an image's tokens takes those
-rows of it in place of the placeholder tokens' embeddings. A sequence keeps the images it still
-needs (loaded on first use, dropped once its prompt is computed past them), so a long image split
-over several prefill chunks is read once. A missing or misshapen output fails that sequence alone.
+rows of it in place of the placeholder tokens' embeddings. Outputs are read before the forward
+(``load``), so a missing or misshapen one fails that sequence alone, never the step. A sequence
+keeps the images it still needs (read on first use, dropped at its first step past them), so an
+image split over several prefill chunks is read once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from libs.kvstore.media_store import EMBEDS_TENSOR, MediaStore
-from services.worker.sequence_state import SequenceState
+from libs.protocol.messages import ImageSpan
 from services.worker.step_rows import ImageRows, StepRow
 
 
@@ -32,19 +33,50 @@ class ImageInputs:
         self.dtype = dtype
         self.device = device
 
-    def missing(self, state: SequenceState) -> str | None:
-        """Why a new sequence's images cannot be had (an output the cache no longer holds), or
-        None. Only images past its computed prefix count: a cached prefix needs none."""
-        for span in state.image_spans:
-            if span.end > state.num_computed_tokens and not self.store.has_embeds(
-                self.fingerprint, span.mm_hash
-            ):
-                return f"the encoder output of image {span.mm_hash.hex()[:16]} is not in the media store"
+    def load(self, rows: list[StepRow], failed: dict[str, str]) -> list[StepRow]:
+        """``rows`` less those whose chunk reaches an image whose output cannot be read (they go
+        to ``failed``); the others hold every image their chunk needs, for ``gather``."""
+        kept = []
+        for row in rows:
+            why = self._load_row(row)
+            if why is None:
+                kept.append(row)
+            else:
+                failed[row.seq_id] = why
+        return kept
+
+    def _load_row(self, row: StepRow) -> str | None:
+        state = row.state
+        start = state.num_computed_tokens
+        end = start + row.num_tokens
+        for i, span in enumerate(state.image_spans):
+            if span.end <= start:
+                state.image_embeds.pop(i, None)  # computed by an earlier step: not needed again
+            elif span.offset < end and i not in state.image_embeds:
+                try:
+                    state.image_embeds[i] = self._read(span)
+                except ImageInputError as exc:
+                    return str(exc)
         return None
+
+    def _read(self, span: ImageSpan) -> torch.Tensor:
+        name = span.mm_hash.hex()[:16]
+        try:
+            data = self.store.read_embeds(self.fingerprint, span.mm_hash)
+            embeds = load_safetensors(data)[EMBEDS_TENSOR]
+        except FileNotFoundError:
+            raise ImageInputError(f"the encoder output of image {name} is not in the media store") from None
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:
+            raise ImageInputError(f"image {name}: no usable encoder output ({exc})") from None
+        if tuple(embeds.shape) != (span.length, self.hidden_size):
+            why = f"encoder output {tuple(embeds.shape)}, expected ({span.length}, {self.hidden_size})"
+            raise ImageInputError(f"image {name}: {why}")
+        return embeds
 
     def gather(self, rows: list[StepRow]) -> ImageRows | None:
         """The image rows of a step laid out as ``rows`` (in order, each ``num_tokens`` long from
-        its ``num_computed_tokens``); None when no row reaches an image."""
+        its ``num_computed_tokens``; ``load`` gave each the images it reaches); None when no row
+        reaches an image."""
         positions: list[int] = []
         pieces: list[torch.Tensor] = []
         base = 0
@@ -55,31 +87,10 @@ class ImageInputs:
             for i, span in enumerate(state.image_spans):
                 first, last = max(start, span.offset), min(end, span.end)
                 if first < last:
-                    embeds = self._embeds(state, i)
+                    embeds = state.image_embeds[i]
                     pieces.append(embeds[first - span.offset : last - span.offset])
                     positions += range(base + first - start, base + last - start)
-                if span.end <= end:
-                    # computed by this step: not needed again (a rerun of the step reads it again)
-                    state.image_embeds.pop(i, None)
             base += row.num_tokens
         if not positions:
             return None
         return ImageRows(positions, torch.cat(pieces).to(self.device, self.dtype))
-
-    def _embeds(self, state: SequenceState, index: int) -> torch.Tensor:
-        held = state.image_embeds.get(index)
-        if held is not None:
-            return held
-        span = state.image_spans[index]
-        try:
-            data = self.store.read_embeds(self.fingerprint, span.mm_hash)
-            embeds = load_safetensors(data)[EMBEDS_TENSOR]
-        except (OSError, KeyError, ValueError, RuntimeError) as exc:
-            raise ImageInputError(
-                f"image {span.mm_hash.hex()[:16]}: no usable encoder output ({exc})"
-            ) from None
-        if tuple(embeds.shape) != (span.length, self.hidden_size):
-            why = f"encoder output {tuple(embeds.shape)}, expected ({span.length}, {self.hidden_size})"
-            raise ImageInputError(f"image {span.mm_hash.hex()[:16]}: {why}")
-        state.image_embeds[index] = embeds
-        return embeds

@@ -152,6 +152,8 @@ class ModelRunner:
         rows += self._held_rows(plan)
         for row in rows:
             self._check_row(row)
+        if self.images is not None:  # read before the forward: a missing one fails its row alone
+            rows = self.images.load(rows, failed)
         started = time.perf_counter()
         sampled = self._run(rows, failed) if rows else NO_SAMPLES
         forward_time_s = time.perf_counter() - started if rows else 0.0
@@ -227,9 +229,7 @@ class ModelRunner:
         return StepRow(state, new.num_scheduled_tokens)
 
     def _image_error(self, state: SequenceState) -> str | None:
-        if not state.image_spans:
-            return None
-        return "this worker's model takes no images" if self.images is None else self.images.missing(state)
+        return "this worker's model takes no images" if state.image_spans and self.images is None else None
 
     def _recompute_unwritten(self, row: StepRow, unwritten: set[int]) -> StepRow:
         """A new row whose cached prefix holds a block a failed sequence never wrote (overlap: a

@@ -285,6 +285,12 @@ def test_bad_images_are_400s_in_each_api_while_a_stream_goes_on(serve: Serve) ->
             resp = httpx.post(f"{serve.url}/v1/messages", json=messages, timeout=60)
             assert resp.status_code == 400, (name, resp.text)
             assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == "invalid_request_error"
+        # a stored response keeps its input whole: one too large to store is refused up front
+        big = data_url(png(10, size=(1500, 1400)))  # noise: ~6.3 MB of PNG, ~8.4 MB of base64
+        responses = {"model": NAME, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": big}]}]}  # fmt: skip
+        resp = httpx.post(f"{serve.url}/v1/responses", json=responses, timeout=60)
+        assert resp.status_code == 400 and _openai_error(resp)["param"] == "store", resp.text
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     assert sum('"content":' in line for line in rest) >= 39  # every token of the stream arrived

@@ -3,9 +3,12 @@ the Conversation they all end in. Pure."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 from libs.recipe.api.tools import check_name
 from libs.recipe.conversation import (
@@ -291,3 +294,20 @@ def check_tool_turns(
             opened = None
     if pending:
         raise ApiError(400, wording.unanswered(list(pending)), param=where(opened or 0))
+
+
+def strict_base64(payload: str) -> bytes | None:
+    """Strict base64 (no whitespace, no URL-safe alphabet, padded); None when it is not."""
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):  # ValueError: a non-ASCII character
+        return None
+
+
+def web_url(url: str) -> bool:
+    """An http(s) URL with a host (whether it may be fetched is the gateway's allow-list)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a malformed host ("http://[x")
+        return False
+    return parts.scheme.lower() in ("http", "https") and bool(parts.netloc)

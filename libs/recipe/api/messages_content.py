@@ -10,14 +10,18 @@ blocks (base64 data, decoded here, or an http(s) URL) sit among its text blocks,
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
-from libs.recipe.api.common import UNSUPPORTED_INPUT, ToolTurnWording, check_tool_turns, join_text
+from libs.recipe.api.common import (
+    UNSUPPORTED_INPUT,
+    ToolTurnWording,
+    check_tool_turns,
+    join_text,
+    strict_base64,
+    web_url,
+)
 from libs.recipe.conversation import IMAGE_MARK, IMAGE_MEDIA_TYPES, ImageInput, Message, ToolCall
 from libs.recipe.fields import ApiError, check_depth, lookup, optional_bool, shown
 
@@ -97,25 +101,12 @@ def _base64_image(source: dict[str, Any], where: str, at: str) -> ImageInput:
         *head, last = [f"'{t}'" for t in IMAGE_MEDIA_TYPES]
         types = f"{', '.join(head)} or {last}"
         raise ApiError(400, f"{where}.media_type: Input should be {types}", param=f"{where}.media_type")
-    text = _string(source, "data", where)
-    try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):  # ValueError: a non-ASCII character
-        data = b""
+    data = strict_base64(_string(source, "data", where))
     if not data:
         raise ApiError(
             400, f"{where}.data: Input should be non-empty, valid base64 data", param=f"{where}.data"
         )
     return ImageInput(at, data=data, media_type=media_type)
-
-
-def _web_url(url: str) -> bool:
-    """An http(s) URL with a host."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # a malformed host ("http://[x")
-        return False
-    return parts.scheme.lower() in ("http", "https") and bool(parts.netloc)
 
 
 def _image(block: dict[str, Any], at: str) -> ImageInput:
@@ -130,7 +121,7 @@ def _image(block: dict[str, Any], at: str) -> ImageInput:
     if kind != "url":
         raise ApiError(400, f"{where}.type: Input should be 'base64' or 'url'", param=f"{where}.type")
     url = _string(source, "url", where)
-    if not _web_url(url):
+    if not web_url(url):
         raise ApiError(400, f"{where}.url: Input should be an http or https URL", param=f"{where}.url")
     return ImageInput(at, url=url)
 

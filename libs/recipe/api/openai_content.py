@@ -8,14 +8,11 @@ URL (kept for the gateway to fetch).
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-from libs.recipe.api.common import UNSUPPORTED_INPUT, join_text
+from libs.recipe.api.common import UNSUPPORTED_INPUT, join_text, strict_base64, web_url
 from libs.recipe.conversation import IMAGE_MARK, IMAGE_MEDIA_TYPES, ImageInput, Role
 from libs.recipe.fields import ApiError, lookup, shown
 
@@ -52,23 +49,6 @@ def client_text(text: str, where: str) -> str:
     return text
 
 
-def _base64(payload: str) -> bytes | None:
-    """Strict base64 (no whitespace, no URL-safe alphabet, padded); None when it is not."""
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):  # ValueError: a non-ASCII character
-        return None
-
-
-def _web_url(url: str) -> bool:
-    """An http(s) URL with a host."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # a malformed host ("http://[x")
-        return False
-    return parts.scheme.lower() in ("http", "https") and bool(parts.netloc)
-
-
 def _data_url(url: str, where: str, param: str, detail: str) -> ImageInput:
     header, comma, payload = url[len("data:") :].partition(",")
     media_type, _, encoding = header.partition(";")
@@ -80,7 +60,7 @@ def _data_url(url: str, where: str, param: str, detail: str) -> ImageInput:
     if media_type not in IMAGE_MEDIA_TYPES:
         types = ", ".join(map(repr, IMAGE_MEDIA_TYPES))
         raise ApiError(400, f"'{param}' must have an image media type, one of {types}", param=param)
-    data = _base64(payload)
+    data = strict_base64(payload)
     if not data:
         raise ApiError(400, f"'{param}' must hold the image as non-empty, valid base64 data", param=param)
     return ImageInput(where, data=data, media_type=media_type, detail=detail)
@@ -91,7 +71,7 @@ def image_input(url: str, where: str, param: str, detail: str | None) -> ImageIn
     http(s) URL, kept as it is."""
     if url[:5].lower() == "data:":
         return _data_url(url, where, param, detail or "auto")
-    if not _web_url(url):
+    if not web_url(url):
         raise ApiError(
             400, f"'{param}' must be a base64 data URL or an http(s) URL, got {shown(url)}", param=param
         )

@@ -24,7 +24,7 @@ from libs.recipe.conversation import IMAGE_SLOT, ImageInput
 from libs.recipe.fields import ApiError
 from libs.recipe.template_format import Prompt
 from services.gateway.config import ImageLimits
-from services.gateway.image_admission import ImageAdmission, check_image
+from services.gateway.image_admission import ImageAdmission, allowed_url, check_image
 from services.gateway.served_model import VisionSpec
 
 VISION = VisionSpec(image_token_id=900, num_image_tokens=3, fingerprint="fp")
@@ -73,7 +73,7 @@ async def encoder(bus: InMemoryBus, reply: EncodeReply | None = None) -> list[En
         (image_file()[:200], "cannot be decoded"),
         (b"\x89PNG\r\n\x1a\n not really", "cannot be decoded"),
         (image_file((200, 100)), "pixels"),
-        (image_file(fmt="BMP"), "format BMP"),
+        (image_file(fmt="BMP"), "cannot be decoded as image/jpeg"),
         (b"x" * 300_000, "bytes"),
     ],
     ids=["truncated", "garbage", "huge", "bmp", "too-many-bytes"],
@@ -94,7 +94,7 @@ def test_slots_become_the_image_tokens_and_spans(tmp_path: Path) -> None:
         assert out.token_ids == [1, 2, 900, 900, 900, 3, 900, 900, 900, 3]
         assert out.image_spans == (ImageSpan(image_hash(first), 2, 3), ImageSpan(image_hash(second), 6, 3))
         assert out.images == ()
-        assert seen == [EncodeRequest("fp", (image_hash(first), image_hash(second)))]
+        assert seen == [EncodeRequest("fp", (image_hash(first), image_hash(second)), LIMITS.encode_timeout_s)]
         assert MediaStore(tmp_path).read_image(image_hash(first)) == first  # for the encoder to read
 
     asyncio.run(run())
@@ -117,8 +117,9 @@ def test_counting_checks_but_neither_stores_nor_encodes(tmp_path: Path) -> None:
         (EncodeReply(error="out of memory"), 502, None),
         (EncodeReply((3, 4)), 502, None),  # not the model's number of rows
         (None, 503, None),  # no encoder at all
+        (EncodeReply(busy=True, error="queue full"), 503, None),
     ],
-    ids=["bad-image", "encoder-failed", "wrong-rows", "no-encoder"],
+    ids=["bad-image", "encoder-failed", "wrong-rows", "no-encoder", "busy"],
 )
 def test_the_encoders_answer_becomes_a_status(
     tmp_path: Path, reply: EncodeReply | None, status: int, param: str | None
@@ -152,3 +153,38 @@ def test_refused_before_anything_is_stored(
         asyncio.run(admission(tmp_path, vision=vision).prepare(prompt_with(*images)))
     assert err.value.status == 400 and why in err.value.message and err.value.param
     assert not any(tmp_path.iterdir())
+
+
+def test_an_image_removed_meanwhile_is_stored_and_asked_for_once_more(tmp_path: Path) -> None:
+    async def run() -> None:
+        bus = InMemoryBus()
+        replies = [EncodeReply(missing_image=0, error="gone"), EncodeReply((3,))]
+        seen: list[EncodeRequest] = []
+
+        async def on_encode(msg: Message) -> None:
+            seen.append(decode(EncodeRequest, msg.data))
+            MediaStore(tmp_path).remove_image(seen[-1].mm_hashes[0])  # as the encoder would
+            await bus.respond(msg, encode(replies[len(seen) - 1]))
+
+        await bus.subscribe(Subjects().encode("fp"), on_encode)
+        out = await admission(tmp_path, bus).prepare(prompt_with(part(image_file())))
+        assert len(seen) == 2 and len(out.image_spans) == 1
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("http://img.example/cat.png", True),
+        ("https://img.example:8443/cat.png", True),
+        ("http://cdn.example:9000/cat.png", True),
+        ("http://cdn.example:9001/cat.png", False),  # only the listed port
+        ("ftp://img.example/cat.png", False),
+        ("http://user@img.example/cat.png", False),
+        ("http://img.example:abc/", False),  # no URL at all
+        ("http://evil.example/cat.png", False),
+    ],
+)
+def test_only_listed_hosts_are_fetched(url: str, allowed: bool) -> None:
+    assert allowed_url(url, frozenset({"img.example", "cdn.example:9000"})) is allowed

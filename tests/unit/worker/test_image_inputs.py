@@ -82,6 +82,8 @@ def test_image_rows_replace_the_placeholders_in_any_chunking(
     # and the image matters: without its rows the placeholders' own embeddings give another token
     plain = model(torch.tensor(prompt), torch.arange(len(prompt)), GrowingCache())
     assert int(model.compute_logits(plain[-1:]).argmax()) != unpack_tokens(result.sampled_token_ids)[0]
+    decode = SchedulerOutput(9, seq_ids=("a",), num_scheduled_tokens=pack_tokens([1]), new_block_ids=(b"",))
+    runner.execute(decode)
     assert runner.seqs["a"].image_embeds == {}  # computed past the image: not held any more
 
 
@@ -110,6 +112,11 @@ def test_a_missing_or_misshapen_output_fails_its_sequence_alone(
     assert set(errors) == {"missing", "short"}
     assert "not in the media store" in errors["missing"] and "expected (6," in errors["short"]
     runner.check_integrity()
+    # a step of nothing but such rows (n > 1 choices of one request) fails them, not the step
+    runner = runner_for(model, store)
+    choices = tuple(new_seq(f"missing-{i}", prompt, 4 * i, (missing,), 13) for i in range(3))
+    result = runner.execute(SchedulerOutput(1, choices))
+    assert set(result.failed_seq_ids) == {"missing-0", "missing-1", "missing-2"} and not runner.seqs
 
 
 def test_a_worker_without_images_refuses_image_spans(model: LlamaForCausalLM, tmp_path: Path) -> None:
