@@ -18,10 +18,11 @@ import contextlib
 import hashlib
 import os
 import re
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
+
+from libs.kvstore.atomic_write import write_atomic
 
 MM_HASH_NUM_BYTES: Final = 32
 EMBEDS_TENSOR: Final = "embeds"  # the one tensor of an encoder output file, [num_tokens, hidden]
@@ -37,19 +38,6 @@ def _hex(mm_hash: bytes) -> str:
     if len(mm_hash) != MM_HASH_NUM_BYTES:
         raise ValueError(f"an image hash has {MM_HASH_NUM_BYTES} bytes, not {len(mm_hash)}")
     return mm_hash.hex()
-
-
-def write_atomic(path: Path, data: bytes | memoryview) -> None:
-    """Write ``path`` whole or not at all (temp file beside it, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(temp, "xb") as f:
-            f.write(data)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
 
 
 class MediaStore:

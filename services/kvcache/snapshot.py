@@ -23,13 +23,13 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
-import secrets
 import struct
 from pathlib import Path
 from typing import Any, Final
 
 import msgpack
 
+from libs.kvstore.atomic_write import write_atomic
 from libs.kvstore.block_file import block_path
 from libs.kvstore.block_hash import BLOCK_HASH_NUM_BYTES
 from libs.kvstore.retention import RetentionPolicy
@@ -148,15 +148,7 @@ def write_snapshot(index: BlockIndex, root: Path | str, saved_at: float) -> int:
     written. Nothing else may change ``index`` meanwhile."""
     path = snapshot_path(root)
     data = encode_snapshot(index, root, saved_at)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f"{SNAPSHOT_NAME}.{secrets.token_hex(6)}{_TEMP_SUFFIX}")
-    try:
-        with open(temp, "xb") as f:
-            f.write(data)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, data, temp_prefix=SNAPSHOT_NAME)  # a name remove_stale_temps finds
     return len(data)
 
 
