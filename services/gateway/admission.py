@@ -69,8 +69,13 @@ class Admission:
         prompt = await asyncio.to_thread(self.served.prompt, conversation, format_param)
         if not prompt.images:
             return prompt
-        if self.images is None:
+        vision = self.served.vision
+        if self.images is None or vision is None:
             raise ApiError(400, UNSUPPORTED_INPUT.format(kind="image"), param=prompt.images[0].param)
+        # Too long once expanded: refused before any image is encoded.
+        self.served.check_length(
+            len(prompt.token_ids) + len(prompt.images) * (vision.num_image_tokens - 1), None
+        )
         return await self.images.prepare(prompt, encode_images)
 
     async def admit(

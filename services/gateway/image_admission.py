@@ -17,7 +17,7 @@ import io
 from dataclasses import replace
 
 import httpx
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.kvstore.media_store import MediaStore, image_hash
@@ -33,7 +33,15 @@ from services.gateway.config import ImageLimits
 from services.gateway.served_model import VisionSpec
 
 # Pillow's format names of the media types every API accepts (IMAGE_MEDIA_TYPES)
-FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "GIF": "image/gif", "WEBP": "image/webp"}
+PROBED = ("JPEG", "PNG", "GIF", "WEBP")  # the Pillow plugins that may read a client's bytes
+# (MPO: a JPEG with more pictures after the first, as cameras write them: the JPEG plugin opens it)
+FORMATS = {
+    "JPEG": "image/jpeg",
+    "MPO": "image/jpeg",
+    "PNG": "image/png",
+    "GIF": "image/gif",
+    "WEBP": "image/webp",
+}
 
 
 def check_image(data: bytes, param: str, limits: ImageLimits) -> str:
@@ -42,7 +50,7 @@ def check_image(data: bytes, param: str, limits: ImageLimits) -> str:
     if len(data) > limits.max_image_bytes:
         raise ApiError(400, f"the image is {len(data)} bytes; at most {limits.max_image_bytes}", param=param)
     try:
-        with Image.open(io.BytesIO(data), formats=tuple(FORMATS)) as image:
+        with Image.open(io.BytesIO(data), formats=PROBED) as image:
             if image.width * image.height > limits.max_image_pixels:
                 why = f"the image is {image.width}x{image.height} pixels; at most {limits.max_image_pixels}"
                 raise ApiError(400, why, param=param)
@@ -50,9 +58,10 @@ def check_image(data: bytes, param: str, limits: ImageLimits) -> str:
             return FORMATS[str(image.format)]
     except ApiError:
         raise
+    except UnidentifiedImageError:
+        raise ApiError(400, "the file is not a JPEG, PNG, GIF or WebP image", param=param) from None
     except Exception as exc:  # Pillow raises many kinds (OSError, SyntaxError, DecompressionBombError, ...)
-        why = f"the image cannot be decoded as {', '.join(FORMATS.values())}: {exc}"
-        raise ApiError(400, why, param=param) from None
+        raise ApiError(400, f"the image cannot be decoded: {exc}", param=param) from None
 
 
 def allowed_url(url: str, hosts: frozenset[str]) -> bool:

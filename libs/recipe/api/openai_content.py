@@ -51,12 +51,13 @@ def client_text(text: str, where: str) -> str:
 
 def _data_url(url: str, where: str, param: str, detail: str) -> ImageInput:
     header, comma, payload = url[len("data:") :].partition(",")
-    media_type, _, encoding = header.partition(";")
-    if not comma or encoding.lower() != "base64":
+    media_type, *parameters = header.split(";")  # parameters (name=...) before ";base64" are allowed
+    if not comma or not parameters or parameters[-1].lower() != "base64":
         raise ApiError(
             400, f"'{param}' must be a data URL of the form data:<media type>;base64,<data>", param=param
         )
     media_type = media_type.lower()
+    media_type = "image/jpeg" if media_type == "image/jpg" else media_type  # a common misspelling
     if media_type not in IMAGE_MEDIA_TYPES:
         types = ", ".join(map(repr, IMAGE_MEDIA_TYPES))
         raise ApiError(400, f"'{param}' must have an image media type, one of {types}", param=param)

@@ -71,9 +71,9 @@ async def encoder(bus: InMemoryBus, reply: EncodeReply | None = None) -> list[En
     ("data", "why"),
     [
         (image_file()[:200], "cannot be decoded"),
-        (b"\x89PNG\r\n\x1a\n not really", "cannot be decoded"),
+        (b"\x89PNG\r\n\x1a\n not really", "not a JPEG, PNG, GIF or WebP"),
         (image_file((200, 100)), "pixels"),
-        (image_file(fmt="BMP"), "cannot be decoded as image/jpeg"),
+        (image_file(fmt="BMP"), "not a JPEG, PNG, GIF or WebP"),
         (b"x" * 300_000, "bytes"),
     ],
     ids=["truncated", "garbage", "huge", "bmp", "too-many-bytes"],
@@ -83,6 +83,13 @@ def test_a_bad_file_is_a_400_naming_its_part(data: bytes, why: str) -> None:
         check_image(data, "messages[0].content[1]", LIMITS)
     assert err.value.status == 400 and why in err.value.message
     assert err.value.param == "messages[0].content[1]"
+
+
+def test_a_camera_jpeg_with_more_pictures_is_a_jpeg() -> None:
+    first, second = (Image.new("RGB", (8, 8), color) for color in ("red", "blue"))
+    buf = io.BytesIO()
+    first.save(buf, "MPO", save_all=True, append_images=[second])
+    assert check_image(buf.getvalue(), "messages[0].content[0]", LIMITS) == "image/jpeg"
 
 
 def test_slots_become_the_image_tokens_and_spans(tmp_path: Path) -> None:

@@ -74,6 +74,12 @@ def test_chat_data_url_is_decoded_with_its_media_type_and_detail() -> None:
     )
 
 
+def test_chat_data_url_parameters_and_the_jpg_spelling_are_accepted() -> None:
+    url = f"data:image/JPG;name=cat.jpg;base64,{B64}"
+    (message,) = chat_messages(chat(chat_image(url)))
+    assert message.images[0].media_type == "image/jpeg" and message.images[0].data == PNG
+
+
 def test_chat_web_url_is_kept_and_a_plain_string_image_url_is_accepted() -> None:
     part = {"type": "image_url", "image_url": WEB_URL}
     (message,) = chat_messages(chat(part, chat_image("HTTP://x.org/a.png")))
