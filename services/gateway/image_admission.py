@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
+from typing import Any
 
 import httpx
 from PIL import Image, UnidentifiedImageError
@@ -33,6 +37,8 @@ from services.gateway.config import ImageLimits
 from services.gateway.served_model import VisionSpec
 
 # Pillow's format names of the media types every API accepts (IMAGE_MEDIA_TYPES)
+log = logging.getLogger(__name__)
+DEATH_POLL_S = 0.5  # how often a request waiting on the encoders looks for a dead one
 PROBED = ("JPEG", "PNG", "GIF", "WEBP")  # the Pillow plugins that may read a client's bytes
 # (MPO: a JPEG with more pictures after the first, as cameras write them: the JPEG plugin opens it)
 FORMATS = {
@@ -77,13 +83,22 @@ def allowed_url(url: str, hosts: frozenset[str]) -> bool:
 
 class ImageAdmission:
     def __init__(
-        self, bus: Bus, subjects: Subjects, store: MediaStore, vision: VisionSpec | None, limits: ImageLimits
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        store: MediaStore,
+        vision: VisionSpec | None,
+        limits: ImageLimits,
+        live_encoders: Callable[[], set[str]] | None = None,
     ) -> None:
+        """``live_encoders``: the ids of the encoders alive now (the gateway's members view);
+        None: a dead encoder's requests wait out their timeout."""
         self.bus = bus
         self.subjects = subjects
         self.store = store
         self.vision = vision
         self.limits = limits
+        self.live_encoders = live_encoders
         self.num_images = 0  # images admitted (encoded, or counted)
         self.num_cached_images = 0  # of those encoded, found in the encoder cache
         # Decoding checks a whole image (up to --max-image-pixels): two at a time, whatever the
@@ -171,13 +186,21 @@ class ImageAdmission:
             self.store.remove_image(mm_hash)
 
     async def _ask(self, hashes: list[bytes], vision: VisionSpec) -> EncodeReply:
-        timeout_s = self.limits.encode_timeout_s
-        request = EncodeRequest(vision.fingerprint, tuple(hashes), timeout_s)
+        """The encoders' reply, within ``encode_timeout_s``. The request goes out again (once)
+        when an encoder that was live dies meanwhile: it may have held this one, which would
+        otherwise wait out the timeout (an encoder is found dead by its heartbeat, in seconds)."""
+        deadline = time.monotonic() + self.limits.encode_timeout_s
         try:
-            data = await self.bus.request(
-                self.subjects.encode(vision.fingerprint), encode(request), timeout_s
-            )
-            return decode(EncodeReply, data)
+            for attempt in range(2):
+                if attempt:
+                    await self._an_encoder_live(deadline)  # the dead one's replacement, say
+                timeout_s = max(deadline - time.monotonic(), 0.001)
+                request = encode(EncodeRequest(vision.fingerprint, tuple(hashes), timeout_s))
+                send = self.bus.request(self.subjects.encode(vision.fingerprint), request, timeout_s)
+                data = await send if attempt else await self._unless_an_encoder_dies(send)
+                if data is not None:
+                    return decode(EncodeReply, data)
+            raise RequestTimeout(self.subjects.encode(vision.fingerprint))
         except (NoResponders, RequestTimeout) as exc:
             why = "no image encoder is serving this model" if isinstance(exc, NoResponders) else "timed out"
             raise ApiError(503, f"images: {why}", code="no_encoders", type_="server_error") from None
@@ -185,6 +208,28 @@ class ImageAdmission:
             raise ApiError(
                 502, f"the image encoder's reply is unreadable: {exc}", type_="server_error"
             ) from None
+
+    async def _an_encoder_live(self, deadline: float) -> None:
+        """Until the members view holds a live encoder, or ``deadline``."""
+        while self.live_encoders is not None and not self.live_encoders() and time.monotonic() < deadline:
+            await asyncio.sleep(DEATH_POLL_S)
+
+    async def _unless_an_encoder_dies(self, send: Coroutine[Any, Any, bytes]) -> bytes | None:
+        """``send``'s reply, or None (the request abandoned) once an encoder live at the start dies."""
+        task = asyncio.ensure_future(send)
+        if self.live_encoders is None:
+            return await task
+        live = self.live_encoders()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
+                if done:
+                    return task.result()
+                if not live <= self.live_encoders():
+                    log.warning("an image encoder died while a request waited: asking again")
+                    return None
+        finally:
+            task.cancel()
 
     @staticmethod
     def _check_reply(images: tuple[ImageInput, ...], reply: EncodeReply, vision: VisionSpec) -> None:

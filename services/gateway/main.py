@@ -99,12 +99,17 @@ def reload_on_sighup(keys: KeyFile | None) -> None:
 
 
 def image_admission(
-    config: Config, cache_dir: str, bus: NatsBus, subjects: Subjects, served: ServedModel
+    config: Config, cache_dir: str, service: GatewayService, served: ServedModel
 ) -> ImageAdmission:
     store = MediaStore(media_root(config.media_path, cache_dir))
     if served.vision is not None:
         log.info("images: %d tokens each, media store %s", served.vision.num_image_tokens, store.root)
-    return ImageAdmission(bus, subjects, store, served.vision, config.image_limits)
+
+    def live_encoders() -> set[str]:
+        return {m.member_id for m in service.members.live(MemberKind.ENCODER)}
+
+    limits = config.image_limits
+    return ImageAdmission(service.bus, service.subjects, store, served.vision, limits, live_encoders)
 
 
 async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile | None = None) -> None:
@@ -149,7 +154,7 @@ async def serve(config: Config, cache_dir: str, stop: StopEvent, keys: KeyFile |
                     CacheScoping(config.retention_policy, config.tenant_header),
                     keys,
                     config.prices,
-                    image_admission(config, cache_dir, bus, subjects, served),
+                    image_admission(config, cache_dir, service, served),
                 ),
                 host=config.host,
                 port=config.port,

@@ -9,10 +9,12 @@ comes back. The text is noise (random weights); the path is real."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import functools
 import http.server
 import io
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -301,3 +303,18 @@ def test_a_killed_encoder_comes_back(serve: Serve) -> None:
     encoder.kill()  # SIGKILL: serve restarts it; meanwhile an image request is a 503, never a hang
     serve.wait_until("the encoder back", lambda: encodes(serve), 120)
     assert serve.children(" encoder")[0].pid != encoder.pid
+
+
+def test_a_request_held_by_a_killed_encoder_is_answered_by_its_replacement(serve: Serve) -> None:
+    (encoder,) = serve.children(" encoder")
+    encoder.suspend()  # SIGSTOP: the next request is delivered to it, and it sits on it
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        body = chat_body(data_url(png(12)))
+        future = pool.submit(httpx.post, f"{serve.url}/v1/chat/completions", json=body, timeout=120)
+        time.sleep(1.0)
+        encoder.kill()
+        resp = future.result()
+    assert resp.status_code == 200, resp.text
+    # the gateway saw that encoder die and asked again: not the 60 s the request would wait out
+    assert time.monotonic() - started < 40

@@ -101,7 +101,10 @@ def test_slots_become_the_image_tokens_and_spans(tmp_path: Path) -> None:
         assert out.token_ids == [1, 2, 900, 900, 900, 3, 900, 900, 900, 3]
         assert out.image_spans == (ImageSpan(image_hash(first), 2, 3), ImageSpan(image_hash(second), 6, 3))
         assert out.images == ()
-        assert seen == [EncodeRequest("fp", (image_hash(first), image_hash(second)), LIMITS.encode_timeout_s)]
+        assert [(r.model_fingerprint, r.mm_hashes) for r in seen] == [
+            ("fp", (image_hash(first), image_hash(second)))
+        ]
+        assert 0 < seen[0].timeout_s <= LIMITS.encode_timeout_s  # what is left of the gateway's wait
         assert MediaStore(tmp_path).read_image(image_hash(first)) == first  # for the encoder to read
 
     asyncio.run(run())
@@ -195,3 +198,26 @@ def test_an_image_removed_meanwhile_is_stored_and_asked_for_once_more(tmp_path: 
 )
 def test_only_listed_hosts_are_fetched(url: str, allowed: bool) -> None:
     assert allowed_url(url, frozenset({"img.example", "cdn.example:9000"})) is allowed
+
+
+def test_a_request_held_by_an_encoder_that_dies_is_sent_again(tmp_path: Path) -> None:
+    async def run() -> None:
+        bus = InMemoryBus()
+        live = {"encoder-1"}
+
+        async def took_it_and_died(msg: Message) -> None:
+            pass  # never answers
+
+        dead = await bus.subscribe(Subjects().encode("fp"), took_it_and_died)
+        images = ImageAdmission(bus, Subjects(), MediaStore(tmp_path), VISION, LIMITS, lambda: set(live))
+        pending = asyncio.ensure_future(images.prepare(prompt_with(part(image_file()))))
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        await dead.unsubscribe()
+        live.clear()  # its heartbeat stopped: the members view no longer holds it
+        live.add("encoder-2")
+        await encoder(bus)  # its replacement
+        out = await asyncio.wait_for(pending, 5)  # well within the 60 s the dead one would cost
+        assert len(out.image_spans) == 1
+
+    asyncio.run(run())
