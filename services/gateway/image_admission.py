@@ -99,8 +99,6 @@ class ImageAdmission:
         self.vision = vision
         self.limits = limits
         self.live_encoders = live_encoders
-        self.num_images = 0  # images admitted (encoded, or counted)
-        self.num_cached_images = 0  # of those encoded, found in the encoder cache
         # Decoding checks a whole image (up to --max-image-pixels): two at a time, whatever the
         # load, so they leave the thread pool to tokenizing and the cores to the rest.
         self._decoding = asyncio.Semaphore(2)
@@ -122,7 +120,6 @@ class ImageAdmission:
             hashes = await asyncio.to_thread(self._check, images, files)
         if encode_images:
             await self._encode(images, files, hashes, vision)
-        self.num_images += len(images)
         return expand(prompt, hashes, vision)
 
     def _check(self, images: tuple[ImageInput, ...], files: list[bytes]) -> list[bytes]:
@@ -179,7 +176,6 @@ class ImageAdmission:
         except BaseException:
             await asyncio.to_thread(self._remove, hashes)
             raise
-        self.num_cached_images += reply.num_cached
 
     def _remove(self, hashes: list[bytes]) -> None:
         for mm_hash in hashes:
