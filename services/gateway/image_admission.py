@@ -4,7 +4,8 @@ Per image: its bytes (inline, or fetched from an allowed host), checked whole (P
 a truncated or oversized file, or another format, is a 400 naming the part), stored in the media
 store under their sha256, then sent by hash to an encoder of the model, which writes the vision
 tower's output beside them. Each image slot the chat format wrote becomes the model's image
-token ``num_image_tokens`` times, and an ``ImageSpan`` says which image those positions hold.
+token ``num_image_tokens`` times (``libs/recipe/image_slots.py``), and an ``ImageSpan`` says which
+image those positions hold.
 
 Remote URLs are fetched only from the hosts of ``--image-url-hosts`` (none by default): a gateway
 that fetches any URL a client names can be made to probe its own network (SSRF).
@@ -17,7 +18,6 @@ import io
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -27,11 +27,11 @@ from libs.bus.base import Bus, NoResponders, RequestTimeout
 from libs.kvstore.media_store import MediaStore, image_hash
 from libs.protocol.codec import DecodeError, decode, encode
 from libs.protocol.media_messages import EncodeReply, EncodeRequest
-from libs.protocol.messages import ImageSpan
 from libs.protocol.subjects import Subjects
 from libs.recipe.api.common import UNSUPPORTED_INPUT
-from libs.recipe.conversation import IMAGE_SLOT, ImageInput
+from libs.recipe.conversation import ImageInput
 from libs.recipe.fields import ApiError
+from libs.recipe.image_slots import expand_image_slots
 from libs.recipe.template_format import Prompt
 from services.gateway.config import ImageLimits
 from services.gateway.served_model import VisionSpec
@@ -120,7 +120,7 @@ class ImageAdmission:
             hashes = await asyncio.to_thread(self._check, images, files)
         if encode_images:
             await self._encode(images, files, hashes, vision)
-        return expand(prompt, hashes, vision)
+        return expand_image_slots(prompt, hashes, vision.image_token_id, vision.num_image_tokens)
 
     def _check(self, images: tuple[ImageInput, ...], files: list[bytes]) -> list[bytes]:
         """Decode each file whole (a 400 for the first bad one); their hashes. CPU work."""
@@ -241,18 +241,3 @@ class ImageAdmission:
         if reply.num_tokens != (vision.num_image_tokens,) * len(images):
             why = f"encoder outputs of {reply.num_tokens} rows; the model takes {vision.num_image_tokens}"
             raise ApiError(502, why, type_="server_error")
-
-
-def expand(prompt: Prompt, hashes: list[bytes], vision: VisionSpec) -> Prompt:
-    """Each image slot as the model's image token, ``num_image_tokens`` times; the spans."""
-    token_ids: list[int] = []
-    spans: list[ImageSpan] = []
-    n = vision.num_image_tokens
-    for token_id in prompt.token_ids:
-        if token_id != IMAGE_SLOT:
-            token_ids.append(token_id)
-            continue
-        spans.append(ImageSpan(hashes[len(spans)], len(token_ids), n))
-        token_ids += [vision.image_token_id] * n
-    assert len(spans) == len(hashes), "a chat format returned images without their slots"
-    return replace(prompt, token_ids=token_ids, images=(), image_spans=tuple(spans))
