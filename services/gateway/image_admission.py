@@ -187,16 +187,10 @@ class ImageAdmission:
         otherwise wait out the timeout (an encoder is found dead by its heartbeat, in seconds)."""
         deadline = time.monotonic() + self.limits.encode_timeout_s
         try:
-            for attempt in range(2):
-                if attempt:
-                    await self._an_encoder_live(deadline)  # the dead one's replacement, say
-                timeout_s = max(deadline - time.monotonic(), 0.001)
-                request = encode(EncodeRequest(vision.fingerprint, tuple(hashes), timeout_s))
-                send = self.bus.request(self.subjects.encode(vision.fingerprint), request, timeout_s)
-                data = await send if attempt else await self._unless_an_encoder_dies(send)
-                if data is not None:
-                    return decode(EncodeReply, data)
-            raise RequestTimeout(self.subjects.encode(vision.fingerprint))
+            data = await self._unless_an_encoder_dies(self._send(hashes, vision, deadline))
+            if data is None:
+                data = await self._send_when_one_listens(hashes, vision, deadline)
+            return decode(EncodeReply, data)
         except (NoResponders, RequestTimeout) as exc:
             why = "no image encoder is serving this model" if isinstance(exc, NoResponders) else "timed out"
             raise ApiError(503, f"images: {why}", code="no_encoders", type_="server_error") from None
@@ -205,10 +199,21 @@ class ImageAdmission:
                 502, f"the image encoder's reply is unreadable: {exc}", type_="server_error"
             ) from None
 
-    async def _an_encoder_live(self, deadline: float) -> None:
-        """Until the members view holds a live encoder, or ``deadline``."""
-        while self.live_encoders is not None and not self.live_encoders() and time.monotonic() < deadline:
-            await asyncio.sleep(DEATH_POLL_S)
+    async def _send(self, hashes: list[bytes], vision: VisionSpec, deadline: float) -> bytes:
+        timeout_s = max(deadline - time.monotonic(), 0.001)
+        request = encode(EncodeRequest(vision.fingerprint, tuple(hashes), timeout_s))
+        return await self.bus.request(self.subjects.encode(vision.fingerprint), request, timeout_s)
+
+    async def _send_when_one_listens(self, hashes: list[bytes], vision: VisionSpec, deadline: float) -> bytes:
+        """Send again, as soon as an encoder listens (the dead one's replacement may still be
+        starting: the members view can show it, or show the dead one a while, before it listens)."""
+        while True:
+            try:
+                return await self._send(hashes, vision, deadline)
+            except NoResponders:
+                if time.monotonic() + DEATH_POLL_S >= deadline:
+                    raise
+                await asyncio.sleep(DEATH_POLL_S)
 
     async def _unless_an_encoder_dies(self, send: Coroutine[Any, Any, bytes]) -> bytes | None:
         """``send``'s reply, or None (the request abandoned) once an encoder live at the start dies."""

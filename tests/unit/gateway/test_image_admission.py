@@ -215,8 +215,8 @@ def test_a_request_held_by_an_encoder_that_dies_is_sent_again(tmp_path: Path) ->
         assert not pending.done()
         await dead.unsubscribe()
         live.clear()  # its heartbeat stopped: the members view no longer holds it
-        live.add("encoder-2")
-        await encoder(bus)  # its replacement
+        await asyncio.sleep(1.0)  # asked again at once: nobody listens yet
+        await encoder(bus)  # its replacement, up
         out = await asyncio.wait_for(pending, 5)  # well within the 60 s the dead one would cost
         assert len(out.image_spans) == 1
 
