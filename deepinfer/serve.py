@@ -47,7 +47,7 @@ from deepinfer.supervisor import (
     wait_exited,
 )
 from libs.bus.nats_server import EmbeddedNatsServer
-from libs.modelfiles.registry import VISION_ARCHITECTURES, model_architecture, resolve_model_path
+from libs.modelfiles.registry import is_vision_model, resolve_model_path
 from libs.runtime.logs import setup_logging
 from libs.runtime.metrics_server import start_metrics_server
 from libs.runtime.settings import add_config_args, build_config
@@ -74,8 +74,7 @@ SERVICE_CONFIGS: dict[str, type] = {
 
 def vision_model(spec: str) -> bool:
     """Whether the model takes images (then serve starts an encoder for it)."""
-    path = resolve_model_path(spec)
-    return path.is_dir() and model_architecture(path) in VISION_ARCHITECTURES
+    return is_vision_model(resolve_model_path(spec))
 
 
 @dataclass(frozen=True, slots=True)

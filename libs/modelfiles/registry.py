@@ -79,6 +79,12 @@ def read_hf_shape(directory: Path) -> tuple[int, int]:
         raise ValueError(f"{config_path}: no usable max_position_embeddings / vocab_size ({e})") from None
 
 
+def is_vision_model(path: Path) -> bool:
+    """Whether a resolved model is a vision-language checkpoint (a worker runs its language model,
+    an encoder its vision tower)."""
+    return path.is_dir() and model_architecture(path) in VISION_ARCHITECTURES
+
+
 def model_architecture(path: Path) -> str:
     """The architecture a model file names: GGUF ``general.architecture`` ("llama"), or the first
     of config.json's ``architectures`` ("DeepseekV3ForCausalLM"). No torch, header reads only."""

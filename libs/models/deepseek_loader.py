@@ -24,6 +24,7 @@ from libs.models.fp8 import quantize_fp8_block
 from libs.models.hf_checkpoint import (
     INDEX_FILE,
     CheckpointError,
+    check_state,
     read_checkpoint,
     read_hf_config,
 )
@@ -116,9 +117,9 @@ def load_deepseek_v3(
         model = DeepseekV3ForCausalLM(config, dtype=dtype)
     expected = model.state_dict()
     # The whole checkpoint is checked from its headers first: a bad one reads no weights.
-    _check(directory, _state_dict(directory, config, dtype, meta=True), expected)
+    check_state(directory, _state_dict(directory, config, dtype, meta=True), expected)
     state = _state_dict(directory, config, dtype, meta=False)
-    _check(directory, state, expected)
+    check_state(directory, state, expected)
     model.load_state_dict({n: t.to(device) for n, t in state.items()}, strict=True, assign=True)
     model.reset_rope_cache(device)
     model.eval()
@@ -142,20 +143,6 @@ def _state_dict(
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state
-
-
-def _check(directory: Path, state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
-    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{directory}: tensors missing {sorted(missing)[:5]} ({len(missing)}), "
-            f"unexpected {sorted(unexpected)[:5]} ({len(unexpected)})"
-        )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise CheckpointError(
-                f"{directory}: {name}: shape {list(tensor.shape)}, config says {list(expected[name].shape)}"
-            )
 
 
 def config_of(directory: Path) -> DeepseekV3Config:

@@ -159,3 +159,19 @@ def _dequantize(
     if why is not None:
         raise CheckpointError(f"{path}: {name!r}: {why}")
     return dequantize_fp8_block(weight, scale, block, dtype)
+
+
+def check_state(directory: Path, state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    """CheckpointError unless ``state`` has exactly ``expected``'s names and shapes (a model's
+    state dict, on the meta device or not)."""
+    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{directory}: tensors missing {sorted(missing)[:5]} ({len(missing)}), "
+            f"unexpected {sorted(unexpected)[:5]} ({len(unexpected)})"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{directory}: {name}: shape {list(tensor.shape)}, config says {list(expected[name].shape)}"
+            )

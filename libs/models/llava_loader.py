@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from libs.modelfiles.llama_config import LlamaConfig
 from libs.modelfiles.llava_config import LlavaConfig, read_llava_config
-from libs.models.hf_checkpoint import CheckpointError, read_checkpoint
+from libs.models.hf_checkpoint import CheckpointError, check_state, read_checkpoint
 from libs.models.llama import LlamaForCausalLM
 from libs.models.llava import VisionTower
 
@@ -70,7 +70,7 @@ def load_llava_vision(
     with torch.device("meta"):
         model = VisionTower(config, dtype=dtype)
     # The whole checkpoint is checked from its headers first: a bad one reads no weights.
-    _check(directory, _vision_state(directory, config, dtype, meta=True), model)
+    check_state(directory, _vision_state(directory, config, dtype, meta=True), model.state_dict())
     state = _vision_state(directory, config, dtype, meta=False)
     return _assign(model, state, device)
 
@@ -84,7 +84,7 @@ def load_llava_language(
     config = config_of(directory).text
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype=dtype)
-    _check(directory, _language_state(directory, config, dtype, meta=True), model)
+    check_state(directory, _language_state(directory, config, dtype, meta=True), model.state_dict())
     state = _language_state(directory, config, dtype, meta=False)
     llama = _assign(model, state, device)
     llama.reset_rope_cache(device)
@@ -201,18 +201,3 @@ def _take(
             f"{directory}: {prefix + name}: shape {list(tensor.shape)}, config says {list(shape)}"
         )
     return tensor
-
-
-def _check(directory: Path, state: dict[str, Tensor], model: nn.Module) -> None:
-    expected = model.state_dict()
-    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{directory}: tensors missing {sorted(missing)[:5]} ({len(missing)}), "
-            f"unexpected {sorted(unexpected)[:5]} ({len(unexpected)})"
-        )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise CheckpointError(
-                f"{directory}: {name}: shape {list(tensor.shape)}, config says {list(expected[name].shape)}"
-            )

@@ -60,10 +60,13 @@ class EncoderCache:
         """It was used at ``when`` (here, or by another encoder: its file's time); kept in order."""
         entry = self._entries.pop(mm_hash)
         entry.used_at = max(entry.used_at, when)
-        # reinserted before the first entry used later than it
-        later = [h for h, e in self._entries.items() if e.used_at > entry.used_at]
+        # The entries used later than it are a suffix (the order is by use): they go after it. A
+        # use now (a hit, the common case) has none, and costs one step.
+        later = list(
+            itertools.takewhile(lambda h: self._entries[h].used_at > entry.used_at, reversed(self._entries))
+        )
         self._entries[mm_hash] = entry
-        for h in later:
+        for h in reversed(later):
             self._entries.move_to_end(h)
 
     def victims(self, now: float) -> list[bytes]:

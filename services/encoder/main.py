@@ -14,7 +14,7 @@ from libs.kvstore.media_store import MediaStore
 from libs.modelfiles.llava_config import read_llava_config
 from libs.modelfiles.registry import (
     VISION_ARCHITECTURES,
-    model_architecture,
+    is_vision_model,
     model_fingerprint,
     resolve_model_path,
 )
@@ -46,7 +46,7 @@ def device_and_dtype(config: Config) -> tuple[torch.device, torch.dtype]:
 
 def build_service(config: Config, bus: NatsBus, cache_dir: str) -> EncoderService:
     path = resolve_model_path(config.model)
-    if not path.is_dir() or model_architecture(path) not in VISION_ARCHITECTURES:
+    if not is_vision_model(path):
         raise ValueError(f"model {config.model!r}: not a vision-language checkpoint {VISION_ARCHITECTURES}")
     device, dtype = device_and_dtype(config)
     llava = read_llava_config(path)

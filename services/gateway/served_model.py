@@ -12,8 +12,7 @@ from libs.grammar.sandbox import CompileLimits
 from libs.modelfiles.gguf_metadata import read_gguf_config
 from libs.modelfiles.llava_config import read_llava_config
 from libs.modelfiles.registry import (
-    VISION_ARCHITECTURES,
-    model_architecture,
+    is_vision_model,
     model_fingerprint,
     read_hf_shape,
     resolve_model_path,
@@ -44,7 +43,7 @@ class VisionSpec:
     @classmethod
     def of(cls, path: Path) -> VisionSpec | None:
         """A LLaVA-style checkpoint's, or None for a model that takes no images."""
-        if not path.is_dir() or model_architecture(path) not in VISION_ARCHITECTURES:
+        if not is_vision_model(path):
             return None
         config = read_llava_config(path)
         return cls(config.image_token_id, config.num_image_tokens, model_fingerprint(path))

@@ -17,7 +17,7 @@ from libs.kernels import cpu_ext
 from libs.kvstore.block_file import BlockLayout
 from libs.kvstore.kv_spec import KVSpec
 from libs.kvstore.media_store import MediaStore
-from libs.modelfiles.registry import model_fingerprint, resolve_model_path
+from libs.modelfiles.registry import is_vision_model, model_fingerprint, resolve_model_path
 from libs.models.deepseek_v3 import DeepseekV3ForCausalLM
 from libs.models.llama import LlamaForCausalLM
 from libs.models.sharding import Shard
@@ -39,7 +39,6 @@ from services.worker.kv_cache import element_size
 from services.worker.kv_store import KVStore, dtype_name, kv_fingerprint
 from services.worker.kv_tiers import KVTiers
 from services.worker.model_loading import (
-    is_vision_model,
     load_model,
     resolve_device,
     resolve_dtype,

@@ -81,10 +81,6 @@ def resolve_format(
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
-def is_vision_model(path: Path) -> bool:
-    return path.is_dir() and model_architecture(path) in VISION_ARCHITECTURES
-
-
 def load_model(
     path: Path,
     cache_dir: Path,
